@@ -1,0 +1,36 @@
+# `make demo` and `make test` set everything up on a fresh machine (see README).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.edgetl-installed
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo clean data
+
+setup: $(STAMP) data
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[export,test]'
+	touch $(STAMP)
+
+# Real offline data for tests and the demo (Debian package, needs root).
+data:
+	@if [ ! -f $(FMNIST) ]; then \
+	  if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q dataset-fashion-mnist || (apt-get update -q && apt-get install -y -q dataset-fashion-mnist)) >/dev/null; \
+	  else \
+	    echo "note: Fashion-MNIST not found; as root run: apt-get install dataset-fashion-mnist (tests that need it will skip)"; \
+	  fi; \
+	fi
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/edgetl demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,66 @@
+"""Command line: ``edgetl STAGE ...`` parses flags and calls the same function a Python user calls.
+
+Each stage lives in its own module here with ``add_parser(subparsers)`` and
+``run(args) -> int``. Only this package prints. User errors (EdgetlError, bad flags)
+end in one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from edgetl import __version__
+from edgetl.errors import EdgetlError
+
+# Stage modules in pipeline order; each is edgetl/cli/<name>.py.
+COMMANDS = ("profile",)
+
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``edgetl NAME: error: ...``) with exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="edgetl",
+        description="Fine-tune a pretrained vision model on an NVIDIA Jetson inside a hard memory budget.",
+    )
+    parser.add_argument("--version", action="version", version=f"edgetl {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    for name in COMMANDS:
+        importlib.import_module(f"edgetl.cli.{name}").add_parser(sub)
+    return parser
+
+
+def fail(message: str) -> int:
+    """Print a one-line user error and return the usage exit code."""
+    print(f"edgetl: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.run(args) or 0)
+    except EdgetlError as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        print("edgetl: interrupted", file=sys.stderr)
+        return 130

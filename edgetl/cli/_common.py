@@ -1,0 +1,58 @@
+"""Shared CLI helpers: argument types that reject bad values in one line, and table printing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from edgetl.memory.report import MB, MIB
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; allowed: an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: an integer >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a number > 0") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: a number > 0")
+    return value
+
+
+def writable_file(text: str) -> Path:
+    """An output file path whose folder exists and is writable (checked before any work)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
+    parent = path.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: folder {parent} is not writable")
+    return path
+
+
+def fmt_mb(n_bytes: float | None, unit: str = "MB") -> str:
+    if n_bytes is None:
+        return "-"
+    return f"{n_bytes / (MIB if unit == 'MiB' else MB):.2f}"
+
+
+def print_table(headers: list[str], rows: list[list[str]], title: str | None = None) -> None:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    if title:
+        print(title)
+    print("  ".join(str(h).rjust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))

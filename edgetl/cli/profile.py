@@ -1,0 +1,89 @@
+"""``edgetl profile``: per-block activation memory of fine-tuning MobileNetV2."""
+
+from __future__ import annotations
+
+import argparse
+
+from edgetl.cli._common import fmt_mb, positive_float, positive_int, print_table, writable_file
+from edgetl.memory.report import MemoryReport
+from edgetl.models.side import TRAIN_MODES
+from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, plot_profile, profile
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="per-block temporary / cumulative-gradient memory of a fine-tuning configuration",
+        description=(
+            "Profile the activation memory of fine-tuning MobileNetV2. 'paper' accounting is the "
+            "TinyTL/Rep-Net memory model the papers use; 'runtime' is what edgetl's runtime "
+            "really holds. --measure runs real training steps and reports the measured peak. "
+            "Per-block figures are for one image; totals for the batch. MB = 10^6 bytes."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--mode", choices=TRAIN_MODES, default="repnet", help="what trains")
+    p.add_argument("--accounting", choices=ACCOUNTINGS, default="paper")
+    p.add_argument("--resolution", type=positive_int, default=224, help="input size in pixels")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--num-classes", type=positive_int, default=1000)
+    p.add_argument("--width", type=positive_float, default=1.0, help="MobileNetV2 width multiplier")
+    p.add_argument("--frozen-bits", type=int, choices=FROZEN_BITS, default=8,
+                   help="storage of frozen weights (paper accounting)")
+    p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune)")
+    p.add_argument("--measure", action="store_true",
+                   help="also run real training steps (forward, backward, Adam) and measure the peak")
+    p.add_argument("--device", default="cpu", help="device for --measure")
+    p.add_argument("--json", type=writable_file, metavar="PATH", help="save the report as JSON")
+    p.add_argument("--plot", type=writable_file, metavar="PATH", help="save a per-block PNG chart")
+    p.set_defaults(run=run)
+
+
+def print_report(report: MemoryReport) -> None:
+    rows = []
+    peak_block = max(report.blocks, key=lambda b: b.peak_bytes).index
+    for b in report.blocks:
+        mark = ("*" if b.index in report.sensitive_blocks else "") + ("<peak" if b.index == peak_block else "")
+        rows.append([b.name, fmt_mb(b.tmp_bytes), fmt_mb(b.cugrd_bytes), fmt_mb(b.peak_bytes), mark])
+    print_table(
+        ["block", "temporary MB", "cum. grad MB", "peak MB", ""],
+        rows,
+        title=(f"{report.mode} | {report.accounting} accounting | {report.resolution} px | "
+               f"per image (MB = 10^6 B); * = sensitive"),
+    )
+    print()
+    lines = [("peak activation memory per image", report.peak_activation_bytes)]
+    lines += [(f"  {name}", value) for name, value in report.breakdown.items()]
+    lines.append((f"total at batch {report.batch_size}", report.total_bytes))
+    if report.measured_peak_bytes is not None:
+        lines.append(("measured peak (training steps)", report.measured_peak_bytes))
+    width = max(len(name) for name, _ in lines) + 2
+    for name, value in lines:
+        print(f"{name:<{width}}{fmt_mb(value):>9} MB  ({fmt_mb(value, 'MiB')} MiB)")
+    if report.measured_peak_bytes is not None:
+        diff = report.total_bytes / report.measured_peak_bytes - 1
+        print(f"prediction vs measured: {diff:+.1%}")
+    print(f"sensitive blocks: {', '.join(map(str, report.sensitive_blocks)) or 'none'}")
+
+
+def run(args) -> int:
+    report = profile(
+        mode=args.mode,
+        accounting=args.accounting,
+        resolution=args.resolution,
+        batch_size=args.batch_size,
+        num_classes=args.num_classes,
+        width=args.width,
+        frozen_bits=args.frozen_bits,
+        checkpoint=args.checkpoint,
+        measure=args.measure,
+        device=args.device,
+    )
+    print_report(report)
+    if args.json:
+        report.save_json(args.json)
+        print(f"saved {args.json}")
+    if args.plot:
+        plot_profile(report, args.plot)
+        print(f"saved {args.plot}")
+    return 0

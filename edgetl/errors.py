@@ -1,0 +1,21 @@
+"""User-facing errors: bad input that the CLI reports in one line with exit code 2."""
+
+
+class EdgetlError(Exception):
+    """Base for errors caused by the user's input or environment, not by a bug."""
+
+
+class ConfigError(EdgetlError, ValueError):
+    """A value, option or recipe key is not allowed; the message names it and what is allowed."""
+
+
+class DataError(EdgetlError):
+    """Data is missing or laid out wrongly."""
+
+
+class CapabilityError(EdgetlError):
+    """A requested feature is impossible here (no GPU, no TensorRT, ...)."""
+
+
+class BudgetError(EdgetlError):
+    """A configuration does not fit the memory budget."""

@@ -1,0 +1,186 @@
+"""Shape tracing: a network in, its leaf layers in execution order (with shapes) out.
+
+The forward pass runs on the meta device, so a 224 px MobileNetV2 traces in well under
+a second with no real compute. Each leaf records which block it belongs to (backbone
+block index, the side module attached to a tap block, or the head) so accountings can
+be summed per block.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
+
+KINDS = {
+    "conv": (nn.Conv1d, nn.Conv2d, nn.Conv3d),
+    "linear": (nn.Linear,),
+    "bn": (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm),
+    "relu": (nn.ReLU, nn.ReLU6, nn.LeakyReLU),
+    "smooth_act": (nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.SiLU, nn.GELU, nn.Hardsigmoid),
+}
+
+
+def leaf_kind(module: nn.Module) -> str:
+    """Accounting kind of a leaf module; "free" for layers that cost nothing (pool, dropout...)."""
+    for kind, types in KINDS.items():
+        if isinstance(module, types):
+            return kind
+    kind = getattr(module, "accounting_kind", None)
+    return kind if kind is not None else "free"
+
+
+@dataclass
+class Leaf:
+    """One leaf layer call, in execution order."""
+
+    name: str
+    kind: str
+    block: int
+    part: str  # "backbone", "side" or "head"
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    groups: int = 1
+    weight_trainable: bool = False
+    bias_trainable: bool = False
+    module: nn.Module | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def in_numel(self) -> int:
+        return _numel(self.in_shape)
+
+    @property
+    def out_numel(self) -> int:
+        return _numel(self.out_shape)
+
+
+@dataclass
+class BlockInfo:
+    index: int
+    name: str
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    has_skip: bool
+
+
+@dataclass
+class Trace:
+    leaves: list[Leaf]
+    blocks: list[BlockInfo]
+    input_shape: tuple[int, ...]
+    trainable_params: int
+    frozen_params: int
+
+    def block(self, index: int) -> BlockInfo:
+        for b in self.blocks:
+            if b.index == index:
+                return b
+        raise KeyError(index)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _first_tensor(args) -> torch.Tensor:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    raise TypeError("leaf called without a tensor input")
+
+
+def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
+    """Run ``net`` on a meta tensor and record its leaf layers in execution order.
+
+    The network is deep-copied to the meta device; ``net`` itself is not touched.
+    Trainability (requires_grad) is read from ``net``.
+    """
+    meta = copy.deepcopy(net).to("meta")
+    originals = dict(net.named_modules())
+    leaves: list[Leaf] = []
+    blocks: list[BlockInfo] = []
+    context: list[tuple[int, str]] = []
+    handles = []
+
+    def enter(index: int, part: str):
+        def hook(module, args):
+            context.append((index, part))
+
+        return hook
+
+    def leave(index: int, name: str, track: bool):
+        def hook(module, args, output):
+            context.pop()
+            if track:
+                x = _first_tensor(args)
+                blocks.append(
+                    BlockInfo(
+                        index=index,
+                        name=name,
+                        in_shape=tuple(x.shape),
+                        out_shape=tuple(output.shape),
+                        has_skip=bool(getattr(module, "use_res_connect", False)),
+                    )
+                )
+
+        return hook
+
+    def record(name: str):
+        def hook(module, args, output):
+            index, part = context[-1] if context else (HEAD_BLOCK, "head")
+            weight = getattr(module, "weight", None)
+            bias = getattr(module, "bias", None)
+            leaves.append(
+                Leaf(
+                    name=name,
+                    kind=leaf_kind(module),
+                    block=index,
+                    part=part,
+                    in_shape=tuple(_first_tensor(args).shape),
+                    out_shape=tuple(output.shape),
+                    groups=int(getattr(module, "groups", 1)),
+                    weight_trainable=isinstance(weight, torch.Tensor) and weight.requires_grad,
+                    bias_trainable=isinstance(bias, torch.Tensor) and bias.requires_grad,
+                    module=originals[name],
+                )
+            )
+
+        return hook
+
+    for i, block in enumerate(meta.features):
+        handles.append(block.register_forward_pre_hook(enter(i, "backbone")))
+        handles.append(block.register_forward_hook(leave(i, f"features.{i}", True)))
+    if meta.side is not None:
+        for tap, module in zip(meta.side.taps, meta.side.blocks):
+            handles.append(module.register_forward_pre_hook(enter(tap, "side")))
+            handles.append(module.register_forward_hook(leave(tap, "side", False)))
+    for name, module in meta.named_modules():
+        if len(list(module.children())) == 0:
+            handles.append(module.register_forward_hook(record(name)))
+
+    x = torch.empty(batch_size, 3, resolution, resolution, device="meta")
+    try:
+        with torch.no_grad():
+            out = meta(x)
+    finally:
+        for h in handles:
+            h.remove()
+    blocks.append(
+        BlockInfo(
+            index=HEAD_BLOCK,
+            name="head",
+            in_shape=blocks[-1].out_shape,
+            out_shape=tuple(out.shape),
+            has_skip=False,
+        )
+    )
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
+    return Trace(leaves, blocks, tuple(x.shape), trainable, frozen)

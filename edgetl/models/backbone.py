@@ -1,0 +1,267 @@
+"""Backbone adapter: a BackboneSpec in, a torchvision MobileNetV2 (optionally pruned) out.
+
+Block i is ``features[i]`` of torchvision's ``mobilenet_v2``: 0 is the stem, 1..17 the
+inverted residual blocks, 18 the last 1x1 conv. The head (global pool, dropout, linear)
+is reported as block 19. A pruned network is rebuilt from its spec: the hidden
+(expanded) channel count of each pruned block; residual widths never change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchvision.models import mobilenet_v2
+
+from torchvision.models.mobilenetv2 import InvertedResidual
+
+from edgetl.errors import ConfigError, DataError
+
+HEAD_BLOCK = 19
+NUM_FEATURE_BLOCKS = 19
+ARCHS = ("mobilenet_v2",)
+
+
+@dataclass
+class BackboneSpec:
+    """Everything needed to rebuild a backbone: architecture, width, classes, hidden channels.
+
+    Attributes:
+        arch: only "mobilenet_v2" for now.
+        width: torchvision's width multiplier.
+        num_classes: outputs of the new linear classifier.
+        hidden: block index -> hidden (expanded) channel count, for pruned blocks only.
+        dropout: dropout before the classifier.
+    """
+
+    arch: str = "mobilenet_v2"
+    width: float = 1.0
+    num_classes: int = 1000
+    hidden: dict[int, int] = field(default_factory=dict)
+    dropout: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ConfigError(f"unknown backbone arch {self.arch!r}; allowed: {', '.join(ARCHS)}")
+        if not self.width > 0:
+            raise ConfigError(f"width must be > 0, got {self.width}")
+        if int(self.num_classes) < 1:
+            raise ConfigError(f"num_classes must be >= 1, got {self.num_classes}")
+        self.hidden = {int(k): int(v) for k, v in self.hidden.items()}
+        for block, channels in self.hidden.items():
+            if block not in prunable_blocks():
+                raise ConfigError(
+                    f"block {block} has no hidden channels to set; allowed blocks: 1..17"
+                )
+            if channels < 1:
+                raise ConfigError(f"block {block}: hidden channels must be >= 1, got {channels}")
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["hidden"] = {str(k): v for k, v in sorted(self.hidden.items())}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BackboneSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown backbone spec keys: {sorted(unknown)}; allowed: {sorted(known)}")
+        data = dict(data)
+        data["hidden"] = {int(k): int(v) for k, v in data.get("hidden", {}).items()}
+        return cls(**data)
+
+
+def prunable_blocks() -> range:
+    """Blocks whose hidden channels can be pruned: 1 (the stem's output) to 17."""
+    return range(1, 18)
+
+
+class EdgeNet(nn.Module):
+    """MobileNetV2 features, an optional side network, and the classification head.
+
+    Every operation that costs memory is a module, so tracing and accounting see it.
+    The side module of tap block i runs right after block i, on block i's input (the
+    image for the first tap), and its output is added to block i's output.
+    """
+
+    def __init__(self, features: nn.Sequential, classifier: nn.Sequential, spec: BackboneSpec):
+        super().__init__()
+        self.spec = spec
+        self.features = features
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = classifier
+        self.side: nn.Module | None = None
+
+    def attach_side(self, side: nn.Module | None) -> None:
+        self.side = side
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = image
+        side = self.side
+        taps = side.taps if side is not None else ()
+        for i, block in enumerate(self.features):
+            if i in taps:
+                j = taps.index(i)
+                side_in = image if j == 0 else x
+                x = block(x)
+                x = x + side.blocks[j](side_in, x.shape[-2:])
+            else:
+                x = block(x)
+        x = self.pool(x)
+        x = torch.flatten(x, 1)
+        return self.classifier(x)
+
+
+def hidden_channels(net: EdgeNet | nn.Module, block: int) -> int:
+    """Hidden (expanded) channel count of a block of a built network."""
+    features = net.features
+    if block == 1:
+        return features[0][0].out_channels
+    if block in prunable_blocks():
+        return features[block].conv[0][0].out_channels
+    raise ConfigError(f"block {block} has no hidden channels; allowed blocks: 1..17")
+
+
+def _conv_like(conv: nn.Conv2d, in_channels: int, out_channels: int, groups: int) -> nn.Conv2d:
+    return nn.Conv2d(
+        in_channels,
+        out_channels,
+        conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=groups,
+        bias=conv.bias is not None,
+        device=conv.weight.device,
+        dtype=conv.weight.dtype,
+    )
+
+
+def _bn_like(bn: nn.BatchNorm2d, channels: int) -> nn.BatchNorm2d:
+    return nn.BatchNorm2d(
+        channels, eps=bn.eps, momentum=bn.momentum, device=bn.weight.device, dtype=bn.weight.dtype
+    )
+
+
+def _set_hidden(features: nn.Sequential, block: int, channels: int) -> None:
+    """Rebuild the layers that carry block ``block``'s hidden channels with ``channels``."""
+    if block == 1:
+        stem, first = features[0], features[1]
+        stem[0] = _conv_like(stem[0], stem[0].in_channels, channels, 1)
+        stem[1] = _bn_like(stem[1], channels)
+        dw, project = first.conv[0], first.conv[1]
+    else:
+        blk: InvertedResidual = features[block]
+        expand = blk.conv[0]
+        expand[0] = _conv_like(expand[0], expand[0].in_channels, channels, 1)
+        expand[1] = _bn_like(expand[1], channels)
+        dw, project = blk.conv[1], blk.conv[2]
+    dw[0] = _conv_like(dw[0], channels, channels, channels)
+    dw[1] = _bn_like(dw[1], channels)
+    if block == 1:
+        features[1].conv[1] = _conv_like(project, channels, project.out_channels, 1)
+    else:
+        features[block].conv[2] = _conv_like(project, channels, project.out_channels, 1)
+
+
+def build_backbone(spec: BackboneSpec, device: torch.device | str | None = None) -> EdgeNet:
+    """Build the (optionally pruned) backbone with random weights.
+
+    Args:
+        spec: architecture, width, classes and hidden channel counts.
+        device: where to allocate; "meta" builds shapes only (used by the profiler).
+    """
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        tv = mobilenet_v2(width_mult=spec.width, num_classes=spec.num_classes, dropout=spec.dropout)
+        for block, channels in sorted(spec.hidden.items()):
+            _set_hidden(tv.features, block, channels)
+    return EdgeNet(tv.features, tv.classifier, spec)
+
+
+def block_strides(net: EdgeNet) -> list[int]:
+    """Cumulative spatial stride at the output of each feature block."""
+    strides, total = [], 1
+    for block in net.features:
+        for m in block.modules():
+            if isinstance(m, nn.Conv2d):
+                total *= m.stride[0]
+        strides.append(total)
+    return strides
+
+
+def block_out_channels(net: EdgeNet) -> list[int]:
+    out = []
+    for block in net.features:
+        convs = [m for m in block.modules() if isinstance(m, nn.Conv2d)]
+        out.append(convs[-1].out_channels)
+    return out
+
+
+BACKBONE_FORMAT = "edgetl-backbone/1"
+SPEC_FILE = "backbone.json"
+WEIGHTS_FILE = "backbone.pt"
+
+
+def backbone_state_dict(net: EdgeNet) -> dict[str, torch.Tensor]:
+    """The backbone's weights (features + classifier), without any side network."""
+    return {k: v for k, v in net.state_dict().items() if not k.startswith("side.")}
+
+
+def save_backbone(folder: str | Path, net: EdgeNet, info: dict | None = None) -> None:
+    """Write a backbone folder: ``backbone.json`` (format, spec, info) and a plain state_dict.
+
+    The folder must exist (callers build it with ``edgetl.io.atomic_directory``).
+    """
+    from edgetl.io import atomic_text_json, atomic_torch_save
+
+    folder = Path(folder)
+    atomic_torch_save(backbone_state_dict(net), folder / WEIGHTS_FILE)
+    atomic_text_json(folder / SPEC_FILE, {"format": BACKBONE_FORMAT, "spec": net.spec.to_dict(), **(info or {})})
+
+
+def read_backbone_info(folder: str | Path) -> dict:
+    """Read and check a backbone folder's ``backbone.json``; the spec is under "spec"."""
+    folder = Path(folder)
+    path = folder / SPEC_FILE
+    if not folder.is_dir():
+        raise DataError(f"backbone folder {folder} does not exist")
+    if not path.is_file():
+        raise DataError(f"{folder} is not an edgetl backbone folder: {SPEC_FILE} is missing")
+    try:
+        info = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} is corrupted: {exc}") from None
+    if not isinstance(info, dict) or info.get("format") != BACKBONE_FORMAT:
+        raise DataError(f"{path} is not an edgetl backbone description (format {BACKBONE_FORMAT})")
+    return info
+
+
+def read_backbone_spec(folder: str | Path) -> BackboneSpec:
+    return BackboneSpec.from_dict(read_backbone_info(folder)["spec"])
+
+
+def load_backbone(folder: str | Path, device: torch.device | str | None = None) -> EdgeNet:
+    """Rebuild a saved (optionally pruned) backbone from its spec and load its weights.
+
+    Weights load with ``weights_only=True``: a backbone folder never executes code.
+    """
+    spec = read_backbone_spec(folder)
+    net = build_backbone(spec, device=device)
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.is_file():
+        raise DataError(f"{folder} has no weights file {WEIGHTS_FILE}")
+    try:
+        state = torch.load(path, map_location=device or "cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a damaged file
+        raise DataError(f"{path} is corrupted or not a state_dict: {str(exc).splitlines()[0]}") from None
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as exc:
+        raise DataError(f"{path} does not match {SPEC_FILE}: {str(exc).splitlines()[1:2]}") from None
+    return net

@@ -1,0 +1,147 @@
+"""Rep-Net side network (DESIGN 3): a backbone in, side modules attached at its tap blocks out.
+
+Side module j reads the input of tap block j (module 0 reads the image, 4x4 average
+pooled), and its output is added to the output of tap block j. Module: AvgPool 2x2 ->
+conv k x k (groups 2, 1 for module 0) -> BN -> ReLU -> conv 1x1 -> BN (gamma 0, so the
+untrained network equals the backbone) -> bilinear resize to the tap block's output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgetl.errors import ConfigError
+from edgetl.models.backbone import EdgeNet, block_out_channels, block_strides
+
+TAPS = (2, 4, 7, 11, 14, 17)
+IMAGE_POOL = 4
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return int(math.ceil(value / multiple) * multiple)
+
+
+class Resize(nn.Module):
+    """Bilinear resize to a size given at call time (the tap block's output size)."""
+
+    def forward(self, x: torch.Tensor, size) -> torch.Tensor:
+        if tuple(x.shape[-2:]) == tuple(size):
+            return x
+        return F.interpolate(x, size=tuple(size), mode="bilinear", align_corners=False)
+
+
+class SideModule(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        groups: int,
+        image_pool: int = 1,
+    ):
+        super().__init__()
+        mid = _round_up(in_channels, 8)
+        self.in_channels, self.mid_channels, self.out_channels = in_channels, mid, out_channels
+        self.pre_pool = nn.AvgPool2d(image_pool) if image_pool > 1 else None
+        self.pool = nn.AvgPool2d(2)
+        self.conv1 = nn.Conv2d(
+            in_channels, mid, kernel_size, padding=kernel_size // 2, groups=groups, bias=False
+        )
+        self.bn1 = nn.BatchNorm2d(mid)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(mid, out_channels, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        nn.init.zeros_(self.bn2.weight)
+        self.resize = Resize()
+
+    def forward(self, x: torch.Tensor, size) -> torch.Tensor:
+        if self.pre_pool is not None:
+            x = self.pre_pool(x)
+        x = self.pool(x)
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.bn2(self.conv2(x))
+        return self.resize(x, size)
+
+
+class SideNetwork(nn.Module):
+    """The side modules, one per tap block; ``taps`` says where each attaches."""
+
+    def __init__(self, blocks: list[SideModule], taps: tuple[int, ...]):
+        super().__init__()
+        self.taps = tuple(taps)
+        self.blocks = nn.ModuleList(blocks)
+
+
+def build_side_network(net: EdgeNet, taps: tuple[int, ...] = TAPS) -> SideNetwork:
+    """Build a Rep-Net side network sized for ``net`` (any width, pruned or not).
+
+    The conv kernel is 5, or 3 where the tap block's input is at stride 32 (7x7 at
+    224 px): with that, MobileNetV2 1.0 has about 380 k side parameters (DESIGN 3).
+    """
+    outs = block_out_channels(net)
+    strides = block_strides(net)
+    device = next(net.parameters()).device
+    blocks = []
+    for j, tap in enumerate(taps):
+        if not 1 <= tap < len(outs):
+            raise ConfigError(f"tap block {tap} out of range 1..{len(outs) - 1}")
+        if j == 0:
+            in_ch, groups, in_stride = 3, 1, IMAGE_POOL
+        else:
+            in_ch, groups, in_stride = outs[tap - 1], 2, strides[tap - 1]
+        kernel = 3 if in_stride >= 32 else 5
+        with torch.device(device):
+            blocks.append(
+                SideModule(in_ch, outs[tap], kernel, groups, image_pool=IMAGE_POOL if j == 0 else 1)
+            )
+    return SideNetwork(blocks, taps)
+
+
+TRAIN_MODES = ("full", "last", "bias", "bn+last", "repnet", "repnet+bias")
+
+
+def set_trainable(net: EdgeNet, mode: str) -> None:
+    """Mark which parameters train, by fine-tuning mode.
+
+    full: everything; last: the classifier; bias: backbone BN betas (MobileNetV2 convs have
+    no bias) + classifier (TinyTL-B); bn+last: backbone BN gammas and betas + classifier;
+    repnet: side network + classifier; repnet+bias: repnet + backbone BN betas.
+    """
+    if mode not in TRAIN_MODES:
+        raise ConfigError(f"unknown mode {mode!r}; allowed: {', '.join(TRAIN_MODES)}")
+    if mode.startswith("repnet") and net.side is None:
+        raise ConfigError(f"mode {mode!r} needs a side network; attach one first")
+    for p in net.parameters():
+        p.requires_grad_(mode == "full")
+    if mode == "full":
+        return
+    for p in net.classifier.parameters():
+        p.requires_grad_(True)
+    if mode.startswith("repnet"):
+        for p in net.side.parameters():
+            p.requires_grad_(True)
+    for m in net.features.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            if mode in ("bias", "bn+last", "repnet+bias"):
+                m.bias.requires_grad_(True)
+            if mode == "bn+last":
+                m.weight.requires_grad_(True)
+
+
+def build_network(
+    spec,
+    mode: str = "repnet",
+    device: torch.device | str | None = None,
+) -> EdgeNet:
+    """Backbone from ``spec`` + side network when the mode needs one, trainability set."""
+    from edgetl.models.backbone import build_backbone
+
+    net = build_backbone(spec, device=device)
+    if mode.startswith("repnet"):
+        net.attach_side(build_side_network(net))
+    set_trainable(net, mode)
+    return net

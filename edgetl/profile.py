@@ -1,0 +1,181 @@
+"""Profile stage: a network configuration in, a MemoryReport (per block and totals) out.
+
+``paper`` accounting is the TinyTL/Rep-Net model of DESIGN 2a; ``runtime`` is what the
+edgetl runtime really holds (DESIGN 2b); ``measure=True`` adds the peak measured over
+real training steps (DESIGN 2c).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import torch
+
+from edgetl.errors import ConfigError
+from edgetl.memory.paper import paper_blocks, param_bytes, sensitive
+from edgetl.memory.report import MB, MemoryReport
+from edgetl.memory.trace import trace_network
+from edgetl.models.backbone import BackboneSpec, EdgeNet, read_backbone_spec
+from edgetl.models.side import TRAIN_MODES, build_network
+
+log = logging.getLogger(__name__)
+
+ACCOUNTINGS = ("paper", "runtime")
+FROZEN_BITS = (32, 16, 8)
+MIN_RESOLUTION = 32
+MIN_RESOLUTION_SIDE = 64  # the last side module pools a stride-32 map 2x2: needs >= 2x2
+
+
+def check_options(*, mode: str, accounting: str, resolution: int, batch_size: int,
+                  frozen_bits: int = 8) -> None:
+    """Raise ConfigError naming the first bad value and what is allowed."""
+    if mode not in TRAIN_MODES:
+        raise ConfigError(f"unknown mode {mode!r}; allowed: {', '.join(TRAIN_MODES)}")
+    if accounting not in ACCOUNTINGS:
+        raise ConfigError(f"unknown accounting {accounting!r}; allowed: {', '.join(ACCOUNTINGS)}")
+    low = MIN_RESOLUTION_SIDE if mode.startswith("repnet") else MIN_RESOLUTION
+    if not isinstance(resolution, int) or resolution < low:
+        raise ConfigError(f"resolution {resolution} is too small for mode {mode}; allowed: >= {low}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch size {batch_size} is not allowed; allowed: >= 1")
+    if frozen_bits not in FROZEN_BITS:
+        raise ConfigError(f"frozen bits {frozen_bits} not allowed; allowed: {FROZEN_BITS}")
+
+
+def resolve_spec(
+    *, checkpoint: str | Path | None = None, num_classes: int = 1000, width: float = 1.0
+) -> BackboneSpec:
+    """The backbone spec from a backbone folder, or a stock MobileNetV2 of ``width``.
+
+    ``num_classes`` always wins: fine-tuning replaces the classifier.
+    """
+    if checkpoint is not None:
+        spec = read_backbone_spec(checkpoint)
+        spec.num_classes = num_classes
+        return spec
+    return BackboneSpec(width=width, num_classes=num_classes)
+
+
+def paper_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
+                 frozen_bits: int = 8) -> MemoryReport:
+    """Paper accounting (DESIGN 2a) of a built network: per image, then batch total."""
+    trace = trace_network(net, resolution, batch_size=1)
+    blocks = paper_blocks(trace)
+    peak = max(b.peak_bytes for b in blocks)
+    par = param_bytes(trace, frozen_bits=frozen_bits)
+    return MemoryReport(
+        accounting="paper",
+        mode=mode,
+        resolution=resolution,
+        batch_size=batch_size,
+        num_classes=net.spec.num_classes,
+        blocks=blocks,
+        peak_activation_bytes=peak,
+        param_bytes=par,
+        total_bytes=batch_size * peak + par,
+        sensitive_blocks=sensitive(blocks),
+        breakdown={
+            "activations (batch x per-image peak)": batch_size * peak,
+            "trainable params (4 B each)": trace.trainable_params * 4,
+            f"frozen params ({frozen_bits}-bit)": trace.frozen_params * frozen_bits // 8,
+        },
+        backbone=net.spec.to_dict(),
+    )
+
+
+def profile(
+    *,
+    mode: str = "repnet",
+    accounting: str = "paper",
+    resolution: int = 224,
+    batch_size: int = 8,
+    num_classes: int = 1000,
+    width: float = 1.0,
+    frozen_bits: int = 8,
+    checkpoint: str | Path | None = None,
+    measure: bool = False,
+    device: str | torch.device = "cpu",
+    measure_steps: int = 3,
+) -> MemoryReport:
+    """Profile the activation memory of fine-tuning MobileNetV2 in ``mode``.
+
+    Args:
+        mode: which parameters train (see ``edgetl.models.side.TRAIN_MODES``).
+        accounting: "paper" (DESIGN 2a) or "runtime" (DESIGN 2b).
+        resolution: input side in pixels.
+        batch_size: images per training step.
+        num_classes: classifier outputs.
+        width: MobileNetV2 width multiplier (ignored with ``checkpoint``).
+        frozen_bits: storage of frozen weights in paper accounting.
+        checkpoint: a backbone folder (pruned or retrained) whose spec to profile.
+        measure: also run real training steps and record the measured peak.
+        device: where to measure.
+        measure_steps: training steps to measure over.
+    """
+    check_options(mode=mode, accounting=accounting, resolution=resolution,
+                  batch_size=batch_size, frozen_bits=frozen_bits)
+    spec = resolve_spec(checkpoint=checkpoint, num_classes=num_classes, width=width)
+    net = build_network(spec, mode, device="meta")
+    if accounting == "paper":
+        report = paper_report(net, mode=mode, resolution=resolution, batch_size=batch_size,
+                              frozen_bits=frozen_bits)
+    else:
+        from edgetl.memory.runtime import runtime_report
+
+        report = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size)
+    if measure:
+        from edgetl.memory.meter import measure_training_peak
+
+        real = build_network(spec, mode, device=device)
+        report.measured_peak_bytes = measure_training_peak(
+            real, resolution=resolution, batch_size=batch_size, steps=measure_steps
+        )
+        log.info("measured peak %.2f MB", report.measured_peak_bytes / MB)
+    return report
+
+
+def plot_profile(report: MemoryReport, path: str | Path) -> None:
+    """Save a PNG in the spirit of the paper's Figure 1.
+
+    Per block: temporary and cumulative gradient memory side by side, the peak marked,
+    sensitive blocks shaded.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from edgetl.io import atomic_write_bytes
+
+    idx = list(range(len(report.blocks)))
+    labels = [str(b.index) if b.name != "head" else "head" for b in report.blocks]
+    tmp = [b.tmp_bytes / MB for b in report.blocks]
+    cug = [b.cugrd_bytes / MB for b in report.blocks]
+    peak = [b.peak_bytes / MB for b in report.blocks]
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=120)
+    for i, b in enumerate(report.blocks):
+        if b.index in report.sensitive_blocks:
+            ax.axvspan(i - 0.5, i + 0.5, color="#f6d5d5", zorder=0)
+    ax.bar([i - 0.2 for i in idx], tmp, width=0.4, label="temporary (M_tmp)", color="#d9534f")
+    ax.bar([i + 0.2 for i in idx], cug, width=0.4, label="cumulative gradient (M_cugrd)", color="#337ab7")
+    ax.plot(idx, peak, "k.-", lw=1, label="peak while the block runs")
+    top = max(range(len(peak)), key=peak.__getitem__)
+    ax.annotate(f"peak {peak[top]:.2f} MB", (top, peak[top]), xytext=(8, 4),
+                textcoords="offset points")
+    ax.axhline(report.stored_bytes / MB, color="#337ab7", ls="--", lw=0.8)
+    ax.set_xticks(idx, labels)
+    ax.set_xlabel("block (features[i]); shaded: sensitive")
+    ax.set_ylabel("MB per image (10^6 B)")
+    ax.set_title(
+        f"MobileNetV2 {report.mode}, {report.accounting} accounting, {report.resolution} px: "
+        f"peak {report.peak_activation_bytes / MB:.2f} MB/image, "
+        f"total {report.total_bytes / MB:.1f} MB at batch {report.batch_size}"
+    )
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
