@@ -102,7 +102,8 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
     The network is deep-copied to the meta device; ``net`` itself is not touched.
     Trainability (requires_grad) is read from ``net``.
     """
-    meta = copy.deepcopy(net).to("meta")
+    # eval(): shapes are the same, and BN accepts 1x1 maps at batch 1
+    meta = copy.deepcopy(net).to("meta").eval()
     originals = dict(net.named_modules())
     leaves: list[Leaf] = []
     blocks: list[BlockInfo] = []
