@@ -30,7 +30,8 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/edgetl demo
+	mkdir -p runs/demo
+	$(VENV)/bin/edgetl profile --mode repnet --num-classes 102 --json runs/demo/profile.json --plot runs/demo/profile.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info
