@@ -1,0 +1,614 @@
+"""Export: a fine-tuning run folder in, an ONNX file (and optionally a TensorRT engine) plus sidecar JSON out.
+
+The exported network is the inference form of the run's EdgeNet: eval mode, every
+BatchNorm folded into the conv before it (backbone and Rep-Net side network), so the
+graph holds convs, ReLU6/ReLU, pools, adds, resizes and the classifier only. Metadata
+(labels, preprocessing, source run, recipe hash, builder settings) lives in a sidecar
+JSON beside each artifact (``model.onnx.json``, ``model.engine.json``); the engine file
+holds the serialized engine bytes and nothing else, so ``trtexec --loadEngine`` reads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError
+from edgetl.io import atomic_text_json, atomic_write_bytes
+from edgetl.models.backbone import BackboneSpec, EdgeNet
+
+log = logging.getLogger(__name__)
+
+RUN_MODEL_FILE = "model.json"
+CHECKPOINT_FILES = ("best.pt", "last.pt")
+SIDECAR_FORMAT = "edgetl-export/1"
+FORMATS = ("onnx", "engine")
+INPUT_NAME = "image"
+OUTPUT_NAME = "logits"
+# The legacy TorchScript-based exporter stops at opset 20 (torch 2.14 docs).
+LEGACY_MAX_OPSET = 20
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# Test-time resize of the reference recipe: shorter side to resolution / 0.875, centre crop.
+CROP_RATIO = 0.875
+PARITY_BATCHES = (1, 8)
+DEFAULT_WORKSPACE_BYTES = 1 << 30
+
+
+@dataclass
+class Preprocessing:
+    """How a deployed model wants its input: what a runner must do to an image file.
+
+    Attributes:
+        resolution: square input size in pixels (the crop).
+        resize: shorter side is resized to this (bilinear) before the centre crop.
+        mean: per-channel mean subtracted after scaling pixels to [0, 1] (RGB order).
+        std: per-channel standard deviation divided by after the mean.
+        channels: colour order of the input ("RGB"; grayscale images are converted).
+        layout: tensor layout of the input ("NCHW", float32).
+    """
+
+    resolution: int = 224
+    resize: int | None = None
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    channels: str = "RGB"
+    layout: str = "NCHW"
+
+    def __post_init__(self) -> None:
+        self.resolution = int(self.resolution)
+        if self.resolution < 8:
+            raise ConfigError(f"resolution must be >= 8 pixels, got {self.resolution}")
+        if self.resize is None:
+            self.resize = int(round(self.resolution / CROP_RATIO))
+        self.resize = int(self.resize)
+        if self.resize < self.resolution:
+            raise ConfigError(f"resize ({self.resize}) must be >= resolution ({self.resolution})")
+        self.mean = tuple(float(v) for v in self.mean)
+        self.std = tuple(float(v) for v in self.std)
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ConfigError("mean and std need 3 values each, std > 0")
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["mean"], data["std"] = list(self.mean), list(self.std)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Preprocessing":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown preprocessing keys: {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**data)
+
+
+@dataclass
+class RunModel:
+    """A fine-tuned network read back from a run folder, with what export needs to describe it."""
+
+    net: EdgeNet
+    spec: BackboneSpec
+    mode: str
+    labels: list[str]
+    recipe: dict
+    preprocessing: Preprocessing
+    run_dir: Path
+    checkpoint: Path
+
+    @property
+    def recipe_hash(self) -> str:
+        return recipe_hash(self.recipe)
+
+
+@dataclass
+class ExportResult:
+    """What an export produced, with the parity figures measured against PyTorch."""
+
+    onnx_path: Path
+    onnx_sidecar: Path
+    onnx_bytes: int
+    opset: int
+    exporter: str
+    export_seconds: float
+    parity_max_abs_diff: dict[int, float] = field(default_factory=dict)
+    parity_images: str = ""
+    engine_path: Path | None = None
+    engine_sidecar: Path | None = None
+    engine_bytes: int | None = None
+    engine_seconds: float | None = None
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max(self.parity_max_abs_diff.values(), default=float("nan"))
+
+
+def recipe_hash(recipe: dict) -> str:
+    """sha256 of the recipe as canonical JSON (sorted keys, no spaces)."""
+    text = json.dumps(recipe, sort_keys=True, separators=(",", ":"), default=str)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def load_run_model(run_dir: str | Path, device: torch.device | str = "cpu") -> RunModel:
+    """Rebuild the fine-tuned network of a run folder and load its best (else last) checkpoint.
+
+    Run-folder contract (what ``edgetl finetune`` writes):
+
+    - ``model.json``: a JSON object with
+        - ``"backbone"``: a ``BackboneSpec.to_dict()`` (arch, width, num_classes, hidden, dropout);
+        - ``"mode"``: the fine-tuning mode (``edgetl.models.side.TRAIN_MODES``); repnet modes
+          rebuild the Rep-Net side network;
+        - ``"labels"``: list of class names, ``len == backbone.num_classes``;
+        - ``"recipe"``: the resolved recipe (any JSON object; hashed into the export sidecar);
+        - optional ``"preprocessing"``: ``Preprocessing`` fields (resolution, resize, mean,
+          std); missing fields take the defaults (224 px, ImageNet mean/std, resize 256).
+    - ``best.pt`` or else ``last.pt``: a checkpoint dict saved with ``torch.save`` whose
+      ``"model"`` entry is the EdgeNet ``state_dict`` including ``side.*`` keys. Other entries
+      (optimizer, scheduler, epoch, ...) are ignored. It is loaded with ``weights_only=True``,
+      so it must hold only tensors and plain containers.
+
+    Args:
+        run_dir: the run folder.
+        device: where to build the network.
+
+    Raises:
+        DataError: the folder, ``model.json`` or a checkpoint is missing, damaged or inconsistent.
+        ConfigError: ``model.json`` names an unknown arch, mode or preprocessing key.
+    """
+    from edgetl.models.side import build_network
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise DataError(f"run folder {run_dir} does not exist")
+    info_path = run_dir / RUN_MODEL_FILE
+    if not info_path.is_file():
+        raise DataError(f"{run_dir} is not an edgetl run folder: {RUN_MODEL_FILE} is missing")
+    try:
+        info = json.loads(info_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{info_path} is corrupted: {exc}") from None
+    missing = [k for k in ("backbone", "mode", "labels", "recipe") if not isinstance(info, dict) or k not in info]
+    if missing:
+        raise DataError(f"{info_path} lacks {', '.join(missing)}")
+    spec = BackboneSpec.from_dict(info["backbone"])
+    labels = [str(label) for label in info["labels"]]
+    if len(labels) != spec.num_classes:
+        raise DataError(f"{info_path}: {len(labels)} labels for {spec.num_classes} classes")
+    preprocessing = Preprocessing.from_dict(info.get("preprocessing") or {})
+
+    checkpoint = next((run_dir / name for name in CHECKPOINT_FILES if (run_dir / name).is_file()), None)
+    if checkpoint is None:
+        raise DataError(f"{run_dir} has no checkpoint: expected {' or '.join(CHECKPOINT_FILES)}")
+    try:
+        ckpt = torch.load(checkpoint, map_location=device, weights_only=True)
+    except Exception as exc:  # torch raises many types for a damaged or unsafe file
+        raise DataError(f"{checkpoint} is corrupted or not a plain checkpoint: {str(exc).splitlines()[0]}") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
+        raise DataError(f"{checkpoint} has no 'model' state_dict entry")
+
+    net = build_network(spec, mode=info["mode"], device=device)
+    try:
+        net.load_state_dict(ckpt["model"])
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise DataError(f"{checkpoint} does not match {RUN_MODEL_FILE}: {detail}") from None
+    net.eval()
+    return RunModel(net, spec, info["mode"], labels, info["recipe"], preprocessing, run_dir, checkpoint)
+
+
+def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    return fuse_conv_bn_eval(conv.eval(), bn.eval())
+
+
+def _fold_sequential(seq: nn.Sequential) -> None:
+    names = list(seq._modules)
+    for a, b in zip(names, names[1:]):
+        conv, bn = seq._modules[a], seq._modules[b]
+        if isinstance(conv, nn.Conv2d) and isinstance(bn, nn.BatchNorm2d):
+            seq._modules[a] = _fold(conv, bn)
+            seq._modules[b] = nn.Identity()
+
+
+def merge_for_inference(net: EdgeNet) -> EdgeNet:
+    """A copy of ``net`` in eval mode with every BatchNorm folded into the conv before it.
+
+    Covers the backbone (Conv-BN pairs inside ``nn.Sequential`` containers, as torchvision
+    builds them) and the side network (conv1/bn1, conv2/bn2 of each SideModule). The result
+    computes what ``net.eval()`` computes, up to float rounding; ``net`` is not changed.
+
+    Raises:
+        ConfigError: a BatchNorm is left that does not follow a conv (it would run unfolded).
+    """
+    merged = copy.deepcopy(net).eval()
+    for module in list(merged.modules()):
+        if isinstance(module, nn.Sequential):
+            _fold_sequential(module)
+        if hasattr(module, "conv1") and isinstance(getattr(module, "bn1", None), nn.BatchNorm2d):
+            module.conv1, module.bn1 = _fold(module.conv1, module.bn1), nn.Identity()
+        if hasattr(module, "conv2") and isinstance(getattr(module, "bn2", None), nn.BatchNorm2d):
+            module.conv2, module.bn2 = _fold(module.conv2, module.bn2), nn.Identity()
+    left = [name for name, m in merged.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if left:
+        raise ConfigError(f"cannot fold BatchNorm layers that follow no conv: {left[:5]}")
+    for p in merged.parameters():
+        p.requires_grad_(False)
+    return merged
+
+
+def _onnx_modules():
+    try:
+        import onnx
+        import onnxruntime
+    except ImportError as exc:
+        raise CapabilityError(
+            f"ONNX export needs the 'onnx' and 'onnxruntime' packages ({exc.name} is missing); "
+            "install edgetl with the export extra: pip install 'edgetl[export]'"
+        ) from None
+    return onnx, onnxruntime
+
+
+def example_images(preprocessing: Preprocessing, count: int = max(PARITY_BATCHES), seed: int = 0) -> torch.Tensor:
+    """Seeded random images (uniform pixels), normalised as the preprocessing says.
+
+    Used for the parity check when no real images are given.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    res = preprocessing.resolution
+    pixels = torch.rand(count, 3, res, res, generator=gen)
+    mean = torch.tensor(preprocessing.mean).view(1, 3, 1, 1)
+    std = torch.tensor(preprocessing.std).view(1, 3, 1, 1)
+    return (pixels - mean) / std
+
+
+def onnx_parity(
+    onnx_path: str | Path, net: nn.Module, images: torch.Tensor, batches: tuple[int, ...] = PARITY_BATCHES
+) -> dict[int, float]:
+    """Max abs difference of onnxruntime (CPU) logits vs PyTorch's, per batch size.
+
+    Args:
+        onnx_path: the exported model.
+        net: the PyTorch network (eval mode) it came from.
+        images: preprocessed images, at least ``max(batches)`` of them.
+    """
+    _, ort = _onnx_modules()
+    if images.shape[0] < max(batches):
+        raise ConfigError(f"parity check needs {max(batches)} images, got {images.shape[0]}")
+    options = ort.SessionOptions()
+    # Small model, shared machines: one thread is enough and keeps the result deterministic.
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    input_name = session.get_inputs()[0].name
+    images = images.detach().to("cpu", torch.float32)
+    diffs = {}
+    with torch.no_grad():
+        for batch in batches:
+            x = images[:batch].contiguous()
+            expected = net(x.to(next(net.parameters()).device)).float().cpu().numpy()
+            got = session.run(None, {input_name: x.numpy()})[0]
+            if got.shape != expected.shape:
+                raise EdgetlError(f"ONNX output shape {got.shape} != PyTorch {expected.shape} at batch {batch}")
+            diffs[batch] = float(abs(got - expected).max())
+    return diffs
+
+
+def _export_graph(net, x, path: Path, *, opset, dynamic_batch: bool, dynamo: bool) -> None:
+    if dynamo:
+        try:
+            import onnxscript  # noqa: F401  (the dynamo exporter needs it)
+        except ImportError:
+            raise CapabilityError(
+                "torch's default (dynamo) ONNX exporter needs 'onnxscript': pip install onnxscript, "
+                f"or use the legacy exporter (dynamo=False, opset <= {LEGACY_MAX_OPSET})"
+            ) from None
+        dynamic_shapes = {"image": {0: torch.export.Dim("batch", min=1, max=4096)}} if dynamic_batch else None
+        program = torch.onnx.export(
+            net,
+            (x,),
+            dynamo=True,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            opset_version=opset,
+            dynamic_shapes=dynamic_shapes,
+            external_data=False,
+            verbose=False,
+        )
+        program.save(str(path), external_data=False)
+    else:
+        if opset is not None and opset > LEGACY_MAX_OPSET:
+            raise ConfigError(f"the legacy exporter (dynamo=False) supports opset <= {LEGACY_MAX_OPSET}, got {opset}")
+        dynamic_axes = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}} if dynamic_batch else None
+        torch.onnx.export(
+            net,
+            (x,),
+            str(path),
+            dynamo=False,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            opset_version=opset or 17,
+            dynamic_axes=dynamic_axes,
+            do_constant_folding=True,
+        )
+
+
+def export_onnx(
+    net: nn.Module,
+    path: str | Path,
+    *,
+    resolution: int,
+    opset: int | None = None,
+    dynamic_batch: bool = True,
+    dynamo: bool = True,
+    images: torch.Tensor | None = None,
+    preprocessing: Preprocessing | None = None,
+    labels: list[str] | None = None,
+    source: dict | None = None,
+) -> ExportResult:
+    """Export an (already merged, eval-mode) network to ONNX, check it, and measure parity.
+
+    Writes ``path`` and the sidecar ``path + ".json"`` (labels, preprocessing, input and
+    output names and shapes, opset, parity figures, and ``source``: run folder,
+    checkpoint, recipe hash). The ONNX file is written to a temporary name first and
+    renamed once ``onnx.checker`` accepts it.
+
+    Args:
+        net: the network to export (use ``merge_for_inference`` first).
+        path: output ``.onnx`` file.
+        resolution: square input size in pixels.
+        opset: ONNX opset; None takes the exporter's default.
+        dynamic_batch: give the input and output a symbolic batch axis.
+        dynamo: torch's default exporter (needs onnxscript); False is the legacy one.
+        images: preprocessed images (N >= 8, 3, resolution, resolution) for the parity
+            check; None uses seeded random images (``example_images``).
+        preprocessing: what a runner must do to an image; defaults from ``resolution``.
+        labels: class names, one per output.
+        source: provenance to record (run folder, checkpoint, recipe hash, ...).
+
+    Raises:
+        CapabilityError: onnx / onnxruntime / onnxscript missing.
+        EdgetlError: the exported graph fails the checker or gives a wrong shape.
+    """
+    onnx, _ = _onnx_modules()
+    path = Path(path)
+    preprocessing = preprocessing or Preprocessing(resolution=resolution)
+    if preprocessing.resolution != resolution:
+        raise ConfigError(f"resolution {resolution} != preprocessing.resolution {preprocessing.resolution}")
+    if images is None:
+        images, image_source = example_images(preprocessing), "seeded random pixels"
+    else:
+        image_source = "given images"
+    if tuple(images.shape[1:]) != (3, resolution, resolution):
+        raise ConfigError(f"parity images must be (N, 3, {resolution}, {resolution}), got {tuple(images.shape)}")
+    net = net.eval()
+    device = next(net.parameters()).device
+    x = images[:2].to(device, torch.float32)  # batch 2: a batch of 1 would be specialised away
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    start = time.perf_counter()
+    try:
+        _export_graph(net, x, tmp, opset=opset, dynamic_batch=dynamic_batch, dynamo=dynamo)
+        model = onnx.load(str(tmp))
+        try:
+            onnx.checker.check_model(model, full_check=True)
+        except onnx.checker.ValidationError as exc:
+            raise EdgetlError(f"exported ONNX graph fails onnx.checker: {str(exc).splitlines()[0]}") from None
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    seconds = time.perf_counter() - start
+    used_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), -1)
+    batches = PARITY_BATCHES if dynamic_batch else (x.shape[0],)
+    parity = onnx_parity(path, net, images, batches)
+    log.info("exported %s (opset %d) in %.1f s; parity %s", path, used_opset, seconds, parity)
+
+    num_outputs = int(net(x[:1]).shape[-1])
+    if labels is not None and len(labels) != num_outputs:
+        raise ConfigError(f"{len(labels)} labels for {num_outputs} outputs")
+    batch_dim = "batch" if dynamic_batch else int(x.shape[0])
+    sidecar = Path(str(path) + ".json")
+    atomic_text_json(sidecar, {
+        "format": SIDECAR_FORMAT,
+        "artifact": "onnx",
+        "file": path.name,
+        "input": {"name": INPUT_NAME, "shape": [batch_dim, 3, resolution, resolution], "dtype": "float32"},
+        "output": {"name": OUTPUT_NAME, "shape": [batch_dim, num_outputs], "dtype": "float32", "kind": "logits"},
+        "labels": list(labels) if labels is not None else [str(i) for i in range(num_outputs)],
+        "preprocessing": preprocessing.to_dict(),
+        "opset": used_opset,
+        "exporter": "dynamo" if dynamo else "legacy",
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "parity": {"max_abs_diff": {str(b): d for b, d in parity.items()}, "images": image_source,
+                   "reference": "PyTorch eval mode vs onnxruntime CPUExecutionProvider"},
+        "source": source or {},
+    })
+    return ExportResult(
+        onnx_path=path, onnx_sidecar=sidecar, onnx_bytes=path.stat().st_size, opset=used_opset,
+        exporter="dynamo" if dynamo else "legacy", export_seconds=seconds,
+        parity_max_abs_diff=parity, parity_images=image_source,
+    )
+
+
+def _import_tensorrt():
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise CapabilityError(
+            "building a TensorRT engine needs the 'tensorrt' Python package and an NVIDIA GPU; "
+            "it is not installed here. On a Jetson, JetPack ships it (apt: python3-libnvinfer); "
+            "or export ONNX here (--format onnx) and build on the device with trtexec (see deploy/README.md)"
+        ) from None
+    return trt
+
+
+def build_engine(
+    onnx_path: str | Path,
+    engine_path: str | Path,
+    *,
+    fp16: bool = False,
+    max_batch: int = 8,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+) -> dict:
+    """Build a serialized TensorRT 10 engine from an ONNX file with a dynamic batch axis.
+
+    The engine file holds only the serialized engine; its metadata (TensorRT version,
+    precision, batch range, input shape, GPU, ONNX sha256, and the ONNX sidecar's labels
+    and preprocessing) goes to ``engine_path + ".json"``. An engine only runs on the GPU
+    model and TensorRT version it was built with: build it on the target device.
+
+    Args:
+        onnx_path: an ONNX file from ``export_onnx`` (its sidecar is read when present).
+        engine_path: output engine file.
+        fp16: allow FP16 kernels.
+        max_batch: largest batch the optimization profile accepts (also its optimum).
+        workspace_bytes: builder workspace memory pool limit.
+
+    Returns:
+        The metadata written to the sidecar.
+
+    Raises:
+        CapabilityError: no tensorrt package, no usable GPU, or fp16 without fast fp16.
+        EdgetlError: the ONNX parser or the builder fails.
+    """
+    onnx_path, engine_path = Path(onnx_path), Path(engine_path)
+    if max_batch < 1:
+        raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+    if not onnx_path.is_file():
+        raise DataError(f"ONNX file {onnx_path} does not exist")
+    trt = _import_tensorrt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    try:
+        builder = trt.Builder(logger)
+    except Exception as exc:  # pybind raises TypeError/RuntimeError depending on version
+        builder, error = None, str(exc)
+    else:
+        error = ""
+    if builder is None:
+        raise CapabilityError(
+            "TensorRT cannot create a builder: no usable NVIDIA GPU here (CUDA initialization failure"
+            + (f": {error}" if error else "")
+            + "); build the engine on the Jetson or a CUDA machine"
+        )
+    network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EdgetlError(f"TensorRT cannot parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
+    if fp16:
+        if not builder.platform_has_fast_fp16:
+            raise CapabilityError("fp16 requested but this GPU has no fast FP16; build without --fp16")
+        config.set_flag(trt.BuilderFlag.FP16)
+    tensor = network.get_input(0)
+    shape = tuple(tensor.shape)
+    rest = shape[1:]
+    if any(d < 0 for d in rest):
+        raise EdgetlError(f"only the batch axis may be dynamic; {onnx_path} input shape is {shape}")
+    profile = builder.create_optimization_profile()
+    profile.set_shape(tensor.name, (1, *rest), (max_batch, *rest), (max_batch, *rest))
+    config.add_optimization_profile(profile)
+    start = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    seconds = time.perf_counter() - start
+    if serialized is None:
+        raise EdgetlError("TensorRT failed to build the engine (see the TensorRT log above)")
+    data = bytes(serialized)
+    engine_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(engine_path, data)
+
+    onnx_meta = {}
+    onnx_sidecar = Path(str(onnx_path) + ".json")
+    if onnx_sidecar.is_file():
+        onnx_meta = json.loads(onnx_sidecar.read_text())
+    gpu = None
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    meta = {
+        "format": SIDECAR_FORMAT,
+        "artifact": "tensorrt-engine",
+        "file": engine_path.name,
+        "tensorrt": trt.__version__,
+        "precision": "fp16" if fp16 else "fp32",
+        "batch": {"min": 1, "opt": max_batch, "max": max_batch},
+        "workspace_bytes": int(workspace_bytes),
+        "input": {"name": tensor.name, "shape": [-1, *rest], "dtype": "float32"},
+        "output": onnx_meta.get("output", {"name": network.get_output(0).name}),
+        "labels": onnx_meta.get("labels"),
+        "preprocessing": onnx_meta.get("preprocessing"),
+        "source": {**onnx_meta.get("source", {}), "onnx": onnx_path.name, "onnx_sha256": _sha256(onnx_path)},
+        "gpu": gpu,
+        "build_seconds": seconds,
+        "engine_bytes": len(data),
+    }
+    atomic_text_json(Path(str(engine_path) + ".json"), meta)
+    return meta
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export_run(
+    run_dir: str | Path,
+    *,
+    format: str = "onnx",
+    output: str | Path | None = None,
+    fp16: bool = False,
+    max_batch: int = 8,
+    opset: int | None = None,
+    dynamo: bool = True,
+    images: torch.Tensor | None = None,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+) -> ExportResult:
+    """Export a run folder's model: ONNX always, then a TensorRT engine for ``format="engine"``.
+
+    Args:
+        run_dir: a fine-tuning run folder (see ``load_run_model`` for its contract).
+        format: "onnx" or "engine".
+        output: the ONNX path (``format="onnx"``) or the engine path (``"engine"``; the
+            ONNX file goes beside it). Default: ``RUN/export/model.onnx`` / ``model.engine``.
+        fp16, max_batch, workspace_bytes: engine build settings (``build_engine``).
+        opset, dynamo: ONNX exporter settings (``export_onnx``).
+        images: preprocessed images for the parity check (None: seeded random).
+    """
+    if format not in FORMATS:
+        raise ConfigError(f"unknown export format {format!r}; allowed: {', '.join(FORMATS)}")
+    if fp16 and format != "engine":
+        raise ConfigError("fp16 applies to TensorRT engines only; use format='engine'")
+    if format == "engine":
+        _import_tensorrt()  # fail before the (slow) ONNX export, not after
+    run = load_run_model(run_dir)
+    out = Path(output) if output is not None else Path(run_dir) / "export" / f"model.{format}"
+    onnx_path = out if format == "onnx" else out.with_suffix(".onnx")
+    if format == "engine" and onnx_path == out:
+        raise ConfigError(f"engine path {out} must not end in .onnx")
+    net = merge_for_inference(run.net)
+    result = export_onnx(
+        net, onnx_path, resolution=run.preprocessing.resolution, opset=opset, dynamo=dynamo,
+        images=images, preprocessing=run.preprocessing, labels=run.labels,
+        source={"run": str(run.run_dir.resolve()), "checkpoint": run.checkpoint.name, "mode": run.mode,
+                "backbone": run.spec.to_dict(), "recipe_hash": run.recipe_hash},
+    )
+    if format == "engine":
+        start = time.perf_counter()
+        meta = build_engine(onnx_path, out, fp16=fp16, max_batch=max_batch, workspace_bytes=workspace_bytes)
+        result.engine_path, result.engine_sidecar = out, Path(str(out) + ".json")
+        result.engine_bytes, result.engine_seconds = meta["engine_bytes"], time.perf_counter() - start
+    return result
