@@ -1,0 +1,611 @@
+"""Data: a dataset location (ImageFolder or a preset) in, transformed datasets and loaders out.
+
+Layouts a user brings: ImageFolder ``root/{train,val}/<class>/*.jpg`` with an optional
+``root/labels.txt`` (one class a line, the line order is the label order, as
+jetson-inference writes it). Presets: fashion_mnist (IDX files, read from the Debian
+package location first), cifar10, flowers102, pets (torchvision; downloaded only when
+the user asks), cub200 (official CUB_200_2011 layout), imagenet (ImageFolder).
+
+Base datasets return ``(PIL image, int label)``. ``TransformedDataset`` applies the
+DESIGN 3 transforms; a training sample's augmentation is seeded by (seed, epoch,
+index), so the data a step sees does not depend on worker count or on where a run was
+resumed. ``ResumableSampler`` (a DistributedSampler) yields ``(index, epoch)`` keys and
+can start part-way through an epoch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import math
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from edgetl.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
+FASHION_MNIST_DIRS = ("/usr/share/datasets/fashion-mnist",)
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+)
+FASHION_MNIST_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+SPLITS = ("train", "val")
+
+
+# --- transforms (DESIGN 3) -------------------------------------------------------------
+
+
+def train_transform(resolution: int):
+    """RandomResizedCrop(scale 0.22-1) + horizontal flip + ImageNet normalisation."""
+    from torchvision import transforms as T
+
+    return T.Compose([
+        T.RandomResizedCrop(resolution, scale=(0.22, 1.0)),
+        T.RandomHorizontalFlip(),
+        T.ToTensor(),
+        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+def eval_transform(resolution: int):
+    """Resize the short side to resolution / 0.875, centre crop, ImageNet normalisation."""
+    from torchvision import transforms as T
+
+    return T.Compose([
+        T.Resize(int(math.floor(resolution / 0.875))),
+        T.CenterCrop(resolution),
+        T.ToTensor(),
+        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+# --- base datasets ---------------------------------------------------------------------
+
+
+class LabeledDataset(Dataset):
+    """Common interface: ``classes`` (names in label order) and ``targets`` (one int per sample)."""
+
+    classes: list[str]
+    targets: list[int]
+
+
+class FileListDataset(LabeledDataset):
+    """Images from a list of (path, label) pairs, loaded as RGB."""
+
+    def __init__(self, samples: list[tuple[Path, int]], classes: list[str]):
+        self.samples = samples
+        self.classes = list(classes)
+        self.targets = [label for _, label in samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as img:
+                return img.convert("RGB"), label
+        except OSError as exc:
+            raise DataError(f"cannot read image {path}: {exc}") from None
+
+
+class ArrayDataset(LabeledDataset):
+    """Gray uint8 images (N, H, W) replicated to 3 channels, with integer labels."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, classes: Sequence[str]):
+        self.images = images
+        self.targets = [int(y) for y in labels]
+        self.classes = list(classes)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int):
+        return Image.fromarray(self.images[index], mode="L").convert("RGB"), self.targets[index]
+
+
+class TorchvisionDataset(LabeledDataset):
+    """A torchvision dataset (built without transforms) with classes and targets exposed."""
+
+    def __init__(self, dataset, targets: list[int], classes: list[str]):
+        self.dataset = dataset
+        self.targets = [int(t) for t in targets]
+        self.classes = list(classes)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        img, _ = self.dataset[index]
+        return img.convert("RGB"), self.targets[index]
+
+
+class SubsetDataset(LabeledDataset):
+    """Some samples of a dataset, labels remapped (class subsets are relabelled 0..n-1)."""
+
+    def __init__(self, base: LabeledDataset, indices: list[int], label_map: dict[int, int], classes: list[str]):
+        self.base = base
+        self.indices = list(indices)
+        self.label_map = dict(label_map)
+        self.classes = list(classes)
+        self.targets = [self.label_map[base.targets[i]] for i in self.indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int):
+        img, label = self.base[self.indices[index]]
+        return img, self.label_map[label]
+
+
+class TransformedDataset(Dataset):
+    """Applies a transform; keys ``(index, epoch)`` seed the augmentation per sample.
+
+    torchvision's random transforms draw from torch's global generator; seeding it per
+    sample (inside ``fork_rng``, so the caller's generator is untouched) makes the
+    augmentation a function of (seed, epoch, index) only.
+    """
+
+    def __init__(self, base: LabeledDataset, transform, seed: int = 0):
+        self.base = base
+        self.transform = transform
+        self.seed = int(seed)
+        self.classes = base.classes
+        self.targets = base.targets
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            index, epoch = key
+            img, label = self.base[index]
+            sample_seed = (self.seed * 1_000_003 + epoch) * 10_000_019 + index
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sample_seed % (2**63))
+                return self.transform(img), label
+        img, label = self.base[key]
+        return self.transform(img), label
+
+
+# --- ImageFolder -----------------------------------------------------------------------
+
+
+def _read_labels_txt(path: Path) -> list[str]:
+    names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not names:
+        raise DataError(f"{path} is empty; expected one class name per line")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise DataError(f"{path} lists class {dup[0]!r} more than once")
+    return names
+
+
+def _scan_split(split_dir: Path, classes: list[str] | None) -> tuple[list[str], list[tuple[Path, int]]]:
+    found = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not found:
+        raise DataError(f"{split_dir} has no class folders; expected {split_dir}/<class>/*.jpg")
+    if classes is None:
+        classes = found
+    samples = []
+    for label, name in enumerate(classes):
+        folder = split_dir / name
+        if not folder.is_dir():
+            raise DataError(f"{split_dir} has no folder for class {name!r}; expected {folder}/*.jpg")
+        files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        if not files:
+            raise DataError(
+                f"class folder {folder} is empty; expected images ({', '.join(IMAGE_EXTENSIONS[:3])}, ...)"
+            )
+        samples += [(f, label) for f in files]
+    return classes, samples
+
+
+def image_folder(root: str | Path, split: str) -> FileListDataset:
+    """One split of ``root/{train,val}/<class>/*.jpg``; class order from labels.txt or sorted names.
+
+    Raises:
+        DataError: missing root or split folder, an empty class folder, or train and val
+            (or labels.txt) naming different classes.
+    """
+    root = Path(root)
+    if split not in SPLITS:
+        raise ConfigError(f"split {split!r} not allowed; allowed: {', '.join(SPLITS)}")
+    if not root.is_dir():
+        raise DataError(f"data folder {root} does not exist; expected {root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg")
+    missing = [s for s in SPLITS if not (root / s).is_dir()]
+    if missing:
+        raise DataError(
+            f"{root} has no {' or '.join(m + '/' for m in missing)} folder; expected {root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg"
+        )
+    labels_txt = root / "labels.txt"
+    classes = _read_labels_txt(labels_txt) if labels_txt.is_file() else None
+    names = {s: sorted(p.name for p in (root / s).iterdir() if p.is_dir() and not p.name.startswith(".")) for s in SPLITS}
+    if classes is not None:
+        for s in SPLITS:
+            extra = sorted(set(names[s]) - set(classes))
+            if extra:
+                raise DataError(f"{root / s} has class folder {extra[0]!r} that {labels_txt} does not list")
+    elif names["train"] != names["val"]:
+        only_train = sorted(set(names["train"]) - set(names["val"]))
+        only_val = sorted(set(names["val"]) - set(names["train"]))
+        detail = f"{only_train[0]!r} only in train/" if only_train else f"{only_val[0]!r} only in val/"
+        raise DataError(f"{root}: train/ and val/ have different classes ({detail}); they must match")
+    classes, samples = _scan_split(root / split, classes)
+    return FileListDataset(samples, classes)
+
+
+# --- Fashion-MNIST ---------------------------------------------------------------------
+
+
+def _read_idx(path: Path, ndim: int) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from None
+    if len(data) < 4 + 4 * ndim:
+        raise DataError(f"{path} is truncated; expected an IDX file")
+    zero, dtype, dims = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype != 0x08 or dims != ndim:
+        raise DataError(f"{path} is not an IDX file of {ndim}-d unsigned bytes")
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(shape)):
+        raise DataError(f"{path} holds {body.size} bytes, its header promises {int(np.prod(shape))}")
+    return body.reshape(shape)
+
+
+def find_fashion_mnist(root: str | Path | None = None) -> Path:
+    """The folder holding the four Fashion-MNIST IDX files: /usr/share/datasets/fashion-mnist, then ``root``."""
+    needed = [name for pair in FASHION_MNIST_FILES.values() for name in pair]
+    candidates = [Path(d) for d in FASHION_MNIST_DIRS]
+    if root is not None:
+        root = Path(root)
+        candidates += [root, root / "FashionMNIST" / "raw"]
+    for folder in candidates:
+        if all((folder / n).is_file() or (folder / n[:-3]).is_file() for n in needed):
+            return folder
+    where = f"{root} or " if root is not None else ""
+    raise DataError(
+        f"Fashion-MNIST not found in {where}{FASHION_MNIST_DIRS[0]}; expected {needed[0]} and the other "
+        "3 IDX files (install the Debian package dataset-fashion-mnist, or set data.download: true)"
+    )
+
+
+def fashion_mnist(root: str | Path | None, split: str, download: bool = False) -> ArrayDataset:
+    """Fashion-MNIST (gray 28x28, shown as RGB); split "train" (60000) or "val" (the 10000 test images)."""
+    try:
+        folder = find_fashion_mnist(root)
+    except DataError:
+        if not download:
+            raise
+        if root is None:
+            raise ConfigError("data.download needs data.root: the folder to download Fashion-MNIST into") from None
+        from torchvision.datasets import FashionMNIST
+
+        log.info("downloading Fashion-MNIST into %s", root)
+        FashionMNIST(str(root), train=True, download=True)
+        FashionMNIST(str(root), train=False, download=True)
+        folder = find_fashion_mnist(root)
+    images_name, labels_name = FASHION_MNIST_FILES[split]
+
+    def pick(name: str) -> Path:
+        return folder / name if (folder / name).is_file() else folder / name[:-3]
+
+    images = _read_idx(pick(images_name), 3)
+    labels = _read_idx(pick(labels_name), 1)
+    if len(images) != len(labels):
+        raise DataError(f"{folder}: {len(images)} images but {len(labels)} labels in the {split} split")
+    return ArrayDataset(images, labels, FASHION_MNIST_CLASSES)
+
+
+# --- CUB-200-2011 ----------------------------------------------------------------------
+
+CUB_FILES = ("images.txt", "train_test_split.txt", "image_class_labels.txt")
+
+
+def _read_table(path: Path) -> dict[int, str]:
+    table = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        key, sep, value = line.strip().partition(" ")
+        if not sep or not key.isdigit():
+            raise DataError(f"{path}:{n} is not '<id> <value>'")
+        table[int(key)] = value.strip()
+    return table
+
+
+def cub200(root: str | Path, split: str) -> FileListDataset:
+    """CUB-200-2011 from the official tarball layout; ``root`` is CUB_200_2011/ or its parent."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"CUB-200-2011 folder {root} does not exist; expected the unpacked CUB_200_2011.tgz")
+    if not (root / CUB_FILES[0]).is_file() and (root / "CUB_200_2011" / CUB_FILES[0]).is_file():
+        root = root / "CUB_200_2011"
+    missing = [f for f in CUB_FILES if not (root / f).is_file()]
+    if missing or not (root / "images").is_dir():
+        what = missing[0] if missing else "images/"
+        raise DataError(f"{root} is not the CUB_200_2011 layout: {what} is missing; expected {', '.join(CUB_FILES)} and images/")
+    images = _read_table(root / "images.txt")
+    is_train = _read_table(root / "train_test_split.txt")
+    labels = {k: int(v) - 1 for k, v in _read_table(root / "image_class_labels.txt").items()}
+    if (root / "classes.txt").is_file():
+        names = _read_table(root / "classes.txt")
+        classes = [names[k] for k in sorted(names)]
+    else:
+        classes = [f"class_{i:03d}" for i in range(max(labels.values()) + 1)]
+    want = "1" if split == "train" else "0"
+    samples = []
+    for image_id in sorted(images):
+        if image_id not in is_train or image_id not in labels:
+            raise DataError(f"{root}: image id {image_id} lacks a split or a label")
+        if is_train[image_id] == want:
+            samples.append((root / "images" / images[image_id], labels[image_id]))
+    if not samples:
+        raise DataError(f"{root}: the {split} split is empty")
+    return FileListDataset(samples, classes)
+
+
+# --- torchvision presets ---------------------------------------------------------------
+
+
+def _torchvision_preset(preset: str, root: str | Path | None, split: str, download: bool) -> TorchvisionDataset:
+    import torchvision.datasets as tvd
+
+    if root is None:
+        raise ConfigError(f"data preset {preset!r} needs data.root (a folder holding or receiving the data)")
+    root = str(root)
+    if not download and not Path(root).is_dir():
+        raise DataError(f"{preset} data folder {root} does not exist; point data.root at it or set data.download: true")
+    train = split == "train"
+    try:
+        if preset == "cifar10":
+            ds = tvd.CIFAR10(root, train=train, download=download)
+            return TorchvisionDataset(ds, ds.targets, ds.classes)
+        if preset == "flowers102":
+            if train:  # the common protocol (TinyTL, Rep-Net): train + val for training, test for eval
+                parts = [tvd.Flowers102(root, split=s, download=download) for s in ("train", "val")]
+                ds = torch.utils.data.ConcatDataset(parts)
+                targets = [t for p in parts for t in p._labels]
+            else:
+                ds = tvd.Flowers102(root, split="test", download=download)
+                targets = ds._labels
+            return TorchvisionDataset(ds, targets, [f"flower_{i:03d}" for i in range(102)])
+        if preset == "pets":
+            ds = tvd.OxfordIIITPet(root, split="trainval" if train else "test", target_types="category", download=download)
+            return TorchvisionDataset(ds, ds._labels, ds.classes)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(
+            f"{preset} not found or damaged under {root} ({first}); set data.download: true to fetch it"
+        ) from None
+    raise ConfigError(f"unknown preset {preset!r}")
+
+
+def load_split(preset: str, root: str | Path | None, split: str, download: bool = False) -> LabeledDataset:
+    """One split ("train" or "val"; "val" is the preset's test set) of a preset, untransformed."""
+    if split not in SPLITS:
+        raise ConfigError(f"split {split!r} not allowed; allowed: {', '.join(SPLITS)}")
+    if preset in ("imagefolder", "imagenet"):
+        if root is None:
+            raise ConfigError(f"data preset {preset!r} needs data.root: a folder with train/ and val/")
+        return image_folder(root, split)
+    if preset == "fashion_mnist":
+        return fashion_mnist(root, split, download=download)
+    if preset == "cub200":
+        if root is None:
+            raise ConfigError("data preset 'cub200' needs data.root: the unpacked CUB_200_2011 folder")
+        return cub200(root, split)
+    if preset in ("cifar10", "flowers102", "pets"):
+        return _torchvision_preset(preset, root, split, download)
+    from edgetl.recipe import PRESETS
+
+    raise ConfigError(f"unknown data preset {preset!r}; allowed: {', '.join(PRESETS)}")
+
+
+# --- subsets and caps ------------------------------------------------------------------
+
+
+def select(
+    dataset: LabeledDataset,
+    classes: Sequence[int] | None = None,
+    max_samples: int | None = None,
+    seed: int = 0,
+) -> LabeledDataset:
+    """Keep some classes (relabelled 0..n-1 in the given order) and at most ``max_samples`` samples.
+
+    The cap keeps classes balanced: a seeded shuffle within each class, then round-robin.
+    """
+    n_classes = len(dataset.classes)
+    if classes is None:
+        keep = list(range(n_classes))
+    else:
+        keep = [int(c) for c in classes]
+        bad = [c for c in keep if not 0 <= c < n_classes]
+        if bad:
+            raise ConfigError(f"data.classes: class {bad[0]} does not exist; allowed: 0..{n_classes - 1}")
+    label_map = {c: i for i, c in enumerate(keep)}
+    per_class: dict[int, list[int]] = {c: [] for c in keep}
+    for i, t in enumerate(dataset.targets):
+        if t in per_class:
+            per_class[t].append(i)
+    indices = [i for c in keep for i in per_class[c]]
+    if max_samples is not None and max_samples < len(indices):
+        g = torch.Generator().manual_seed(seed)
+        shuffled = [[idx[j] for j in torch.randperm(len(idx), generator=g).tolist()] for idx in per_class.values()]
+        picked: list[int] = []
+        depth = 0
+        while len(picked) < max_samples:
+            for idx in shuffled:
+                if depth < len(idx) and len(picked) < max_samples:
+                    picked.append(idx[depth])
+            depth += 1
+        indices = sorted(picked)
+    if classes is None and len(indices) == len(dataset):
+        return dataset
+    return SubsetDataset(dataset, indices, label_map, [dataset.classes[c] for c in keep])
+
+
+@dataclass
+class DataSplits:
+    """Transformed train and val datasets and the class names (label order)."""
+
+    train: TransformedDataset
+    val: TransformedDataset
+    classes: list[str]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+def build_datasets(
+    *,
+    preset: str,
+    resolution: int,
+    root: str | Path | None = None,
+    classes: Sequence[int] | None = None,
+    max_samples: int | None = None,
+    max_val_samples: int | None = None,
+    download: bool = False,
+    seed: int = 0,
+) -> DataSplits:
+    """Train/val datasets of a preset with DESIGN 3 transforms, class subset and caps applied."""
+    train = select(load_split(preset, root, "train", download), classes, max_samples, seed)
+    val = select(load_split(preset, root, "val", download), classes, max_val_samples, seed)
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"{preset} at {root}: no samples left after selecting classes {list(classes or [])}")
+    return DataSplits(
+        train=TransformedDataset(train, train_transform(resolution), seed=seed),
+        val=TransformedDataset(val, eval_transform(resolution), seed=seed),
+        classes=list(train.classes),
+    )
+
+
+def datasets_from_recipe(recipe) -> DataSplits:
+    """``build_datasets`` with a Recipe's data section and train.seed."""
+    d = recipe.data
+    return build_datasets(
+        preset=d.preset, resolution=d.resolution, root=d.root, classes=d.classes,
+        max_samples=d.max_samples, max_val_samples=d.max_val_samples, download=d.download,
+        seed=recipe.train.seed,
+    )
+
+
+# --- samplers and loaders --------------------------------------------------------------
+
+
+def dist_rank_world() -> tuple[int, int]:
+    """(rank, world size) of an initialised process group, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ResumableSampler(DistributedSampler):
+    """Seeded shuffle per epoch, sharded across ranks, able to start part-way into an epoch.
+
+    Yields ``(index, epoch)`` keys for ``TransformedDataset``. With one process it is a
+    plain seeded shuffle. Every rank yields the same number of samples (DistributedSampler
+    pads by repeating), so DDP ranks take the same number of steps.
+    """
+
+    def __init__(self, dataset: Dataset, *, seed: int, rank: int = 0, world_size: int = 1, drop_last: bool = False):
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
+        self.start = 0
+
+    def set_start(self, start: int) -> None:
+        """Skip the first ``start`` samples of this rank's order for the current epoch."""
+        self.start = int(start)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        indices = list(super().__iter__())
+        return iter([(i, self.epoch) for i in indices[self.start :]])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+class ShardSampler(Sampler):
+    """In-order evaluation shard ``rank::world_size`` (no padding, so nothing is counted twice)."""
+
+    def __init__(self, n: int, rank: int = 0, world_size: int = 1):
+        self.indices = list(range(rank, n, world_size))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def build_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    train: bool,
+    workers: int = 2,
+    seed: int = 0,
+    distributed: bool | None = None,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """A DataLoader: ResumableSampler for training, ShardSampler for evaluation.
+
+    Args:
+        workers: worker processes; few by default (a Jetson shares its memory with the GPU,
+            and each worker holds a copy of the dataset index).
+        distributed: shard across the process group; None = whenever one is initialised.
+        pin_memory: only useful with CUDA.
+    """
+    rank, world = dist_rank_world()
+    if distributed is False:
+        rank, world = 0, 1
+    elif distributed and world == 1:
+        log.info("distributed loader requested without a process group; using one process")
+    if train:
+        # Drop the ragged last batch: a batch of one breaks BatchNorm in train mode.
+        drop_last = len(dataset) >= batch_size * world
+        sampler: Sampler = ResumableSampler(dataset, seed=seed, rank=rank, world_size=world)
+    else:
+        drop_last = False
+        sampler = ShardSampler(len(dataset), rank, world)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        drop_last=drop_last,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        # The loader's own seed draw must not consume the global generator (dropout uses it).
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def loaders_from_recipe(recipe, splits: DataSplits, pin_memory: bool = False) -> tuple[DataLoader, DataLoader]:
+    """(train loader, val loader) with a Recipe's batch sizes, workers and seed."""
+    t = recipe.train
+    return (
+        build_loader(splits.train, batch_size=t.batch_size, train=True, workers=t.workers, seed=t.seed, pin_memory=pin_memory),
+        build_loader(splits.val, batch_size=t.val_batch_size or t.batch_size, train=False, workers=t.workers, seed=t.seed, pin_memory=pin_memory),
+    )
