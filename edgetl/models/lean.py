@@ -1,0 +1,674 @@
+"""Lean runtime layers: stock conv/BN/ReLU6 modules in, modules that save only what backward needs out.
+
+DESIGN 4. Every layer here is a ``torch.autograd.Function`` whose forward is exact and
+whose saved-for-backward tensors are chosen by hand:
+
+    module              saved for backward (when a backward through it is needed)
+    PooledConv2d        its input average-pooled by k (k=1: the exact input)
+    LeanAvgPool2d       nothing (only the input shape)
+    LeanGlobalAvgPool   nothing
+    FrozenConvBNAct     fold / eval BN: a 1-bit ReLU6 mask (nothing without activation);
+                        batch BN in training: the conv output + per-channel mean, invstd
+    LeanSideTail        BN1's input + per-channel batch stats (conv2's input, the ReLU
+                        mask and BN2's input are recomputed in backward)
+
+Saved-bytes contract, for the runtime accounting (edgetl/memory/runtime.py):
+every lean module has a class attribute ``saved_rule`` (a short name of the rule above)
+and a method ``saved_bytes(in_shape, out_shape) -> int``: the bytes of *new* storage it
+saves for backward for one call with those shapes, assuming a backward through it is
+needed (its input requires grad or one of its parameters trains). Parameters and buffers
+it keeps a reference to are not counted (they are already counted as parameters). When
+no backward is needed (e.g. frozen layers before the first side tap, or under
+``torch.no_grad``) it saves 0. ``predicted_saved_bytes`` sums the rule over a real
+forward; ``count_saved_bytes`` measures the same thing with ``saved_tensors_hooks``;
+tests check that the two agree to the byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+from torch.nn.grad import conv2d_input, conv2d_weight
+
+from edgetl.errors import CapabilityError, ConfigError
+
+POOLS = (1, 2, 4)
+BN_MODES = ("fold", "batch")
+WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
+ACT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# --------------------------------------------------------------------------- 1-bit masks
+
+
+_SHIFTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor in, a flat uint8 tensor of ceil(numel / 8) bytes out (bit i of byte j = element 8j+i)."""
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = F.pad(flat.to(torch.uint8), (0, pad))
+    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=mask.device)
+    return (flat.view(-1, 8).to(torch.uint8) * shifts).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: torch.Tensor, shape) -> torch.Tensor:
+    """Inverse of ``pack_mask``: the packed bytes and the original shape in, a bool tensor out."""
+    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
+    bits = torch.bitwise_and(packed.unsqueeze(1), shifts) != 0
+    return bits.reshape(-1)[: _numel(shape)].reshape(shape)
+
+
+def mask_bytes(numel: int) -> int:
+    return (int(numel) + 7) // 8
+
+
+# --------------------------------------------------------------------------- pooled conv
+
+
+def pool_for_save(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The compressed copy of a conv input kept for backward: ``x`` average-pooled by k.
+
+    ceil_mode keeps a partial cell at the bottom/right edge when H or W is not divisible
+    by k; count_include_pad=False makes that cell the mean of its real elements only.
+    """
+    if k == 1:
+        return x
+    return F.avg_pool2d(x, k, k, ceil_mode=True, count_include_pad=False)
+
+
+def inflate_saved(saved: torch.Tensor, k: int, hw: tuple[int, int]) -> torch.Tensor:
+    """Nearest-upsample a pooled input by k and crop it to the original (H, W)."""
+    if k == 1:
+        return saved
+    h, w = hw
+    return saved.repeat_interleave(k, 2)[:, :, :h].repeat_interleave(k, 3)[:, :, :, :w]
+
+
+def _is_pointwise(w_shape, stride, padding, dilation) -> bool:
+    return (
+        tuple(w_shape[-2:]) == (1, 1)
+        and tuple(stride) == (1, 1)
+        and tuple(padding) == (0, 0)
+        and tuple(dilation) == (1, 1)
+    )
+
+
+def pooled_grad_weight(
+    saved: torch.Tensor,
+    in_hw: tuple[int, int],
+    w_shape,
+    grad_output: torch.Tensor,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+    k: int,
+) -> torch.Tensor:
+    """grad_weight of a conv from its pooled input (``pool_for_save(x, k)``).
+
+    This is the only place where the pooled-activation approximation enters: the true
+    input x is replaced by the nearest-upsampled, cropped pooled input. For k=1 the result
+    is exact. For a 1x1 stride-1 conv, sum_{h,w} gy[h,w] * up(z)[h,w] equals
+    sum_{cells} z[cell] * (sum of gy over the cell), so grad_output is sum-pooled instead
+    of upsampling the input (same value, k^2 less work and memory).
+    """
+    if k == 1:
+        return conv2d_weight(saved, w_shape, grad_output, stride, padding, dilation, groups)
+    if _is_pointwise(w_shape, stride, padding, dilation):
+        g = F.avg_pool2d(grad_output, k, k, ceil_mode=True, divisor_override=1)
+        return conv2d_weight(saved, w_shape, g, 1, 0, 1, groups)
+    x = inflate_saved(saved, k, in_hw)
+    return conv2d_weight(x, w_shape, grad_output, stride, padding, dilation, groups)
+
+
+class _PooledConv2dFn(Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, k):
+        y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        ctx.conf = (stride, padding, dilation, groups, k, tuple(x.shape))
+        ctx.has_bias = bias is not None
+        saved = pool_for_save(x, k) if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(saved, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        saved, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, k, in_shape = ctx.conf
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            # exact: the input gradient needs only the weight
+            gx = conv2d_input(in_shape, weight, gy, stride, padding, dilation, groups)
+        if ctx.needs_input_grad[1]:
+            gw = pooled_grad_weight(
+                saved, in_shape[-2:], weight.shape, gy, stride, padding, dilation, groups, k
+            )
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gy.sum((0, 2, 3))
+        return gx, gw, gb, None, None, None, None, None
+
+
+class PooledConv2d(nn.Conv2d):
+    """nn.Conv2d with an exact forward that keeps its input average-pooled by ``pool`` for backward.
+
+    grad_input is exact; grad_weight is recomputed from the upsampled pooled input (see
+    ``pooled_grad_weight``). Same parameters and state_dict keys as nn.Conv2d.
+    """
+
+    saved_rule = "pooled_input"
+
+    def __init__(self, *args, pool: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.padding_mode != "zeros" or isinstance(self.padding, str):
+            raise ConfigError("PooledConv2d supports numeric zero padding only")
+        self.pool = _check_pool(pool)
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, pool: int = 2) -> "PooledConv2d":
+        new = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+            pool=pool,
+        )
+        new.load_state_dict(conv.state_dict())
+        new.weight.requires_grad_(conv.weight.requires_grad)
+        if conv.bias is not None:
+            new.bias.requires_grad_(conv.bias.requires_grad)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PooledConv2dFn.apply(
+            x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups, self.pool
+        )
+
+    def saved_bytes(self, in_shape, out_shape) -> int:
+        if not self.weight.requires_grad:
+            return 0
+        n, c, h, w = in_shape
+        k = self.pool
+        return n * c * (-(-h // k)) * (-(-w // k)) * self.weight.element_size()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", pool={self.pool}"
+
+
+def _check_pool(pool: int) -> int:
+    if pool not in POOLS:
+        raise ConfigError(f"activation pool must be one of {POOLS}, got {pool!r}")
+    return int(pool)
+
+
+def grad_weight_cosine(
+    conv: nn.Conv2d, x: torch.Tensor, k: int, grad_output: torch.Tensor | None = None, seed: int = 0
+) -> float:
+    """Cosine similarity between a conv's exact grad_weight and the one pooled storage by k gives.
+
+    Args:
+        conv: the conv (its weight and geometry are used; it is not modified).
+        x: a conv input batch.
+        k: pool factor.
+        grad_output: the output gradient; white noise from ``seed`` when omitted.
+    """
+    with torch.no_grad():
+        y = F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        if grad_output is None:
+            gen = torch.Generator(device=x.device).manual_seed(seed)
+            grad_output = torch.randn(y.shape, generator=gen, device=x.device, dtype=x.dtype)
+        args = (conv.stride, conv.padding, conv.dilation, conv.groups)
+        exact = conv2d_weight(x, conv.weight.shape, grad_output, *args)
+        approx = pooled_grad_weight(
+            pool_for_save(x, k), tuple(x.shape[-2:]), conv.weight.shape, grad_output, *args, k
+        )
+        return float(F.cosine_similarity(exact.flatten(), approx.flatten(), dim=0))
+
+
+# --------------------------------------------------------------------------- pooling that saves nothing
+
+
+class _AvgPoolFn(Function):
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.conf = (k, tuple(x.shape), x.dtype)
+        return F.avg_pool2d(x, k)
+
+    @staticmethod
+    def backward(ctx, gy):
+        k, shape, dtype = ctx.conf
+        # avg_pool2d_backward reads only the input's sizes: a zero-stride expand has them
+        # without any storage, so the full-resolution input is never kept.
+        shape_only = gy.new_zeros((), dtype=dtype).expand(shape)
+        gx = torch.ops.aten.avg_pool2d_backward(gy, shape_only, [k, k], [k, k], [0, 0], False, True, None)
+        return gx, None
+
+
+class LeanAvgPool2d(nn.AvgPool2d):
+    """nn.AvgPool2d(k) (stride k, floor mode) that saves nothing for backward (stock saves its input)."""
+
+    saved_rule = "none"
+
+    def __init__(self, kernel_size: int):
+        super().__init__(kernel_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _AvgPoolFn.apply(x, self.kernel_size)
+
+    def saved_bytes(self, in_shape, out_shape) -> int:
+        return 0
+
+
+class _GlobalPoolFn(Function):
+    @staticmethod
+    def forward(ctx, x, out_dtype):
+        ctx.conf = (tuple(x.shape), x.dtype)
+        return x.mean((2, 3), keepdim=True, dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        shape, dtype = ctx.conf
+        g = (gy / (shape[2] * shape[3])).to(dtype)
+        return g.expand(shape).contiguous(), None
+
+
+class LeanGlobalAvgPool(nn.AdaptiveAvgPool2d):
+    """Global average pool to 1x1 computed (and returned) in ``out_dtype``; saves nothing."""
+
+    saved_rule = "none"
+
+    def __init__(self, out_dtype: torch.dtype = torch.float32):
+        super().__init__(1)
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GlobalPoolFn.apply(x, self.out_dtype)
+
+    def saved_bytes(self, in_shape, out_shape) -> int:
+        return 0
+
+
+# --------------------------------------------------------------------------- frozen backbone
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: weight in, (int8 codes, fp32 scale per channel) out.
+
+    Dequantised weight = codes * scale; each element is off by at most scale / 2.
+    """
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=tuple(range(1, w.dim())))
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    view = (-1,) + (1,) * (w.dim() - 1)
+    codes = torch.round(w / scale.view(view)).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def _bn_scale(bn: nn.BatchNorm2d) -> torch.Tensor:
+    return bn.weight.detach().float() * torch.rsqrt(bn.running_var.float() + bn.eps)
+
+
+class FrozenConvBNAct(nn.Module):
+    """A frozen conv (+ BN, + optional ReLU6) that never saves its input.
+
+    grad_input comes from the weight alone (``conv2d_input``). With ``bn="fold"`` the BN
+    (eval statistics) is folded into the conv's weight and bias and the only thing saved
+    is a 1-bit ReLU6 mask. With ``bn="batch"`` the BN uses batch statistics in training
+    (and updates its running statistics), which forces keeping the conv output (BN's
+    backward needs it) plus per-channel mean and invstd; the ReLU6 mask is recomputed from
+    them. The frozen weight is stored as fp32, fp16 or per-output-channel int8 and
+    dequantised per call into the activation dtype. The only trainable parameter allowed
+    is ``bias`` (the BN beta, folded or not), for the "repnet+bias" mode.
+    """
+
+    saved_rule = "relu6_mask|batch_bn_output"
+
+    def __init__(
+        self,
+        conv: nn.Conv2d,
+        bn: nn.BatchNorm2d,
+        act: bool,
+        *,
+        bn_mode: str = "fold",
+        weight_dtype: torch.dtype = torch.float32,
+        act_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        if conv.weight.requires_grad or (conv.bias is not None and conv.bias.requires_grad):
+            raise ConfigError("the lean backbone needs frozen conv weights (modes full/bn+last cannot use it)")
+        if bn.weight.requires_grad:
+            raise ConfigError("the lean backbone needs frozen BN scales (mode bn+last cannot use it)")
+        if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ConfigError("the lean backbone supports numeric zero padding only")
+        self.stride, self.padding = conv.stride, conv.padding
+        self.dilation, self.groups = conv.dilation, conv.groups
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size = conv.kernel_size
+        self.act = bool(act)
+        self.bn_mode = bn_mode
+        self.act_dtype = act_dtype
+        weight = conv.weight.detach().float()
+        conv_bias = conv.bias.detach().float() if conv.bias is not None else torch.zeros_like(bn.running_mean, dtype=torch.float32)
+        beta = bn.bias.detach().float()
+        if bn_mode == "fold":
+            scale = _bn_scale(bn)
+            weight = weight * scale.view(-1, 1, 1, 1)
+            bias = beta + (conv_bias - bn.running_mean.float()) * scale
+        else:
+            if conv.bias is not None:
+                raise ConfigError("bn='batch' expects a conv without bias before the BN")
+            bias = beta
+            self.register_buffer("bn_weight", bn.weight.detach().float().clone())
+            self.register_buffer("running_mean", bn.running_mean.detach().float().clone())
+            self.register_buffer("running_var", bn.running_var.detach().float().clone())
+            self.register_buffer("num_batches_tracked", bn.num_batches_tracked.detach().clone())
+            self.eps, self.momentum = bn.eps, bn.momentum
+        self.bias = nn.Parameter(bias.clone(), requires_grad=bn.bias.requires_grad)
+        self.weight_dtype = weight_dtype
+        if weight_dtype == torch.int8:
+            codes, scale = quantize_int8(weight)
+            self.register_buffer("weight", codes)
+            self.register_buffer("weight_scale", scale)
+        else:
+            self.register_buffer("weight", weight.to(weight_dtype))
+            self.weight_scale = None
+
+    accounting_kind = "lean_frozen_conv"
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.act_dtype
+        if self.weight_scale is None:
+            return self.weight.to(dtype)
+        return (self.weight.float() * self.weight_scale.view(-1, 1, 1, 1)).to(dtype)
+
+    def _uses_batch_stats(self) -> bool:
+        return self.bn_mode == "batch" and self.training
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        momentum = 0.0
+        if self._uses_batch_stats():
+            self.num_batches_tracked.add_(1)
+            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        return _FrozenConvFn.apply(x, self.bias, self, momentum)
+
+    def saved_bytes(self, in_shape, out_shape) -> int:
+        if self._uses_batch_stats():
+            return _numel(out_shape) * _dtype_bytes(self.act_dtype) + 2 * int(out_shape[1]) * 4
+        return mask_bytes(_numel(out_shape)) if self.act else 0
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"groups={self.groups}, act={'relu6' if self.act else None}, bn={self.bn_mode}, "
+            f"weight={self.weight_dtype}, act_dtype={self.act_dtype}"
+        )
+
+
+def _scale_shift(m: FrozenConvBNAct, mean: torch.Tensor, invstd: torch.Tensor, beta: torch.Tensor):
+    scale = m.bn_weight * invstd
+    return scale, beta.float() - mean * scale
+
+
+class _FrozenConvFn(Function):
+    @staticmethod
+    def forward(ctx, x, bias, m: FrozenConvBNAct, momentum):
+        act = m.act_dtype
+        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        w = m.dequantized_weight(act)
+        y = F.conv2d(x.to(act), w, None, m.stride, m.padding, m.dilation, m.groups)
+        del w
+        c = (1, -1, 1, 1)
+        saved: tuple = ()
+        if m.bn_mode == "fold":
+            y.add_(bias.to(act).view(c))
+        elif m._uses_batch_stats():
+            n = y.numel() // y.shape[1]
+            if n <= 1:
+                raise ValueError("batch BN needs more than 1 value per channel")
+            var, mean = torch.var_mean(y.float(), dim=(0, 2, 3), correction=0)
+            invstd = torch.rsqrt(var + m.eps)
+            m.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            m.running_var.mul_(1 - momentum).add_(var * (n / (n - 1)), alpha=momentum)
+            if need:
+                saved = (y.clone(), mean, invstd)  # the BN input, before it is overwritten below
+            scale, shift = _scale_shift(m, mean, invstd, bias)
+            y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
+        else:
+            invstd = torch.rsqrt(m.running_var + m.eps)
+            scale, shift = _scale_shift(m, m.running_mean, invstd, bias)
+            y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
+        if m.act:
+            if need and not saved:
+                saved = (pack_mask((y > 0) & (y < 6)),)
+            y.clamp_(0, 6)
+        ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
+        ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        m = ctx.m
+        act = m.act_dtype
+        c = (1, -1, 1, 1)
+        gy = gy.to(act)
+        gbias = None
+        if ctx.kind == "batch":
+            y, mean, invstd = ctx.saved_tensors
+            if m.act:
+                scale, shift = _scale_shift(m, mean, invstd, m.bias.detach())
+                out = y * scale.to(act).view(c) + shift.to(act).view(c)
+                gy = gy * ((out > 0) & (out < 6))
+                del out
+            g_conv, _, gbias = torch.ops.aten.native_batch_norm_backward(
+                gy.float(), y.float(), m.bn_weight, None, None, mean, invstd, True, m.eps,
+                [ctx.needs_input_grad[0], False, ctx.needs_input_grad[1]],
+            )
+            g_conv = g_conv.to(act) if g_conv is not None else None
+        else:
+            if ctx.kind == "mask":
+                (packed,) = ctx.saved_tensors
+                gy = gy * unpack_mask(packed, ctx.out_shape)
+            if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
+                scale = m.bn_weight * torch.rsqrt(m.running_var + m.eps)
+                g_conv = gy * scale.to(act).view(c)
+            else:
+                g_conv = gy
+            if ctx.needs_input_grad[1]:
+                gbias = gy.float().sum((0, 2, 3))
+        gx = None
+        if ctx.needs_input_grad[0]:
+            w = m.dequantized_weight(act)
+            gx = conv2d_input(ctx.in_shape, w, g_conv, m.stride, m.padding, m.dilation, m.groups)
+            gx = gx.to(ctx.in_dtype)
+        return gx, gbias, None, None
+
+
+def check_act_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
+    """Fail with CapabilityError if conv forward/backward in ``dtype`` does not run on ``device``."""
+    try:
+        x = torch.ones(1, 2, 4, 4, dtype=dtype, device=device)
+        w = torch.ones(2, 1, 3, 3, dtype=dtype, device=device)
+        y = F.conv2d(x, w, None, 1, 1, 1, 2)
+        conv2d_input(x.shape, w, y, 1, 1, 1, 2)
+    except (RuntimeError, NotImplementedError) as exc:
+        raise CapabilityError(
+            f"{dtype} convolution is not supported on {device} by this torch build "
+            f"({str(exc).splitlines()[0]}); choose act_dtype fp32 or another device"
+        ) from None
+
+
+def _resolve(name_or_dtype, table: dict, what: str) -> torch.dtype:
+    if isinstance(name_or_dtype, torch.dtype):
+        if name_or_dtype in table.values():
+            return name_or_dtype
+    elif name_or_dtype in table:
+        return table[name_or_dtype]
+    raise ConfigError(f"unknown {what} {name_or_dtype!r}; allowed: {', '.join(table)}")
+
+
+def _lean_cna(cna: nn.Sequential, **kw) -> nn.Sequential:
+    """torchvision Conv2dNormActivation (conv, BN, ReLU6) -> Sequential(FrozenConvBNAct)."""
+    conv, bn = cna[0], cna[1]
+    act = len(cna) > 2
+    if act and not isinstance(cna[2], nn.ReLU6):
+        raise ConfigError(f"lean backbone supports ReLU6 activations only, found {type(cna[2]).__name__}")
+    return nn.Sequential(FrozenConvBNAct(conv, bn, act, **kw))
+
+
+def leanify_backbone(
+    net: nn.Module,
+    *,
+    bn: str = "fold",
+    weight_dtype: str | torch.dtype = "fp32",
+    act_dtype: str | torch.dtype = "fp32",
+) -> nn.Module:
+    """Convert a built EdgeNet's frozen features to lean layers, in place; returns ``net``.
+
+    Each torchvision Conv2dNormActivation becomes ``Sequential(FrozenConvBNAct)`` and each
+    project conv + BN a ``FrozenConvBNAct`` without activation, so block indices, the
+    InvertedResidual skip adds (which save nothing) and the side taps are unchanged.
+    ``net.pool`` becomes a ``LeanGlobalAvgPool`` returning fp32 (stock adaptive pooling
+    saves its input). The side network and classifier are not touched; with
+    ``act_dtype`` other than fp32 the side modules must be lean ones (they cast their
+    input to fp32), see ``edgetl.models.lean_side``.
+
+    Args:
+        net: an EdgeNet whose feature conv weights and BN scales are frozen.
+        bn: "fold" (eval statistics folded into the conv) or "batch" (batch statistics in
+            training mode, running statistics updated; keeps the BN input for backward).
+        weight_dtype: storage of the frozen weights: "fp32", "fp16" or "int8".
+        act_dtype: dtype of backbone activations: "fp32", "bf16" or "fp16".
+
+    Raises:
+        CapabilityError: the activation dtype's convolutions do not run on this device.
+        ConfigError: an unknown option, or trainable conv weights / BN scales.
+    """
+    from torchvision.models.mobilenetv2 import InvertedResidual
+
+    if bn not in BN_MODES:
+        raise ConfigError(f"unknown bn mode {bn!r}; allowed: {', '.join(BN_MODES)}")
+    wdt = _resolve(weight_dtype, WEIGHT_DTYPES, "weight_dtype")
+    adt = _resolve(act_dtype, ACT_DTYPES, "act_dtype")
+    device = next(net.features.parameters()).device
+    if adt != torch.float32:
+        check_act_dtype(adt, device)
+        side = getattr(net, "side", None)
+        if side is not None and not all(getattr(b, "lean", False) for b in side.blocks):
+            raise ConfigError(
+                "act_dtype other than fp32 needs lean side modules: convert with "
+                "edgetl.models.lean_side.lean_side_from_stock first"
+            )
+    kw = dict(bn_mode=bn, weight_dtype=wdt, act_dtype=adt)
+    features = net.features
+    for i, block in enumerate(features):
+        if isinstance(block, InvertedResidual):
+            layers = list(block.conv)
+            new = [_lean_cna(layer, **kw) if isinstance(layer, nn.Sequential) else layer for layer in layers[:-2]]
+            project, project_bn = layers[-2], layers[-1]
+            if not (isinstance(project, nn.Conv2d) and isinstance(project_bn, nn.BatchNorm2d)):
+                raise ConfigError(f"features[{i}] is not a torchvision InvertedResidual layout")
+            new.append(FrozenConvBNAct(project, project_bn, False, **kw))
+            block.conv = nn.Sequential(*new)
+        elif isinstance(block, nn.Sequential) and isinstance(block[0], nn.Conv2d):
+            features[i] = _lean_cna(block, **kw)
+        else:
+            raise ConfigError(f"features[{i}] ({type(block).__name__}) has no lean replacement")
+    net.pool = LeanGlobalAvgPool(torch.float32)
+    return net
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class SavedBytes:
+    """Result of ``count_saved_bytes``: unique storage bytes saved for backward."""
+
+    bytes: int = 0
+    tensors: int = 0
+
+
+@contextlib.contextmanager
+def count_saved_bytes(*exclude: nn.Module) -> Iterator[SavedBytes]:
+    """Count the bytes of distinct storages saved for backward inside the block.
+
+    Parameters and buffers of the ``exclude`` modules are not counted (they are held
+    anyway). Storages are counted once however many ops save them.
+    """
+    ignore = {
+        t.untyped_storage().data_ptr()
+        for m in exclude
+        for t in list(m.parameters()) + list(m.buffers())
+    }
+    seen: dict[int, int] = {}
+    result = SavedBytes()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in ignore and ptr not in seen:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+    result.bytes = sum(seen.values())
+    result.tensors = len(seen)
+
+
+def predicted_saved_bytes(model: nn.Module, run: Callable[[], object]) -> dict[str, int]:
+    """Run ``run()`` (a forward of ``model``) and sum each lean module's ``saved_bytes`` rule.
+
+    Returns module name -> predicted bytes, for every module with a ``saved_bytes`` method
+    that was called with a backward needed (an input requiring grad or a trainable
+    parameter of its own); a module called several times is summed.
+    """
+    out: dict[str, int] = {}
+    handles = []
+
+    def hook(name):
+        def fn(module, args, output):
+            needs = torch.is_grad_enabled() and (
+                any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+                or any(p.requires_grad for p in module.parameters(recurse=False))
+                or getattr(module, "needs_backward", lambda: False)()
+            )
+            if needs:
+                x = next(a for a in args if isinstance(a, torch.Tensor))
+                out[name] = out.get(name, 0) + module.saved_bytes(tuple(x.shape), tuple(output.shape))
+
+        return fn
+
+    for name, module in model.named_modules():
+        if callable(getattr(module, "saved_bytes", None)):
+            handles.append(module.register_forward_hook(hook(name)))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return out
