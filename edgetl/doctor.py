@@ -1,0 +1,178 @@
+"""Doctor: the machine in, platform facts (Jetson, L4T, library versions, GPU, memory, a budget) out.
+
+Memory on a Jetson is shared by CPU and GPU, so ``torch.cuda.mem_get_info`` is wrong
+there (DESIGN 2c): the available memory is ``MemAvailable`` of /proc/meminfo, and the
+CUDA context (about 300 MB) comes out of the same pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MB = 10**6
+# CUDA context size measured on Jetson Orin with torch (DESIGN 2c); it shares the memory pool.
+CUDA_CONTEXT_BYTES = 300 * MB
+# Keep this share of MemAvailable free for the OS, the data loader and page cache churn.
+BUDGET_HEADROOM = 0.25
+# L4T release -> JetPack release (NVIDIA's Jetson Linux release notes).
+JETPACK_BY_L4T = {
+    "36.2.0": "6.0 DP", "36.3.0": "6.0", "36.4.0": "6.1", "36.4.3": "6.2", "36.4.4": "6.2.1",
+    "35.4.1": "5.1.2", "35.5.0": "5.1.3", "35.6.0": "5.1.4",
+}
+
+
+@dataclass
+class DoctorReport:
+    """Platform facts; None where a fact does not apply or cannot be read."""
+
+    machine: str
+    python: str
+    is_jetson: bool
+    jetson_model: str | None
+    l4t_release: str | None
+    jetpack: str | None
+    torch: str | None
+    torch_cuda: str | None
+    cuda_available: bool
+    cudnn: str | None
+    gpu_name: str | None
+    gpu_is_integrated: bool | None
+    gpu_capability: str | None
+    tensorrt: str | None
+    onnx: str | None
+    onnxruntime: str | None
+    mem_total_bytes: int | None
+    mem_available_bytes: int | None
+    suggested_budget_bytes: int | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def read_meminfo(path: str | Path = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo as bytes per key (the file's values are kiB)."""
+    values = {}
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return values
+    for line in text.splitlines():
+        match = re.match(r"^(\w+(?:\(\w+\))?):\s+(\d+)(?:\s+kB)?$", line.strip())
+        if match:
+            values[match.group(1)] = int(match.group(2)) * (1024 if line.strip().endswith("kB") else 1)
+    return values
+
+
+def parse_l4t_release(text: str) -> str | None:
+    """'# R36 (release), REVISION: 4.0, ...' -> '36.4.0'."""
+    match = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", text)
+    if not match:
+        return None
+    return f"{match.group(1)}.{match.group(2)}"
+
+
+def suggested_budget(mem_available_bytes: int | None, integrated_gpu: bool) -> int | None:
+    """A memory budget that leaves headroom: 75 % of MemAvailable, less the CUDA context on shared memory."""
+    if mem_available_bytes is None:
+        return None
+    budget = int(mem_available_bytes * (1 - BUDGET_HEADROOM))
+    if integrated_gpu:
+        budget -= CUDA_CONTEXT_BYTES
+    return max(budget, 0) // MB * MB
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception:  # a broken install raises more than ImportError (e.g. missing libnvinfer)
+        return None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8", "replace").rstrip("\x00\n ")
+    except OSError:
+        return None
+
+
+def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
+    """Collect platform facts.
+
+    Args:
+        root: filesystem root to read /etc and /proc from (tests point it at a fake tree).
+        probe_gpu: initialise CUDA through torch to read the GPU's properties.
+    """
+    root = Path(root)
+    notes: list[str] = []
+    model = _read(root / "proc/device-tree/model")
+    tegra = _read(root / "etc/nv_tegra_release")
+    l4t = parse_l4t_release(tegra) if tegra else None
+    is_jetson = tegra is not None or (model is not None and "jetson" in model.lower())
+
+    torch_version = torch_cuda = cudnn = gpu_name = capability = None
+    cuda_available, integrated = False, None
+    try:
+        import torch
+    except ImportError:
+        notes.append("torch is not installed: fine-tuning needs it")
+    else:
+        torch_version, torch_cuda = torch.__version__, torch.version.cuda
+        if torch.backends.cudnn.is_available():
+            cudnn_int = torch.backends.cudnn.version()
+            # cuDNN 9 encodes 9.3.0 as 90300, cuDNN 8 encodes 8.9.7 as 8907.
+            if cudnn_int and cudnn_int >= 90000:
+                cudnn = f"{cudnn_int // 10000}.{cudnn_int // 100 % 100}.{cudnn_int % 100}"
+            elif cudnn_int:
+                cudnn = f"{cudnn_int // 1000}.{cudnn_int // 100 % 10}.{cudnn_int % 100}"
+        if probe_gpu:
+            cuda_available = torch.cuda.is_available()
+            if cuda_available:
+                props = torch.cuda.get_device_properties(0)
+                gpu_name, integrated = props.name, bool(props.is_integrated)
+                capability = f"{props.major}.{props.minor}"
+        if is_jetson and torch_cuda is None:
+            notes.append("this torch build has no CUDA: install NVIDIA's JetPack wheel (see docker/README.md)")
+        elif is_jetson and not cuda_available and probe_gpu:
+            notes.append("CUDA is not available: in a container, run with --runtime nvidia")
+    if integrated is None and is_jetson:
+        integrated = True  # every Jetson GPU shares memory with the CPU
+
+    mem = read_meminfo(root / "proc/meminfo")
+    total, available = mem.get("MemTotal"), mem.get("MemAvailable")
+    if available is None:
+        notes.append("cannot read MemAvailable from /proc/meminfo")
+    budget = suggested_budget(available, bool(integrated))
+    if integrated and available is not None:
+        notes.append("GPU memory is shared with the CPU: torch.cuda.mem_get_info does not show what is free")
+
+    return DoctorReport(
+        machine=platform.machine(),
+        python=platform.python_version(),
+        is_jetson=is_jetson,
+        jetson_model=model,
+        l4t_release=l4t,
+        jetpack=JETPACK_BY_L4T.get(l4t) if l4t else None,
+        torch=torch_version,
+        torch_cuda=torch_cuda,
+        cuda_available=cuda_available,
+        cudnn=cudnn,
+        gpu_name=gpu_name,
+        gpu_is_integrated=integrated,
+        gpu_capability=capability,
+        tensorrt=_version("tensorrt"),
+        onnx=_version("onnx"),
+        onnxruntime=_version("onnxruntime"),
+        mem_total_bytes=total,
+        mem_available_bytes=available,
+        suggested_budget_bytes=budget,
+        notes=notes,
+    )
