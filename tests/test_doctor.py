@@ -1,0 +1,98 @@
+"""edgetl doctor: facts checked against /proc/meminfo parsed here, Jetson detection on a fake root, CLI output."""
+
+import json
+import platform
+
+import pytest
+
+from edgetl.cli import main as cli_main
+from edgetl.doctor import CUDA_CONTEXT_BYTES, doctor, parse_l4t_release, read_meminfo, suggested_budget
+
+
+def meminfo_kib(path="/proc/meminfo") -> dict[str, int]:
+    out = {}
+    for line in open(path):
+        key, rest = line.split(":", 1)
+        out[key] = int(rest.split()[0])
+    return out
+
+
+def test_memory_facts_match_proc_meminfo():
+    report = doctor(probe_gpu=False)
+    ref = meminfo_kib()
+    assert report.mem_total_bytes == ref["MemTotal"] * 1024
+    # MemAvailable moves between two reads: allow 64 MiB.
+    assert abs(report.mem_available_bytes - ref["MemAvailable"] * 1024) <= 64 * 2**20
+    assert report.machine == platform.machine()
+    expected = int(report.mem_available_bytes * 0.75) // 10**6 * 10**6
+    assert report.suggested_budget_bytes == expected  # no integrated GPU on this machine
+
+
+def test_versions_are_the_installed_ones():
+    import onnx
+    import onnxruntime
+    import torch
+
+    report = doctor(probe_gpu=False)
+    assert report.torch == torch.__version__ and report.torch_cuda == torch.version.cuda
+    assert report.onnx == onnx.__version__ and report.onnxruntime == onnxruntime.__version__
+    try:
+        import tensorrt
+    except ImportError:
+        assert report.tensorrt is None
+    else:
+        assert report.tensorrt == tensorrt.__version__
+
+
+def test_jetson_fake_root(tmp_path):
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/nv_tegra_release").write_text(
+        "# R36 (release), REVISION: 4.0, GCID: 37537400, BOARD: generic, EABI: aarch64, DATE: Fri Sep 13 04:36:44 UTC 2024\n"
+    )
+    (tmp_path / "proc/device-tree").mkdir(parents=True)
+    (tmp_path / "proc/device-tree/model").write_bytes(b"NVIDIA Jetson Orin Nano Engineering Reference Developer Kit\x00")
+    (tmp_path / "proc/meminfo").write_text("MemTotal:        7802032 kB\nMemFree:          512000 kB\nMemAvailable:    5000000 kB\n")
+    report = doctor(root=tmp_path, probe_gpu=False)
+    assert report.is_jetson and report.l4t_release == "36.4.0" and report.jetpack == "6.1"
+    assert report.jetson_model == "NVIDIA Jetson Orin Nano Engineering Reference Developer Kit"
+    assert report.gpu_is_integrated is True
+    assert report.mem_available_bytes == 5000000 * 1024
+    # 75 % of 5.12 GB less the 300 MB CUDA context, rounded down to whole MB.
+    assert report.suggested_budget_bytes == (int(5000000 * 1024 * 0.75) - CUDA_CONTEXT_BYTES) // 10**6 * 10**6
+    assert report.suggested_budget_bytes == 3_540_000_000
+
+
+def test_not_jetson_and_missing_meminfo(tmp_path):
+    report = doctor(root=tmp_path, probe_gpu=False)
+    assert not report.is_jetson and report.l4t_release is None
+    assert report.mem_available_bytes is None and report.suggested_budget_bytes is None
+    assert any("MemAvailable" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64", "36.4.3"),
+    ("# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64", "35.4.1"),
+    ("garbage", None),
+])
+def test_parse_l4t_release(text, expected):
+    assert parse_l4t_release(text) == expected
+
+
+def test_read_meminfo_units(tmp_path):
+    (tmp_path / "m").write_text("MemTotal: 100 kB\nHugePages_Total:       0\nActive(anon):  4 kB\n")
+    assert read_meminfo(tmp_path / "m") == {"MemTotal": 102400, "HugePages_Total": 0, "Active(anon)": 4096}
+    assert suggested_budget(None, True) is None
+    assert suggested_budget(100 * 10**6, True) == 0
+
+
+def test_cli_doctor_text_and_json(capsys):
+    assert cli_main(["doctor", "--no-gpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ref = meminfo_kib()
+    assert data["mem_total_bytes"] == ref["MemTotal"] * 1024
+    assert abs(data["mem_available_bytes"] - ref["MemAvailable"] * 1024) <= 64 * 2**20
+    assert cli_main(["doctor", "--no-gpu"]) == 0
+    text = capsys.readouterr().out
+    line = next(line for line in text.splitlines() if line.startswith("memory total"))
+    assert line.split()[-2:] == [f"{ref['MemTotal'] * 1024 / 10**6:.0f}", "MB"]
+    assert "suggested --budget" in text and "Jetson" in text
