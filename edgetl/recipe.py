@@ -21,9 +21,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
+import re
+
 import yaml
 
 from edgetl.errors import ConfigError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; recipes mean a number."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 PRESETS = ("imagefolder", "fashion_mnist", "cifar10", "flowers102", "pets", "cub200", "imagenet")
 MODES = ("full", "last", "bias", "bn+last", "repnet", "repnet+bias")
@@ -379,7 +396,7 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     """
     path = find_recipe(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _yaml_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if overrides:
@@ -402,7 +419,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} is not KEY=VALUE (e.g. train.batch_size=16)")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = _yaml_load(value) if value.strip() else None
     except yaml.YAMLError:
         parsed = value
     return key.strip(), parsed
