@@ -1,0 +1,203 @@
+"""Measured memory (DESIGN 2c): a network and a training setup in, peak live tensor bytes out.
+
+On CPU and meta, ``StorageMeter`` is a ``TorchDispatchMode`` that sees every aten op
+(forward, autograd's backward formulas, optimizer) and tracks each output's
+``untyped_storage()`` in a weak dictionary; a ``weakref.finalize`` subtracts the bytes
+when the storage dies. Storages are counted once, so views and in-place results cost
+nothing extra. Tensors that exist before the meter starts (params, buffers, the input
+batch) are registered explicitly. The peak is sampled after every op, when the op's
+inputs and outputs are both alive; allocations internal to one kernel (scratch space
+that never becomes a tensor) are not seen, by definition of "live tensor storage".
+On CUDA, the caching allocator's ``max_memory_allocated`` is used instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from edgetl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adam", "sgd")
+
+
+class StorageMeter(TorchDispatchMode):
+    """Current and peak bytes of live tensor storage, one count per storage.
+
+    Use as a context manager; register tensors that already exist with ``register``
+    (``register_module`` for params and buffers). ``current_bytes`` and ``peak_bytes``
+    are updated after every op; ``reset_peak`` restarts the peak at the current value.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def register(self, *tensors) -> None:
+        """Count the storage of every tensor in ``tensors`` (nested containers allowed)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def register_module(self, module: nn.Module) -> None:
+        """Count params, their existing grads, and buffers of ``module``."""
+        for p in module.parameters():
+            self._track(p)
+            if p.grad is not None:
+                self._track(p.grad)
+        for b in module.buffers():
+            self._track(b)
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+
+    @property
+    def live_storages(self) -> int:
+        return len(self._sizes)
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.layout != torch.strided:
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        nbytes = storage.nbytes()
+        old = self._sizes.get(key)
+        if old is None:
+            self._sizes[key] = nbytes
+            self.current_bytes += nbytes
+            self._finalizers[key] = weakref.finalize(storage, self._release, key)
+        elif old != nbytes:  # resized in place (out= ops, resize_)
+            self._sizes[key] = nbytes
+            self.current_bytes += nbytes - old
+
+    def _release(self, key: int) -> None:
+        self.current_bytes -= self._sizes.pop(key, 0)
+        self._finalizers.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        # in-place ops that resize an argument (e.g. out=) show up in the args
+        if func._schema.is_mutable:
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and id(t.untyped_storage()) in self._sizes:
+                    self._track(t)
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+        return out
+
+    def close(self) -> None:
+        """Detach all finalizers; the meter's counts stop changing."""
+        for fin in list(self._finalizers.values()):
+            fin.detach()
+        self._finalizers.clear()
+
+
+def make_optimizer(params, optimizer: str, lr: float) -> torch.optim.Optimizer:
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ConfigError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+
+
+def _training_steps(net, opt, image, labels, steps: int) -> None:
+    for _ in range(steps):
+        logits = net(image)
+        loss = F.cross_entropy(logits, labels)
+        del logits
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def measure_training_peak(
+    net: nn.Module,
+    *,
+    resolution: int,
+    batch_size: int,
+    steps: int = 3,
+    optimizer: str = "adam",
+    lr: float = 1e-3,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> int:
+    """Peak live bytes over ``steps`` real training steps of ``net``.
+
+    Each step: forward on a random batch, cross-entropy on random labels, backward,
+    optimizer step, ``zero_grad(set_to_none=True)``. Everything is included: params,
+    buffers, grads, optimizer state, the input batch and labels, saved activations and
+    temporaries. Only parameters with ``requires_grad`` go into the optimizer. The
+    network is put in train mode and its weights change.
+
+    Args:
+        net: an EdgeNet (or any image classifier) with trainability already set.
+        resolution: input side in pixels.
+        batch_size: images per step.
+        steps: training steps; the peak usually comes in step 2, once optimizer state exists.
+        optimizer: "adam" or "sgd" (plain, no momentum).
+        lr: learning rate.
+        device: where to run; default: the device of ``net``'s parameters.
+        seed: seeds the random batch and labels.
+    """
+    if steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+    param_device = next(net.parameters()).device
+    device = torch.device(device) if device is not None else param_device
+    if device != param_device:
+        raise ConfigError(f"net is on {param_device}, asked to measure on {device}; move it first")
+    num_classes = _num_classes(net)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    if not trainable:
+        raise ConfigError("nothing trains: no parameter requires grad")
+    opt = make_optimizer(trainable, optimizer, lr)
+    net.train()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    image = torch.randn(batch_size, 3, resolution, resolution, generator=gen).to(device)
+    labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
+    for p in trainable:
+        p.grad = None
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _training_steps(net, opt, image, labels, steps)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+
+    meter = StorageMeter()
+    meter.register_module(net)
+    meter.register(image, labels)
+    try:
+        with meter:
+            _training_steps(net, opt, image, labels, steps)
+    finally:
+        meter.close()
+    log.debug("measured peak %d bytes over %d steps", meter.peak_bytes, steps)
+    return meter.peak_bytes
+
+
+def _num_classes(net: nn.Module) -> int:
+    spec = getattr(net, "spec", None)
+    if spec is not None and getattr(spec, "num_classes", None):
+        return int(spec.num_classes)
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ConfigError("cannot tell the number of classes: no spec and no nn.Linear")
+    return linears[-1].out_features

@@ -1,0 +1,647 @@
+"""Runtime accounting (DESIGN 2b): a built network in, what a training step really holds out.
+
+An analytic model, not a measurement: the network is traced once on the meta device
+(``edgetl.memory.trace`` for the leaves, plus a data-flow pass here that records which
+tensor each op reads and writes), then a training step is *simulated* storage by
+storage with per-layer rules saying what autograd keeps:
+
+* static: params and buffers in their dtype, the input batch and labels, optimizer
+  state (Adam: 2x trainable bytes + one fp32 step scalar per trainable tensor), and the
+  grads of trainable params once backward produces them;
+* forward: each op allocates its output (unless in-place or a view) and whatever it
+  keeps for backward; a tensor stays alive while Python still refers to it (until its
+  last use, or while a module it was passed to is still running — e.g. a residual
+  block's input, a ConvBNReLU's input — or, in EdgeNet, the side module's input until
+  the next tap) or while a saved-for-backward reference to its storage exists;
+  storages are counted once, so views and in-place results are free;
+* backward: ops run in reverse order (autograd's sequence-number order); each holds its
+  grad_output, allocates grad_input (pass-through for add and views) and param grads,
+  then releases its saved tensors; gradients reaching a tensor from two consumers
+  (skips, side taps) are summed in place;
+* optimizer step: Adam's ``denom`` needs two temporaries of the largest param.
+
+Stock rules (torch 2.14, train mode), checked layer by layer against the meter in
+tests/test_runtime_accounting.py: conv saves its input whenever its output needs grad
+(frozen or not); BN saves its input plus save_mean/save_invstd (2 x C floats);
+in-place ReLU6 (``hardtanh_``) saves a *clone* of its input; in-place ReLU saves its
+result (no copy); linear saves its input only if its weight trains; AvgPool2d saves
+its input; AdaptiveAvgPool2d to 1x1 is a ``mean`` and saves nothing; dropout saves a
+mask as large as its input (input dtype); bilinear resize, add and flatten save nothing.
+
+Lean-layer protocol: a leaf module may define
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad) -> LayerCost
+
+returning a :class:`LayerCost` (what it keeps for backward, whether it is in-place,
+forward and backward temporaries, whether its backward produces a grad_input). The rule
+table consults this method first, so a frozen conv that saves nothing, a BN folded
+into its conv, a ReLU6 that keeps a bit-packed mask, or a side conv that keeps its
+input average-pooled by k plugs in without touching this file. ``saved_new_bytes`` is
+for tensors the layer allocates and keeps (a packed mask, a pooled input); referenced
+input or output storages are declared with ``saves_input`` / ``saves_output`` so a
+storage shared with a neighbour is counted once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from edgetl.errors import ConfigError
+from edgetl.memory.paper import sensitive
+from edgetl.memory.report import BlockMemory, MemoryReport
+from edgetl.memory.trace import Leaf, trace_network
+from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adam", "sgd")
+LABEL_BYTES = 8  # int64 class indices
+STEP_BYTES = 4  # Adam's per-tensor fp32 step counter
+_DEBUG: list | None = None  # set to a list to record every simulated sample
+
+
+@dataclass
+class LayerCost:
+    """What one leaf layer holds, for one call. Sizes in bytes; flags refer to storages.
+
+    Attributes:
+        saves_input: backward keeps a reference to the input's storage.
+        saves_output: backward keeps a reference to the output's storage.
+        saved_new_bytes: tensors allocated in forward and kept for backward (clone,
+            mask, statistics, a pooled copy of the input).
+        inplace: the output is the input's storage (no new allocation).
+        forward_temp_bytes: allocated during the call and freed before it returns
+            (e.g. batch statistics when no backward is needed).
+        backward_temp_bytes: extra buffers while its backward runs, beyond grad_output,
+            grad_input and param grads.
+        grad_input: backward allocates a gradient of the input's size when the input
+            requires grad (False for ops whose input grad is a view of grad_output).
+    """
+
+    saves_input: bool = False
+    saves_output: bool = False
+    saved_new_bytes: int = 0
+    inplace: bool = False
+    forward_temp_bytes: int = 0
+    backward_temp_bytes: int = 0
+    grad_input: bool = True
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
+               input_requires_grad: bool, output_requires_grad: bool) -> LayerCost:
+    """The rule table for stock torch leaf modules (see the module docstring)."""
+    nx = _numel(in_shape) * act_bytes
+    grad = output_requires_grad
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return LayerCost(saves_input=grad)
+    if isinstance(module, nn.Linear):
+        return LayerCost(saves_input=grad and module.weight.requires_grad)
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm)):
+        if isinstance(module, nn.GroupNorm):
+            stats = 2 * in_shape[0] * module.num_groups * 4
+        else:
+            stats = 2 * in_shape[1] * 4 if module.training else 0
+        if grad:
+            return LayerCost(saves_input=True, saved_new_bytes=stats)
+        return LayerCost(forward_temp_bytes=stats)
+    if isinstance(module, (nn.ReLU6, nn.Hardtanh)):
+        if module.inplace:
+            # hardtanh_'s formula needs the original input: autograd clones it first
+            return LayerCost(inplace=True, saved_new_bytes=nx if grad else 0)
+        return LayerCost(saves_input=grad)
+    if isinstance(module, (nn.ReLU, nn.LeakyReLU)):
+        if module.inplace:
+            return LayerCost(inplace=True, saves_output=grad)
+        return LayerCost(saves_output=grad) if isinstance(module, nn.ReLU) else LayerCost(saves_input=grad)
+    if isinstance(module, (nn.Sigmoid, nn.Tanh)):
+        return LayerCost(saves_output=grad)
+    if isinstance(module, (nn.Hardswish, nn.SiLU, nn.GELU, nn.Hardsigmoid)):
+        if getattr(module, "inplace", False):
+            return LayerCost(inplace=True, saved_new_bytes=nx if grad else 0)
+        return LayerCost(saves_input=grad)
+    if isinstance(module, (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
+        return LayerCost(saves_input=grad)
+    if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
+        return LayerCost(saves_input=grad, saved_new_bytes=_numel(out_shape) * 8 if grad else 0)
+    if isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
+        if all(int(s) == 1 for s in out_shape[2:]):
+            return LayerCost()  # lowered to mean(): saves only sizes
+        return LayerCost(saves_input=grad)
+    if isinstance(module, (nn.Dropout, nn.Dropout2d, nn.Dropout1d)):
+        if module.training and module.p > 0:
+            mask = nx if not isinstance(module, (nn.Dropout1d, nn.Dropout2d)) else (
+                _numel(in_shape[:2]) * act_bytes)
+            return LayerCost(saved_new_bytes=mask) if grad else LayerCost(forward_temp_bytes=mask)
+        return LayerCost(inplace=True, grad_input=False)
+    if isinstance(module, (nn.Flatten, nn.Identity)):
+        return LayerCost(inplace=True, grad_input=False)
+    if isinstance(module, nn.Upsample) or type(module).__name__ == "Resize":
+        return LayerCost()  # upsample_*_backward needs only sizes
+    log.warning("no runtime rule for %s: assuming it saves its input", type(module).__name__)
+    return LayerCost(saves_input=grad)
+
+
+def layer_cost(module: nn.Module, **kwargs) -> LayerCost:
+    """A leaf's own ``runtime_cost`` if it has one, else the stock rule table."""
+    own = getattr(module, "runtime_cost", None)
+    if callable(own):
+        return own(**kwargs)
+    return stock_cost(module, **kwargs)
+
+
+# ----------------------------------------------------------------------------- data flow
+
+
+@dataclass
+class _Op:
+    name: str
+    block: int
+    part: str
+    inputs: list[int]  # value ids
+    output: int  # value id
+    module: nn.Module | None = None  # original (not meta) module, None for functions
+    leaf: Leaf | None = None
+    func: str = ""
+
+
+@dataclass
+class _Value:
+    storage: int
+    nbytes: int  # bytes of the storage
+    shape: tuple[int, ...]
+    act_bytes: int
+    requires_grad: bool = False
+    producer: int | None = None  # op index
+
+
+@dataclass
+class _Flow:
+    ops: list[_Op]
+    values: list[_Value]
+    holds: dict[int, int]  # storage -> op index after which Python no longer refers to it
+    image: int  # value id of the input batch
+    leaves: list[Leaf]
+
+
+_ALIAS_FUNCS = {"flatten", "view", "reshape", "squeeze", "unsqueeze", "__getitem__", "detach"}
+_ADD_FUNCS = {"add", "__add__", "__radd__", "__iadd__", "add_"}
+
+
+def _func_name(func) -> str:
+    return getattr(func, "__name__", str(func))
+
+
+def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
+    """Trace ``net`` on meta, recording for each op which tensors it reads and writes."""
+    # eval mode only for tracing: shapes are the same, and a batch-1 train-mode BN on a
+    # 1x1 map refuses to run; the rules read training flags from ``net`` itself
+    meta = copy.deepcopy(net).to("meta").eval()
+    trace = trace_network(meta, resolution, batch_size=batch_size)
+    originals = dict(net.named_modules())
+    keep: list[torch.Tensor] = []  # keeps meta storages alive so their keys stay unique
+    values: list[_Value] = []
+    latest: dict[int, int] = {}  # storage key -> newest value id
+    ops: list[_Op] = []
+    spans: list[tuple[int, int, int]] = []  # (storage, first op, last op) of module inputs
+    stack: list[tuple[int | None, int]] = []
+    state = {"busy": False, "leaf_depth": 0}
+
+    def skey(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def value_of(t: torch.Tensor) -> int:
+        key = skey(t)
+        if key not in latest:
+            keep.append(t)
+            values.append(_Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size()))
+            latest[key] = len(values) - 1
+        return latest[key]
+
+    def new_value(t: torch.Tensor, producer: int) -> int:
+        keep.append(t)
+        values.append(_Value(skey(t), t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(),
+                             producer=producer))
+        latest[skey(t)] = len(values) - 1
+        return len(values) - 1
+
+    def tensors(args) -> list[torch.Tensor]:
+        return [a for a in args if isinstance(a, torch.Tensor)]
+
+    leaf_iter = iter(trace.leaves)
+
+    def pre(name: str, is_leaf: bool):
+        def hook(module, args):
+            state["busy"] = True
+            ts = tensors(args)
+            stack.append((skey(ts[0]) if ts else None, len(ops)))
+            if is_leaf:
+                state["leaf_depth"] += 1
+            state["busy"] = False
+
+        return hook
+
+    def post(name: str, is_leaf: bool):
+        def hook(module, args, output):
+            state["busy"] = True
+            key, first = stack.pop()
+            if is_leaf:
+                state["leaf_depth"] -= 1
+                leaf = next(leaf_iter)
+                if leaf.name != name:
+                    raise RuntimeError(f"trace order mismatch: {leaf.name} vs {name}")
+                ins = [value_of(t) for t in tensors(args)]
+                if any(output is t for t in tensors(args)) and not getattr(module, "inplace", False):
+                    latest[skey(output)] = ins[0]  # identity (e.g. Resize to the same size)
+                    ops.append(_Op(name, leaf.block, leaf.part, ins, ins[0], originals[name], leaf,
+                                   func="identity"))
+                else:
+                    ops.append(_Op(name, leaf.block, leaf.part, ins, -1, originals[name], leaf))
+                    ops[-1].output = new_value(output, len(ops) - 1)
+            if key is not None and len(ops) > first:
+                spans.append((key, first, len(ops) - 1))
+            state["busy"] = False
+
+        return hook
+
+    class Recorder(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if state["busy"] or state["leaf_depth"] or not isinstance(out, torch.Tensor):
+                return out
+            ins = [value_of(t) for t in tensors(args)]
+            if not ins:
+                return out
+            block, part = (ops[-1].block, ops[-1].part) if ops else (0, "backbone")
+            ops.append(_Op(_func_name(func), block, part, ins, -1, func=_func_name(func)))
+            ops[-1].output = new_value(out, len(ops) - 1)
+            return out
+
+    handles = []
+    for name, module in meta.named_modules():
+        is_leaf = len(list(module.children())) == 0
+        handles.append(module.register_forward_pre_hook(pre(name, is_leaf)))
+        handles.append(module.register_forward_hook(post(name, is_leaf)))
+    image_t = torch.empty(batch_size, 3, resolution, resolution, device="meta")
+    image = value_of(image_t)
+    try:
+        with torch.no_grad(), Recorder():
+            logits = meta(image_t)
+    finally:
+        for h in handles:
+            h.remove()
+    del logits
+
+    # which values need grad: any input that does, or a param of the layer that trains
+    for op in ops:
+        if op.func == "identity":
+            continue
+        own = op.module is not None and any(p.requires_grad for p in op.module.parameters(recurse=False))
+        values[op.output].requires_grad = own or any(values[v].requires_grad for v in op.inputs)
+
+    holds: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for v in op.inputs:
+            s = values[v].storage
+            holds[s] = max(holds.get(s, i), i)
+    for key, _, last in spans:
+        holds[key] = max(holds.get(key, last), last)
+    # EdgeNet.forward keeps ``side_in`` bound until the next tap block starts
+    side = getattr(net, "side", None)
+    if side is not None:
+        taps = list(side.taps)
+        for j, tap in enumerate(taps):
+            name = f"side.blocks.{j}."
+            first = next((op for op in ops if op.name.startswith(name)), None)
+            if first is None:
+                continue
+            nxt = taps[j + 1] if j + 1 < len(taps) else None
+            end = next((i for i, op in enumerate(ops) if nxt is not None and op.block == nxt
+                        and op.part == "backbone"), len(ops) - 1)
+            s = values[first.inputs[0]].storage
+            holds[s] = max(holds.get(s, end), end)
+    return _Flow(ops, values, holds, image, trace.leaves)
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class _Result:
+    peak_bytes: int = 0
+    peak_at: str = ""
+    peak_parts: dict[str, int] = field(default_factory=dict)
+    saved_end_bytes: int = 0
+    # per block: max temporary, saved at block end, max activation live
+    block_tmp: dict[int, int] = field(default_factory=dict)
+    block_cugrd: dict[int, int] = field(default_factory=dict)
+    block_peak: dict[int, int] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)
+    optimizer_peak_bytes: int = 0
+
+
+class _Memory:
+    """Reference-counted storages: Python holds, saved references, gradient buffers."""
+
+    def __init__(self) -> None:
+        self.size: dict[object, int] = {}
+        self.refs: dict[object, int] = {}
+        self.saved_refs: dict[object, int] = {}
+        self.bytes = 0
+
+    def alloc(self, key, nbytes: int) -> None:
+        if key in self.size:
+            raise RuntimeError(f"storage {key} allocated twice")
+        self.size[key] = nbytes
+        self.refs[key] = 0
+        self.bytes += nbytes
+
+    def ref(self, key, saved: bool = False) -> None:
+        self.refs[key] += 1
+        if saved:
+            self.saved_refs[key] = self.saved_refs.get(key, 0) + 1
+
+    def unref(self, key, saved: bool = False) -> None:
+        self.refs[key] -= 1
+        if saved:
+            self.saved_refs[key] -= 1
+            if not self.saved_refs[key]:
+                del self.saved_refs[key]
+        if self.refs[key] == 0:
+            self.bytes -= self.size.pop(key)
+            del self.refs[key]
+
+    def saved_bytes(self) -> int:
+        return sum(self.size[k] for k in self.saved_refs)
+
+
+def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
+              optimizer: str) -> _Result:
+    values, ops = flow.values, flow.ops
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    frozen_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
+    frozen_bytes += sum(b.numel() * b.element_size() for b in net.buffers())
+    train_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    state_bytes = 0
+    if optimizer == "adam":
+        state_bytes = 2 * train_bytes + STEP_BYTES * len(trainable)
+    input_bytes = values[flow.image].nbytes + batch_size * LABEL_BYTES
+    static = frozen_bytes + train_bytes + state_bytes + input_bytes
+    parts = {"frozen": frozen_bytes, "weights": train_bytes, "state": state_bytes, "input": input_bytes}
+
+    mem = _Memory()
+    res = _Result()
+    grads = {"bytes": 0}
+
+    def sample(where: str, block: int, forward: bool, saved_before: int | None = None) -> None:
+        act = mem.bytes
+        total = static + grads["bytes"] + act
+        if _DEBUG is not None:
+            _DEBUG.append((where, total, mem.saved_bytes()))
+        saved = mem.saved_bytes()
+        if total > res.peak_bytes:
+            res.peak_bytes, res.peak_at = total, where
+            res.peak_parts = {**parts, "grads": grads["bytes"], "saved": saved,
+                              "extra": act - saved}
+        if block not in res.block_peak:
+            res.order.append(block)
+            res.block_peak[block] = res.block_tmp[block] = 0
+        res.block_peak[block] = max(res.block_peak[block], act)
+        if forward:
+            tmp = act - (saved if saved_before is None else saved_before)
+            res.block_tmp[block] = max(res.block_tmp[block], tmp)
+
+    # ---- forward
+    py_held: set[int] = set()
+    saved_by: dict[int, list[object]] = {}  # op index -> storages it keeps
+    costs: dict[int, LayerCost] = {}
+    has_grad_fn: dict[int, bool] = {}
+
+    def release_py(i: int) -> None:
+        for s in list(py_held):
+            if flow.holds.get(s, -1) <= i:
+                py_held.discard(s)
+                mem.unref(s)
+
+    img = values[flow.image].storage
+    mem.alloc(img, 0)  # the batch is static; a zero-size entry keeps references simple
+    mem.ref(img)
+    for i, op in enumerate(ops):
+        out = values[op.output]
+        ins = [values[v] for v in op.inputs]
+        grad_fn = out.requires_grad and op.func != "identity"
+        has_grad_fn[i] = grad_fn
+        saved_before = mem.saved_bytes()
+        if op.func == "identity":
+            cost = LayerCost(inplace=True, grad_input=False)
+        elif op.module is not None:
+            cost = layer_cost(op.module, in_shape=ins[0].shape, out_shape=out.shape,
+                              act_bytes=out.act_bytes, input_requires_grad=ins[0].requires_grad,
+                              output_requires_grad=grad_fn)
+            if cost.inplace and out.storage != ins[0].storage:
+                cost.inplace = False  # traced as a new tensor: trust the trace
+        elif op.func in _ALIAS_FUNCS:
+            cost = LayerCost(inplace=True, grad_input=False)
+        elif op.func in _ADD_FUNCS:
+            cost = LayerCost(grad_input=False)
+        else:
+            log.warning("no runtime rule for function %s: assuming it saves nothing", op.func)
+            cost = LayerCost()
+        costs[i] = cost
+        keep: list[object] = []
+        if cost.saved_new_bytes:
+            mem.alloc(("saved", i), cost.saved_new_bytes)
+            keep.append(("saved", i))
+        if out.storage not in mem.size:
+            mem.alloc(out.storage, out.nbytes)
+        if out.storage not in py_held:
+            py_held.add(out.storage)
+            mem.ref(out.storage)
+        if cost.forward_temp_bytes:
+            mem.alloc(("tmp", i), cost.forward_temp_bytes)
+        sample(f"forward {op.name}", op.block, True, saved_before)
+        if cost.forward_temp_bytes:
+            _drop(mem, ("tmp", i))
+        if grad_fn:
+            if cost.saves_input:
+                keep.append(ins[0].storage)
+            if cost.saves_output:
+                keep.append(out.storage)
+        for k in keep:
+            mem.ref(k, saved=True)
+        saved_by[i] = keep
+        release_py(i)
+        res.block_cugrd[op.block] = mem.saved_bytes()
+
+    # the loss: log_softmax keeps its result, nll_loss keeps total_weight
+    head = HEAD_BLOCK
+    logits = values[ops[-1].output].storage
+    logp = ("loss", "logp")
+    mem.alloc(logp, batch_size * num_classes * 4)
+    mem.ref(logp)
+    sample("forward log_softmax", head, True)
+    mem.ref(logp, saved=True)
+    mem.alloc(("loss", "out"), 8)  # loss + total_weight
+    mem.ref(("loss", "out"))
+    sample("forward nll_loss", head, True)
+    mem.unref(logp)
+    if logits in py_held:
+        py_held.discard(logits)
+        mem.unref(logits)
+    for s in list(py_held):  # nothing else is referenced once forward returns
+        py_held.discard(s)
+        mem.unref(s)
+    res.saved_end_bytes = mem.saved_bytes()
+
+    # ---- backward
+    gbuf: dict[int, object] = {}  # value id -> gradient storage key
+    mem.alloc(("grad", "loss"), 4)
+    mem.ref(("grad", "loss"))
+    mem.alloc(("grad", "logp"), batch_size * num_classes * 4)  # nll_loss_backward
+    mem.ref(("grad", "logp"))
+    sample("backward nll_loss", head, False)
+    mem.unref(("grad", "loss"))
+    mem.unref(("loss", "out"))
+    mem.alloc(("grad", "logits"), batch_size * num_classes * 4)  # log_softmax_backward
+    mem.ref(("grad", "logits"))
+    sample("backward log_softmax", head, False)
+    mem.unref(("grad", "logp"))
+    mem.unref(logp, saved=True)
+    gbuf[ops[-1].output] = ("grad", "logits")
+
+    def deliver(v: int, g: object) -> None:
+        old = gbuf.get(v)
+        if old is None:
+            gbuf[v] = g
+            return
+        # InputBuffer.accumulate: add in place into a buffer nobody else holds
+        if mem.refs[old] == 1:
+            mem.unref(g)
+        elif mem.refs[g] == 1:
+            gbuf[v] = g
+            mem.unref(old)
+        else:
+            key = ("grad", "sum", v, id(g))
+            mem.alloc(key, values[v].nbytes)
+            mem.ref(key)
+            mem.unref(old)
+            mem.unref(g)
+            gbuf[v] = key
+
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if not has_grad_fn[i]:
+            continue
+        g_out = gbuf.pop(op.output, None)
+        cost = costs[i]
+        outs: list[tuple[int, object]] = []
+        if g_out is not None:
+            for v in dict.fromkeys(op.inputs):
+                if not values[v].requires_grad:
+                    continue
+                if cost.grad_input:
+                    key = ("grad", i, v)
+                    mem.alloc(key, values[v].nbytes)
+                else:
+                    key = g_out  # views and add pass grad_output through
+                mem.ref(key)
+                outs.append((v, key))
+            if op.module is not None:
+                for p in op.module.parameters(recurse=False):
+                    if p.requires_grad:
+                        grads["bytes"] += p.numel() * p.element_size()
+            if cost.backward_temp_bytes:
+                mem.alloc(("btmp", i), cost.backward_temp_bytes)
+            sample(f"backward {op.name}", op.block, False)
+            if cost.backward_temp_bytes:
+                _drop(mem, ("btmp", i))
+        for k in saved_by[i]:
+            mem.unref(k, saved=True)
+        if g_out is not None:
+            mem.unref(g_out)
+        for v, key in outs:
+            deliver(v, key)
+
+    # ---- optimizer step: everything but params' grads and state is gone
+    step_tmp = 0
+    if optimizer == "adam" and trainable:
+        step_tmp = 2 * max(p.numel() * p.element_size() for p in trainable)
+    res.optimizer_peak_bytes = static + train_bytes + step_tmp + mem.bytes
+    if res.optimizer_peak_bytes > res.peak_bytes:
+        res.peak_bytes, res.peak_at = res.optimizer_peak_bytes, "optimizer step"
+        res.peak_parts = {**parts, "grads": train_bytes, "saved": 0, "extra": step_tmp + mem.bytes}
+    return res
+
+
+def _drop(mem: _Memory, key) -> None:
+    mem.refs[key] = 1
+    mem.unref(key)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def runtime_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
+                   optimizer: str = "adam") -> MemoryReport:
+    """Runtime accounting (DESIGN 2b) of a built network (any device, meta is enough).
+
+    Per-block figures are for one image: ``tmp_bytes`` the largest activation memory
+    not kept for backward while one of the block's ops runs, ``cugrd_bytes`` the bytes
+    kept for backward at the block's end, ``peak_bytes`` the largest activation memory
+    (kept + temporary + gradient buffers, forward or backward) while the block's ops
+    run. ``total_bytes`` is the predicted peak of a whole training step at
+    ``batch_size``, static memory included; ``breakdown`` splits it at the moment of
+    the peak and sums to it.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+    if not any(p.requires_grad for p in net.parameters()):
+        raise ConfigError("nothing trains: no parameter requires grad")
+    num_classes = net.spec.num_classes
+    one = _simulate(_flow(net, resolution, 1), net, 1, num_classes, optimizer)
+    full = one
+    if batch_size != 1:
+        full = _simulate(_flow(net, resolution, batch_size), net, batch_size, num_classes, optimizer)
+    names = {HEAD_BLOCK: "head"}
+    names.update({i: f"features.{i}" for i in range(HEAD_BLOCK)})
+    blocks = [
+        BlockMemory(index=b, name=names.get(b, str(b)), tmp_bytes=one.block_tmp[b],
+                    cugrd_bytes=one.block_cugrd.get(b, one.saved_end_bytes), peak_bytes=one.block_peak[b])
+        for b in sorted(one.order, key=lambda b: one.order.index(b))
+    ]
+    p = full.peak_parts
+    breakdown = {
+        "frozen weights + buffers": p["frozen"],
+        f"trainable weights + grads + {optimizer} state": p["weights"] + p["grads"] + p["state"],
+        "input batch + labels": p["input"],
+        "stored activations": p["saved"],
+        "forward/backward peak extra": p["extra"],
+    }
+    log.debug("runtime peak %d bytes at %s", full.peak_bytes, full.peak_at)
+    return MemoryReport(
+        accounting="runtime",
+        mode=mode,
+        resolution=resolution,
+        batch_size=batch_size,
+        num_classes=num_classes,
+        blocks=blocks,
+        peak_activation_bytes=max(b.peak_bytes for b in blocks),
+        param_bytes=p["frozen"] + 2 * p["weights"] + p["state"],
+        total_bytes=full.peak_bytes,
+        sensitive_blocks=sensitive(blocks),
+        breakdown=breakdown,
+        backbone=net.spec.to_dict(),
+    )
