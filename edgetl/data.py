@@ -236,6 +236,9 @@ def image_folder(root: str | Path, split: str) -> FileListDataset:
     labels_txt = root / "labels.txt"
     classes = _read_labels_txt(labels_txt) if labels_txt.is_file() else None
     names = {s: sorted(p.name for p in (root / s).iterdir() if p.is_dir() and not p.name.startswith(".")) for s in SPLITS}
+    for s in SPLITS:
+        if not names[s]:
+            raise DataError(f"{root / s} has no class folders; expected {root / s}/<class>/*.jpg")
     if classes is not None:
         for s in SPLITS:
             extra = sorted(set(names[s]) - set(classes))
