@@ -514,7 +514,6 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
     mem.ref(("grad", "logp"))
     sample("backward nll_loss", head, False)
     mem.unref(("grad", "loss"))
-    mem.unref(("loss", "out"))
     mem.alloc(("grad", "logits"), batch_size * num_classes * 4)  # log_softmax_backward
     mem.ref(("grad", "logits"))
     sample("backward log_softmax", head, False)
@@ -574,6 +573,8 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
             mem.unref(g_out)
         for v, key in outs:
             deliver(v, key)
+
+    mem.unref(("loss", "out"))  # the training loop drops the loss after backward
 
     # ---- optimizer step: everything but params' grads and state is gone
     step_tmp = 0
