@@ -207,9 +207,12 @@ def _func_name(func) -> str:
 
 def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
     """Trace ``net`` on meta, recording for each op which tensors it reads and writes."""
-    # eval mode only for tracing: shapes are the same, and a batch-1 train-mode BN on a
-    # 1x1 map refuses to run; the rules read training flags from ``net`` itself
-    meta = copy.deepcopy(net).to("meta").eval()
+    # BN in eval mode for tracing only: shapes are the same, and a batch-1 train-mode BN
+    # on a 1x1 map refuses to run; the rules read training flags from ``net`` itself
+    meta = copy.deepcopy(net).to("meta")
+    for m in meta.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
     trace = trace_network(meta, resolution, batch_size=batch_size)
     originals = dict(net.named_modules())
     keep: list[torch.Tensor] = []  # keeps meta storages alive so their keys stay unique
