@@ -156,12 +156,13 @@ class AutoPlan:
 
 def auto_ratios(spec: BackboneSpec, blocks: list[int], *, resolution: int,
                 target_bytes: int | None = None, round_to: int = 1) -> AutoPlan:
-    """Per block, the smallest ratio (0.01 grid) whose pruned temporary memory is <= target.
+    """Per block, the smallest ratio (0.001 grid) whose pruned temporary memory is <= target.
 
     The default target is the overall cumulative gradient memory of the unpruned network
-    (paper Step 2). Blocks are judged one at a time: a block's temporary memory depends
-    only on its own hidden channels. A block already under the target is left alone; a
-    block that cannot reach it even with one channel is left alone with a warning.
+    (paper Step 2). A block's temporary memory depends only on its own hidden channels, so
+    all blocks are bisected together, one profile per step. A block already under the
+    target is left alone; one that cannot reach it even with one channel is left alone
+    with a warning.
     """
     check_plan(blocks, [0.0] * len(blocks), round_to)
     base = memory_report(spec, resolution=resolution)
@@ -171,43 +172,52 @@ def auto_ratios(spec: BackboneSpec, blocks: list[int], *, resolution: int,
         if target_bytes < 1:
             raise ConfigError(f"target bytes {target_bytes} is not allowed; allowed: >= 1")
         source = "given"
-    choices = []
-    for b in blocks:
-        channels = spec.hidden.get(b) or hidden_channels(build_backbone(spec, device="meta"), b)
+    meta = build_backbone(spec, device="meta")
+    channels = {b: hidden_channels(meta, b) for b in blocks}
 
-        def tmp(kept: int, b=b) -> int:
-            trial = dataclasses.replace(spec, hidden={**spec.hidden, b: kept})
-            return block_tmp_bytes(memory_report(trial, resolution=resolution), b)
+    def tmp(kept: dict[int, int]) -> dict[int, int]:
+        trial = dataclasses.replace(spec, hidden={**spec.hidden, **kept})
+        report = memory_report(trial, resolution=resolution)
+        return {b: block_tmp_bytes(report, b) for b in kept}
 
-        before = block_tmp_bytes(base, b)
-        mb = 1e6
-        if before <= target_bytes:
-            choices.append(BlockChoice(b, channels, 0.0, channels, before, before,
-                                       f"already {before / mb:.3f} MB <= target {target_bytes / mb:.3f} MB"))
-            continue
-        floor = tmp(1)
-        if floor > target_bytes:
-            log.warning("block %d cannot reach the target: one channel still needs %d bytes", b, floor)
-            choices.append(BlockChoice(b, channels, 0.0, channels, before, before,
-                                       f"unreachable: even 1 channel needs {floor / mb:.3f} MB > "
-                                       f"target {target_bytes / mb:.3f} MB; not pruned"))
-            continue
-        lo, hi = 1, channels  # tmp(lo) <= target < tmp(hi); tmp grows with the kept count
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if tmp(mid) <= target_bytes:
-                lo = mid
+    before = {b: block_tmp_bytes(base, b) for b in blocks}
+    todo = [b for b in blocks if before[b] > target_bytes]
+    floor = tmp({b: 1 for b in todo}) if todo else {}
+    todo = [b for b in todo if floor[b] <= target_bytes]
+    lo = {b: 1 for b in todo}  # tmp(lo) <= target < tmp(hi); tmp grows with the kept count
+    hi = {b: channels[b] for b in todo}
+    while any(hi[b] - lo[b] > 1 for b in todo):
+        mid = {b: (lo[b] + hi[b]) // 2 for b in todo}
+        for b, t in tmp(mid).items():
+            if t <= target_bytes:
+                lo[b] = mid[b]
             else:
-                hi = mid
-        grid = [round(i * RATIO_STEP, 3) for i in range(1, round(1 / RATIO_STEP))]
-        fits = [r for r in grid if 1 <= kept_channels(channels, r, round_to) <= lo]
-        ratio = fits[0] if fits else 1 - (lo + 0.5) / channels  # grid too coarse: exact
-        kept = kept_channels(channels, ratio, round_to)
-        after = tmp(kept)
-        reason = f"keeps {kept} of {channels}: {after / mb:.3f} MB <= target {target_bytes / mb:.3f} MB"
-        if kept < channels:
-            reason += f"; {kept + 1} channels would need {tmp(kept + 1) / mb:.3f} MB"
-        choices.append(BlockChoice(b, channels, ratio, kept, before, after, reason))
+                hi[b] = mid[b]
+    grid = [round(i * RATIO_STEP, 3) for i in range(1, round(1 / RATIO_STEP))]
+    ratio, kept = {}, {}
+    for b in todo:
+        fits = [r for r in grid if 1 <= kept_channels(channels[b], r, round_to) <= lo[b]]
+        ratio[b] = fits[0] if fits else 1 - (lo[b] + 0.5) / channels[b]  # grid too coarse: exact
+        kept[b] = kept_channels(channels[b], ratio[b], round_to)
+    after = tmp(kept) if todo else {}
+    more = tmp({b: kept[b] + 1 for b in todo if kept[b] < channels[b]}) if todo else {}
+
+    mb, choices = 1e6, []
+    for b in blocks:
+        c = channels[b]
+        if before[b] <= target_bytes:
+            choices.append(BlockChoice(b, c, 0.0, c, before[b], before[b],
+                                       f"already {before[b] / mb:.3f} MB <= target {target_bytes / mb:.3f} MB"))
+        elif b not in kept:
+            log.warning("block %d cannot reach the target: one channel still needs %d bytes", b, floor[b])
+            choices.append(BlockChoice(b, c, 0.0, c, before[b], before[b],
+                                       f"unreachable: even 1 channel needs {floor[b] / mb:.3f} MB > "
+                                       f"target {target_bytes / mb:.3f} MB; not pruned"))
+        else:
+            reason = f"keeps {kept[b]} of {c}: {after[b] / mb:.3f} MB <= target {target_bytes / mb:.3f} MB"
+            if b in more:
+                reason += f"; {kept[b] + 1} channels would need {more[b] / mb:.3f} MB"
+            choices.append(BlockChoice(b, c, ratio[b], kept[b], before[b], after[b], reason))
     return AutoPlan(int(target_bytes), source, choices)
 
 
