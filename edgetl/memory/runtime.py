@@ -40,7 +40,9 @@ into its conv, a ReLU6 that keeps a bit-packed mask, or a side conv that keeps i
 input average-pooled by k plugs in without touching this file. ``saved_new_bytes`` is
 for tensors the layer allocates and keeps (a packed mask, a pooled input); referenced
 input or output storages are declared with ``saves_input`` / ``saves_output`` so a
-storage shared with a neighbour is counted once.
+storage shared with a neighbour is counted once. A leaf that returns the very tensor it
+was given is taken as an identity (no op, no grad_fn) unless it has ``inplace = True``,
+in which case it is an in-place op whose output shares its input's storage.
 """
 
 from __future__ import annotations
