@@ -1,0 +1,579 @@
+"""Training: a model, loaders and a Recipe in, a run folder (recipe, metrics, last.pt, best.pt) out.
+
+The one loop ``edgetl finetune`` and ``edgetl retrain`` share, in the style of the
+torchvision references: per-iteration cosine schedule (optional linear warmup), label
+smoothing, Adam or SGD, autocast + GradScaler on CUDA, per-epoch evaluation, optional
+distillation from a teacher, torchrun/DDP. Checkpoints (``last.pt`` and ``best.pt``
+only) are plain dicts written atomically and loadable with ``weights_only=True``; a
+mid-epoch ``last.pt`` every ``train.checkpoint_every`` steps carries the step, the
+optimizer/scheduler/scaler states and every rank's RNG states, so a resumed run ends
+with exactly the weights an uninterrupted one would (the data order and augmentation
+are functions of seed, epoch and index: see edgetl.data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from edgetl.errors import CapabilityError, ConfigError, DataError
+from edgetl.io import atomic_torch_save, atomic_write_text
+from edgetl.recipe import OptimConfig, Recipe
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "edgetl-checkpoint/1"
+LAST, BEST = "last.pt", "best.pt"
+RECIPE_FILE = "recipe.yaml"
+METRICS_CSV, METRICS_JSONL = "metrics.csv", "metrics.jsonl"
+# Recipe keys that may change between a run and its resume without changing the result.
+RESUME_MAY_CHANGE = ("data.root", "data.download", "train.workers")
+
+
+# --- distributed helpers ---------------------------------------------------------------
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by torchrun with more than one process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+    return None
+
+
+def setup_distributed(device: torch.device | str = "cpu") -> torch.device:
+    """Join the torchrun process group if there is one (gloo on CPU, nccl on CUDA).
+
+    Call before building loaders, so they shard. Returns the device this process uses
+    (``cuda:LOCAL_RANK`` for a CUDA device).
+    """
+    device = torch.device(device)
+    env = torchrun_env()
+    if env is None:
+        return device
+    rank, world, local_rank = env
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        log.info("process group ready: rank %d of %d (%s)", rank, world, dist.get_backend())
+    return device
+
+
+def cleanup_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """Only rank 0 logs and writes files."""
+    return get_rank() == 0
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    if get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _gather(obj: Any) -> list[Any]:
+    if get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --- seeds and RNG state ---------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (all devices), numpy and random; call before building the model."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Every generator's state as tensors and numbers (loadable with weights_only=True)."""
+    version, py_state, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+        "python_version": int(version),
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+        "python_gauss": gauss,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state((
+        "MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
+        state["numpy_has_gauss"], state["numpy_gauss"],
+    ))
+    random.setstate((state["python_version"], tuple(state["python_state"].tolist()), state["python_gauss"]))
+
+
+# --- optimizer and schedule ------------------------------------------------------------
+
+
+def default_param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
+    """Trainable parameters in groups: side network (lr_side) and the rest (lr_head).
+
+    With ``decay_norm_and_bias: false``, 1-d parameters (normalisation weights, biases)
+    get no weight decay, as the torchvision references' ``--norm-weight-decay 0``.
+    """
+    groups: dict[tuple[str, bool], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        part = "side" if name.startswith("side.") or ".side." in name else "head"
+        no_decay = not optim.decay_norm_and_bias and p.ndim <= 1
+        groups.setdefault((part, no_decay), []).append(p)
+    if not groups:
+        raise ConfigError("the model has no trainable parameters; check model.mode")
+    out = []
+    for (part, no_decay), params in sorted(groups.items()):
+        lr = optim.side_lr if part == "side" else optim.head_lr
+        if lr is None:
+            raise ConfigError("the model has side-network parameters; set optim.lr_side or optim.lr")
+        out.append({
+            "params": params, "lr": lr, "name": part + ("_no_decay" if no_decay else ""),
+            "weight_decay": 0.0 if no_decay else optim.weight_decay,
+        })
+    return out
+
+
+def build_optimizer(groups: list[dict], optim: OptimConfig) -> torch.optim.Optimizer:
+    if optim.name == "adam":
+        return torch.optim.Adam(groups, weight_decay=optim.weight_decay)
+    if optim.name == "sgd":
+        return torch.optim.SGD(
+            groups, lr=groups[0]["lr"], momentum=optim.momentum or 0.0,
+            nesterov=optim.nesterov, weight_decay=optim.weight_decay,
+        )
+    raise ConfigError(f"unknown optimizer {optim.name!r}; allowed: adam, sgd")
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """Multiplier of the base rate before optimizer step ``step`` (0-based).
+
+    Linear warmup from 1/warmup_steps to 1, then cosine from 1 to 0 at ``total_steps``
+    (or constant).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, steps_per_epoch: int, epochs: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-iteration schedule (stepped after every optimizer step)."""
+    total = steps_per_epoch * epochs
+    warmup = int(round(optim.warmup_epochs * steps_per_epoch))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total, warmup, optim.schedule)
+    )
+
+
+# --- checkpoints -----------------------------------------------------------------------
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (checkpoints hold its state_dict, not the wrapper's)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
+    """Read an edgetl checkpoint with ``weights_only=True``; one-line DataError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises many types for a damaged file
+        raise DataError(f"{path} is corrupted or not an edgetl checkpoint: {str(exc).splitlines()[0]}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise DataError(f"{path} is not an edgetl checkpoint (format {CHECKPOINT_FORMAT})")
+    return ckpt
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _recipe_differences(saved: dict, current: dict) -> list[str]:
+    a, b = _flatten(saved), _flatten(current)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in RESUME_MAY_CHANGE)
+
+
+# --- metrics ---------------------------------------------------------------------------
+
+
+def _write_metrics(out_dir: Path, history: list[dict]) -> None:
+    """Rewrite metrics.jsonl and metrics.csv (one row an epoch), atomically."""
+    atomic_write_text(out_dir / METRICS_JSONL, "".join(json.dumps(r) + "\n" for r in history))
+    if not history:
+        return
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(history[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(history)
+    atomic_write_text(out_dir / METRICS_CSV, buf.getvalue())
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    path = Path(out_dir) / METRICS_JSONL
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --- the loop --------------------------------------------------------------------------
+
+
+@dataclass
+class FitResult:
+    """What a run produced; ``history`` has one metrics dict per epoch (as metrics.jsonl)."""
+
+    out_dir: Path
+    best_acc1: float | None
+    best_epoch: int | None
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def last_path(self) -> Path:
+        return self.out_dir / LAST
+
+    @property
+    def best_path(self) -> Path:
+        return self.out_dir / BEST
+
+
+def _set_train_mode(model: nn.Module, bn: str) -> None:
+    """train(); with bn "fold", frozen BN layers stay in eval mode (fixed statistics, foldable)."""
+    model.train()
+    if bn == "fold":
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None and not m.weight.requires_grad:
+                m.eval()
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext, None
+    if device.type != "cuda":
+        raise CapabilityError(
+            f"model.precision {precision} needs a CUDA device for mixed-precision training; "
+            f"this run is on {device.type} (use model.precision: fp32)"
+        )
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
+
+
+def evaluate(
+    model: nn.Module, loader, device: torch.device | str, precision: str = "fp32"
+) -> dict[str, float]:
+    """Top-1 accuracy (%) and mean cross-entropy (no smoothing) over the loader, summed over ranks."""
+    device = torch.device(device)
+    autocast, _ = _autocast(device, precision)
+    model = unwrap(model)
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, count = 0.0, 0.0, 0.0
+    with torch.no_grad(), autocast():
+        for images, labels in loader:
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            logits = model(images).float()
+            loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+            correct += (logits.argmax(1) == labels).sum().item()
+            count += labels.numel()
+    model.train(was_training)
+    loss_sum, correct, count = _all_reduce_sum([loss_sum, correct, count], device)
+    if count == 0:
+        raise DataError("the validation set is empty")
+    return {"loss": loss_sum / count, "acc1": 100.0 * correct / count, "count": int(count)}
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Hinton's KL(teacher || student) at temperature T, scaled by T^2."""
+    t = temperature
+    return F.kl_div(
+        F.log_softmax(student / t, dim=1), F.log_softmax(teacher / t, dim=1),
+        reduction="batchmean", log_target=True,
+    ) * (t * t)
+
+
+def fit(
+    *,
+    model: nn.Module,
+    train_loader,
+    val_loader,
+    recipe: Recipe,
+    out_dir: str | Path,
+    device: torch.device | str = "cpu",
+    param_groups: list[dict] | None = None,
+    optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+    resume: bool = False,
+    on_step: Callable[[dict], None] | None = None,
+    on_epoch: Callable[[dict], None] | None = None,
+    teacher: nn.Module | None = None,
+) -> FitResult:
+    """Train ``model`` per ``recipe``, evaluating every epoch; write the run folder.
+
+    Args:
+        model: the network, trainability already set (edgetl.models.side.set_trainable).
+        train_loader: from edgetl.data.build_loader(train=True): its ResumableSampler makes
+            the data order reproducible and lets a resumed run start mid-epoch.
+        val_loader: evaluation loader (edgetl.data.build_loader(train=False)).
+        recipe: the resolved recipe; its optim and train sections drive the loop.
+        out_dir: run folder: recipe.yaml, metrics.csv, metrics.jsonl, last.pt, best.pt.
+        device: where to train; the model is moved there.
+        param_groups: optimizer groups; default ``default_param_groups(model, recipe.optim)``.
+        optimizer_factory: groups -> optimizer; default from recipe.optim.
+        resume: continue from ``out_dir/last.pt`` (required if it exists, error if not).
+        on_step: called after each step with {epoch, epochs, step, steps, global_step,
+            loss, lr} (the CLI draws progress from it; the library never prints).
+        on_epoch: called after each epoch with that epoch's metrics row.
+        teacher: distillation teacher (needs the recipe's distill section).
+
+    Under torchrun call ``setup_distributed`` before building the loaders; the model is
+    then wrapped in DDP and only rank 0 writes.
+    """
+    device = torch.device(device)
+    out_dir = Path(out_dir)
+    rank, world = get_rank(), get_world_size()
+    if torchrun_env() is not None and world == 1:
+        raise ConfigError("started by torchrun but no process group: call edgetl.train.setup_distributed() first")
+    sampler = getattr(train_loader, "sampler", None)
+    if getattr(sampler, "num_replicas", 1) != world:
+        raise ConfigError(
+            f"the training loader is sharded for {getattr(sampler, 'num_replicas', 1)} processes but "
+            f"{world} are running; build loaders after setup_distributed()"
+        )
+    if teacher is not None and recipe.distill is None:
+        raise ConfigError("a teacher was given but the recipe has no distill section")
+    if recipe.distill is not None and teacher is None:
+        raise ConfigError("the recipe's distill section needs a teacher model (distill.teacher)")
+    autocast, scaler = _autocast(device, recipe.model.precision)
+    epochs = recipe.train.epochs
+
+    last_path = out_dir / LAST
+    if resume and not last_path.is_file():
+        raise DataError(f"nothing to resume: {last_path} does not exist")
+    if not resume and last_path.is_file():
+        raise ConfigError(f"{out_dir} already holds a run ({LAST}); resume it or choose another folder")
+
+    model.to(device)
+    if teacher is not None:
+        teacher.to(device).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+    groups = param_groups if param_groups is not None else default_param_groups(model, recipe.optim)
+    optimizer = (optimizer_factory or (lambda g: build_optimizer(g, recipe.optim)))(groups)
+    if hasattr(sampler, "set_start"):
+        sampler.set_start(0)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise DataError("the training loader yields no batches (fewer samples than one batch?)")
+    scheduler = build_scheduler(optimizer, recipe.optim, steps_per_epoch, epochs)
+    label_loss = nn.CrossEntropyLoss(label_smoothing=recipe.optim.label_smoothing)
+
+    start_epoch, start_step, best_acc1, best_epoch = 0, 0, None, None
+    sums = [0.0, 0.0, 0.0]  # train loss sum, correct, count of the epoch in progress
+    history: list[dict] = []
+    rank_rng: dict | None = None
+    if resume:
+        ckpt = load_checkpoint(last_path)
+        diff = _recipe_differences(ckpt["recipe"], recipe.to_dict())
+        if diff:
+            raise ConfigError(
+                f"cannot resume {out_dir}: the recipe differs in {', '.join(diff[:4])}"
+                f"{' ...' if len(diff) > 4 else ''} (see {out_dir / RECIPE_FILE})"
+            )
+        if ckpt["step_in_epoch"] > 0 and ckpt["world_size"] != world:
+            raise ConfigError(
+                f"cannot resume {last_path} mid-epoch with {world} processes; it was written by "
+                f"{ckpt['world_size']} (the data order depends on it)"
+            )
+        unwrap(model).load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        start_epoch, start_step = ckpt["epoch"], ckpt["step_in_epoch"]
+        best_acc1, best_epoch = ckpt["best_acc1"], ckpt["best_epoch"]
+        states = ckpt["rank_state"]
+        if rank < len(states) and ckpt["world_size"] == world:
+            rank_rng = states[rank]["rng"]
+            sums = [float(v) for v in states[rank]["sums"].tolist()]
+        history = [r for r in read_metrics(out_dir) if r["epoch"] <= start_epoch]
+        log.info("resuming %s at epoch %d step %d", out_dir, start_epoch + 1, start_step)
+    if is_main_process():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_dir / RECIPE_FILE, recipe.to_yaml())
+
+    net = model
+    if world > 1:
+        net = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+
+    def save(path: Path, epoch: int, step: int) -> None:
+        # Collective (gathers every rank's RNG state), so every rank calls it.
+        state = _gather({"rng": rng_state(), "sums": torch.tensor(sums, dtype=torch.float64)})
+        if not is_main_process():
+            return
+        atomic_torch_save({
+            "format": CHECKPOINT_FORMAT,
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "epoch": epoch,
+            "step_in_epoch": step,
+            "global_step": epoch * steps_per_epoch + step,
+            "best_acc1": best_acc1,
+            "best_epoch": best_epoch,
+            "world_size": world,
+            "rank_state": state,
+            "recipe": recipe.to_dict(),
+        }, path)
+
+    if rank_rng is not None:
+        set_rng_state(rank_rng)
+    elif not resume or start_step == 0:
+        # Dropout etc. differ between ranks but are fixed by the seed.
+        seed_everything(recipe.train.seed + rank)
+
+    every = recipe.train.checkpoint_every
+    distill = recipe.distill
+    for epoch in range(start_epoch, epochs):
+        first = start_step if epoch == start_epoch else 0
+        if epoch != start_epoch:
+            sums = [0.0, 0.0, 0.0]
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        if hasattr(sampler, "set_start"):
+            sampler.set_start(first * train_loader.batch_size)
+        batches = iter(train_loader)
+        if first and not hasattr(sampler, "set_start"):
+            log.warning("loader cannot start mid-epoch; skipping %d batches", first)
+            for _ in range(first):
+                next(batches)
+        _set_train_mode(net, recipe.model.bn)
+        t0, seen = time.perf_counter(), 0
+        for step, (images, labels) in enumerate(batches, start=first):
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            with autocast():
+                logits = net(images)
+                loss = label_loss(logits, labels)
+                if distill is not None:
+                    with torch.no_grad():
+                        t_logits = teacher(images)
+                    loss = (1 - distill.weight) * loss + distill.weight * distill_loss(
+                        logits.float(), t_logits.float(), distill.temperature
+                    )
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            scheduler.step()
+            loss_value = loss.item()
+            n = labels.numel()
+            sums[0] += loss_value * n
+            sums[1] += (logits.detach().argmax(1) == labels).sum().item()
+            sums[2] += n
+            seen += n
+            if on_step is not None:
+                on_step({
+                    "epoch": epoch, "epochs": epochs, "step": step + 1, "steps": steps_per_epoch,
+                    "global_step": epoch * steps_per_epoch + step + 1, "loss": loss_value,
+                    "lr": optimizer.param_groups[0]["lr"],
+                })
+            if every and (step + 1) % every == 0 and step + 1 < steps_per_epoch:
+                save(last_path, epoch, step + 1)
+
+        loss_sum, correct, count = _all_reduce_sum(sums, device)
+        elapsed = time.perf_counter() - t0
+        row: dict[str, Any] = {
+            "epoch": epoch + 1,
+            "global_step": (epoch + 1) * steps_per_epoch,
+            "lr": optimizer.param_groups[0]["lr"],
+            "train_loss": loss_sum / max(count, 1),
+            "train_acc1": 100.0 * correct / max(count, 1),
+            "val_loss": None,
+            "val_acc1": None,
+            "epoch_time_s": elapsed,
+            "images_per_s": seen * world / elapsed if elapsed > 0 else None,
+        }
+        evaluated = (epoch + 1) % recipe.train.eval_every == 0 or epoch + 1 == epochs
+        improved = False
+        if evaluated:
+            metrics = evaluate(net, val_loader, device, recipe.model.precision)
+            row["val_loss"], row["val_acc1"] = metrics["loss"], metrics["acc1"]
+            if best_acc1 is None or metrics["acc1"] > best_acc1:
+                best_acc1, best_epoch, improved = metrics["acc1"], epoch + 1, True
+        history.append(row)
+        sums = [0.0, 0.0, 0.0]
+        if improved:
+            save(out_dir / BEST, epoch + 1, 0)
+        save(last_path, epoch + 1, 0)
+        if is_main_process():
+            _write_metrics(out_dir, history)
+            log.info("epoch %d/%d: %s", epoch + 1, epochs, row)
+        if on_epoch is not None:
+            on_epoch(row)
+    return FitResult(out_dir=out_dir, best_acc1=best_acc1, best_epoch=best_epoch, history=history)
