@@ -13,6 +13,20 @@ from pathlib import Path
 import torch
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _chmod_to_umask(folder: Path) -> None:
+    """mkdtemp/mkstemp make private (0700/0600) entries; give them the usual modes."""
+    mask = _umask()
+    folder.chmod(0o777 & ~mask)
+    for entry in folder.rglob("*"):
+        entry.chmod((0o777 if entry.is_dir() else 0o666) & ~mask)
+
+
 def _tmp_beside(path: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -28,6 +42,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        tmp.chmod(0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -49,6 +64,7 @@ def atomic_torch_save(obj, path: str | Path) -> None:
     tmp = _tmp_beside(path)
     try:
         torch.save(obj, tmp)
+        tmp.chmod(0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -68,6 +84,7 @@ def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        _chmod_to_umask(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

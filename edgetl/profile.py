@@ -7,6 +7,7 @@ real training steps (DESIGN 2c).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 from pathlib import Path
@@ -18,11 +19,29 @@ from edgetl.memory.paper import paper_blocks, param_bytes, sensitive
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.memory.trace import trace_network
 from edgetl.models.backbone import BackboneSpec, EdgeNet, read_backbone_spec
-from edgetl.models.side import TRAIN_MODES, build_network
+from edgetl.models.side import TRAIN_MODES, LeanOptions, build_network
 
 log = logging.getLogger(__name__)
 
 ACCOUNTINGS = ("paper", "runtime")
+RUNTIMES = ("auto", "lean", "stock")
+# Modes whose trainable parameters the lean frozen backbone supports (it folds BN into
+# frozen convs: trainable conv weights or BN scales need the stock modules).
+LEAN_MODES = ("repnet", "repnet+bias", "last", "bias")
+
+
+def resolve_runtime(mode: str, runtime: str) -> str:
+    """"lean" or "stock": ``auto`` is lean wherever the mode allows it."""
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"unknown runtime {runtime!r}; allowed: {', '.join(RUNTIMES)}")
+    if runtime == "auto":
+        return "lean" if mode in LEAN_MODES else "stock"
+    if runtime == "lean" and mode not in LEAN_MODES:
+        raise ConfigError(
+            f"mode {mode} trains backbone convs or BN scales; the lean runtime allows "
+            f"{', '.join(LEAN_MODES)}; use --runtime stock"
+        )
+    return runtime
 FROZEN_BITS = (32, 16, 8)
 MIN_RESOLUTION = 32
 MIN_RESOLUTION_SIDE = 64  # the last side module pools a stride-32 map 2x2: needs >= 2x2
@@ -98,6 +117,8 @@ def profile(
     measure: bool = False,
     device: str | torch.device = "cpu",
     measure_steps: int = 3,
+    runtime: str = "auto",
+    lean: LeanOptions | None = None,
 ) -> MemoryReport:
     """Profile the activation memory of fine-tuning MobileNetV2 in ``mode``.
 
@@ -113,22 +134,30 @@ def profile(
         measure: also run real training steps and record the measured peak.
         device: where to measure.
         measure_steps: training steps to measure over.
+        runtime: "lean" (edgetl's lean layers), "stock" (torch modules) or "auto" (lean
+            where the mode allows). Paper accounting always walks the stock network.
+        lean: lean runtime options (pooling, precision, frozen weights, BN); defaults
+            to ``LeanOptions()``.
     """
     check_options(mode=mode, accounting=accounting, resolution=resolution,
                   batch_size=batch_size, frozen_bits=frozen_bits)
     spec = resolve_spec(checkpoint=checkpoint, num_classes=num_classes, width=width)
-    net = build_network(spec, mode, device="meta")
+    lean_options = (lean or LeanOptions()) if resolve_runtime(mode, runtime) == "lean" else None
     if accounting == "paper":
+        net = build_network(spec, mode, device="meta")
         report = paper_report(net, mode=mode, resolution=resolution, batch_size=batch_size,
                               frozen_bits=frozen_bits)
     else:
         from edgetl.memory.runtime import runtime_report
 
+        net = build_network(spec, mode, device="meta", lean=lean_options)
         report = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size)
+    report.runtime = "stock" if lean_options is None else "lean"
+    report.lean = None if lean_options is None else dataclasses.asdict(lean_options)
     if measure:
         from edgetl.memory.meter import measure_training_peak
 
-        real = build_network(spec, mode, device=device)
+        real = build_network(spec, mode, device=device, lean=lean_options)
         report.measured_peak_bytes = measure_training_peak(
             real, resolution=resolution, batch_size=batch_size, steps=measure_steps
         )

@@ -6,8 +6,8 @@ import argparse
 
 from edgetl.cli._common import fmt_mb, positive_float, positive_int, print_table, writable_file
 from edgetl.memory.report import MemoryReport
-from edgetl.models.side import TRAIN_MODES
-from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, plot_profile, profile
+from edgetl.models.side import TRAIN_MODES, LeanOptions
+from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, RUNTIMES, plot_profile, profile
 
 
 def add_parser(sub) -> None:
@@ -30,6 +30,17 @@ def add_parser(sub) -> None:
     p.add_argument("--width", type=positive_float, default=1.0, help="MobileNetV2 width multiplier")
     p.add_argument("--frozen-bits", type=int, choices=FROZEN_BITS, default=8,
                    help="storage of frozen weights (paper accounting)")
+    lean = p.add_argument_group("runtime accounting / --measure: the runtime that trains")
+    lean.add_argument("--runtime", choices=RUNTIMES, default="auto",
+                      help="lean: edgetl's lean layers; stock: plain torch modules; auto: lean where the mode allows")
+    lean.add_argument("--pool", type=int, choices=(1, 2, 4), default=2,
+                      help="side-network activations stored average-pooled by k (1 = exact)")
+    lean.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                      help="activation dtype of the frozen backbone")
+    lean.add_argument("--frozen-weights", choices=("fp32", "fp16", "int8"), default="fp32",
+                      help="storage of frozen backbone weights")
+    lean.add_argument("--bn", choices=("fold", "batch"), default="fold",
+                      help="backbone BN folded into the convs, or batch statistics")
     p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune)")
     p.add_argument("--measure", action="store_true",
                    help="also run real training steps (forward, backward, Adam) and measure the peak")
@@ -48,7 +59,7 @@ def print_report(report: MemoryReport) -> None:
     print_table(
         ["block", "temporary MB", "cum. grad MB", "peak MB", ""],
         rows,
-        title=(f"{report.mode} | {report.accounting} accounting | {report.resolution} px | "
+        title=(f"{report.mode} | {report.accounting} accounting | {_runtime(report)}{report.resolution} px | "
                f"per image (MB = 10^6 B); * = sensitive"),
     )
     print()
@@ -66,6 +77,16 @@ def print_report(report: MemoryReport) -> None:
     print(f"sensitive blocks: {', '.join(map(str, report.sensitive_blocks)) or 'none'}")
 
 
+def _runtime(report: MemoryReport) -> str:
+    if report.accounting == "paper":
+        return ""
+    if report.lean is None:
+        return "stock modules | "
+    lean = report.lean
+    return (f"lean: pool {lean['pool']}, {lean['precision']} activations, "
+            f"{lean['frozen_weights']} frozen weights, BN {lean['bn']} | ")
+
+
 def run(args) -> int:
     report = profile(
         mode=args.mode,
@@ -78,6 +99,9 @@ def run(args) -> int:
         checkpoint=args.checkpoint,
         measure=args.measure,
         device=args.device,
+        runtime=args.runtime,
+        lean=LeanOptions(pool=args.pool, bn=args.bn, frozen_weights=args.frozen_weights,
+                         precision=args.precision),
     )
     print_report(report)
     if args.json:

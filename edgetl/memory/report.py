@@ -42,6 +42,8 @@ class MemoryReport:
     sensitive_blocks: list[int]
     breakdown: dict[str, int] = field(default_factory=dict)
     backbone: dict = field(default_factory=dict)
+    runtime: str = "stock"
+    lean: dict | None = None
     measured_peak_bytes: int | None = None
 
     @property

@@ -180,9 +180,9 @@ class LeanSideModule(nn.Module):
         mid_channels: int | None = None,
     ):
         super().__init__()
-        from edgetl.models.side import _round_up
+        from edgetl.models.side import round_up
 
-        mid = mid_channels if mid_channels is not None else _round_up(in_channels, 8)
+        mid = mid_channels if mid_channels is not None else round_up(in_channels, 8)
         self.in_channels, self.mid_channels, self.out_channels = in_channels, mid, out_channels
         self.pre_pool = LeanAvgPool2d(image_pool) if image_pool > 1 else None
         self.pool = LeanAvgPool2d(2)

@@ -9,6 +9,7 @@ untrained network equals the backbone) -> bilinear resize to the tap block's out
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ TAPS = (2, 4, 7, 11, 14, 17)
 IMAGE_POOL = 4
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return int(math.ceil(value / multiple) * multiple)
 
 
@@ -44,7 +45,7 @@ class SideModule(nn.Module):
         image_pool: int = 1,
     ):
         super().__init__()
-        mid = _round_up(in_channels, 8)
+        mid = round_up(in_channels, 8)
         self.in_channels, self.mid_channels, self.out_channels = in_channels, mid, out_channels
         self.pre_pool = nn.AvgPool2d(image_pool) if image_pool > 1 else None
         self.pool = nn.AvgPool2d(2)
@@ -132,16 +133,49 @@ def set_trainable(net: EdgeNet, mode: str) -> None:
                 m.weight.requires_grad_(True)
 
 
+@dataclass(frozen=True)
+class LeanOptions:
+    """How the lean runtime stores things (DESIGN 4).
+
+    Attributes:
+        pool: side-network conv inputs are stored average-pooled by this factor (1 = exact).
+        bn: "fold" folds frozen BN into the convs (eval statistics); "batch" uses batch statistics.
+        frozen_weights: storage of frozen backbone weights: fp32, fp16 or int8.
+        precision: activation dtype of the frozen backbone: fp32, bf16 or fp16.
+    """
+
+    pool: int = 2
+    bn: str = "fold"
+    frozen_weights: str = "fp32"
+    precision: str = "fp32"
+
+
 def build_network(
     spec,
     mode: str = "repnet",
     device: torch.device | str | None = None,
+    lean: LeanOptions | None = None,
 ) -> EdgeNet:
-    """Backbone from ``spec`` + side network when the mode needs one, trainability set."""
+    """Backbone from ``spec`` + side network when the mode needs one, trainability set.
+
+    With ``lean`` the frozen backbone and the side network are converted to the lean
+    runtime layers (edgetl.models.lean); without it they are stock torch modules.
+    """
     from edgetl.models.backbone import build_backbone
 
     net = build_backbone(spec, device=device)
     if mode.startswith("repnet"):
         net.attach_side(build_side_network(net))
     set_trainable(net, mode)
+    if lean is not None:
+        make_lean(net, lean)
     return net
+
+
+def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
+    """Convert a built network (weights loaded, trainability set) to the lean runtime, in place."""
+    from edgetl.models.lean_side import leanify_network
+
+    return leanify_network(
+        net, pool=lean.pool, bn=lean.bn, weight_dtype=lean.frozen_weights, act_dtype=lean.precision
+    )
