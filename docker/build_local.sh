@@ -52,6 +52,9 @@ else
   tar -C "$site" --exclude='__editable__*' --exclude='edgetl*' --exclude='hadolint*' --exclude='__pycache__' -cf - . \
     | tar -C "$mnt/usr/local/lib/$pyver/site-packages" -xf -
   ln -sf python3 "$mnt/usr/local/bin/python"
+  # The host's trust store: where HTTPS goes through a proxy with its own CA, pip inside the
+  # build must trust what the host trusts.
+  cp -L /etc/ssl/certs/ca-certificates.crt "$mnt/etc/ssl/certs/ca-certificates.crt"
   chroot "$mnt" /sbin/ldconfig
   chroot "$mnt" /usr/local/bin/python3 -c "import torch, sys; print('base:', sys.version.split()[0], 'torch', torch.__version__)"
   rm -rf "$mnt/var/cache/apt/archives/"*.deb "$mnt/var/lib/apt/lists/"*
