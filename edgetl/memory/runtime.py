@@ -104,7 +104,8 @@ def _numel(shape) -> int:
 
 
 def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
-               input_requires_grad: bool, output_requires_grad: bool) -> LayerCost:
+               input_requires_grad: bool, output_requires_grad: bool,
+               in_bytes: int | None = None) -> LayerCost:
     """The rule table for stock torch leaf modules (see the module docstring)."""
     nx = _numel(in_shape) * act_bytes
     grad = output_requires_grad
@@ -165,6 +166,14 @@ def layer_cost(module: nn.Module, **kwargs) -> LayerCost:
     return stock_cost(module, **kwargs)
 
 
+def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters a leaf's backward produces grads for: its own, or ``runtime_parameters()``."""
+    own = getattr(module, "runtime_parameters", None)
+    if callable(own):
+        return list(own())
+    return list(module.parameters(recurse=False))
+
+
 # ----------------------------------------------------------------------------- data flow
 
 
@@ -201,6 +210,8 @@ class _Flow:
 
 _ALIAS_FUNCS = {"flatten", "view", "reshape", "squeeze", "unsqueeze", "__getitem__", "detach"}
 _ADD_FUNCS = {"add", "__add__", "__radd__", "__iadd__", "add_"}
+# new output, nothing saved, backward allocates grad_input (a cast back, upsample_*_backward)
+_PLAIN_FUNCS = {"to", "float", "half", "bfloat16", "type", "interpolate"}
 
 
 def _func_name(func) -> str:
@@ -287,6 +298,8 @@ def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
             out = func(*args, **(kwargs or {}))
             if state["busy"] or state["leaf_depth"] or not isinstance(out, torch.Tensor):
                 return out
+            if any(out is t for t in tensors(args)):
+                return out  # x.to(x.dtype) and the like: the very same tensor, no op
             ins = [value_of(t) for t in tensors(args)]
             if not ins:
                 return out
@@ -314,7 +327,7 @@ def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
     for op in ops:
         if op.func == "identity":
             continue
-        own = op.module is not None and any(p.requires_grad for p in op.module.parameters(recurse=False))
+        own = op.module is not None and any(p.requires_grad for p in leaf_parameters(op.module))
         values[op.output].requires_grad = own or any(values[v].requires_grad for v in op.inputs)
 
     holds: dict[int, int] = {}
@@ -454,7 +467,8 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
             cost = LayerCost(inplace=True, grad_input=False)
         elif op.module is not None:
             cost = layer_cost(op.module, in_shape=ins[0].shape, out_shape=out.shape,
-                              act_bytes=out.act_bytes, input_requires_grad=ins[0].requires_grad,
+                              act_bytes=out.act_bytes, in_bytes=ins[0].act_bytes,
+                              input_requires_grad=ins[0].requires_grad,
                               output_requires_grad=grad_fn)
             if cost.inplace and out.storage != ins[0].storage:
                 cost.inplace = False  # traced as a new tensor: trust the trace
@@ -462,6 +476,8 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
             cost = LayerCost(inplace=True, grad_input=False)
         elif op.func in _ADD_FUNCS:
             cost = LayerCost(grad_input=False)
+        elif op.func in _PLAIN_FUNCS:
+            cost = LayerCost()
         else:
             log.warning("no runtime rule for function %s: assuming it saves nothing", op.func)
             cost = LayerCost()
@@ -556,7 +572,8 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
             for v in dict.fromkeys(op.inputs):
                 if not values[v].requires_grad:
                     continue
-                if cost.grad_input:
+                if cost.grad_input or values[v].act_bytes != values[op.output].act_bytes:
+                    # (a pass-through grad is cast to the input's dtype by the engine)
                     key = ("grad", i, v)
                     mem.alloc(key, values[v].nbytes)
                 else:
@@ -564,7 +581,7 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
                 mem.ref(key)
                 outs.append((v, key))
             if op.module is not None:
-                for p in op.module.parameters(recurse=False):
+                for p in leaf_parameters(op.module):
                     if p.requires_grad:
                         grads["bytes"] += p.numel() * p.element_size()
             if cost.backward_temp_bytes:

@@ -38,6 +38,7 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import CapabilityError, ConfigError
+from edgetl.memory.runtime import LayerCost
 
 POOLS = (1, 2, 4)
 BN_MODES = ("fold", "batch")
@@ -61,23 +62,44 @@ _SHIFTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """A bool tensor in, a flat uint8 tensor of ceil(numel / 8) bytes out (bit i of byte j = element 8j+i)."""
+    return pack_mask_(mask.reshape(-1).to(torch.uint8, copy=True))
+
+
+def pack_mask_(mask: torch.Tensor) -> torch.Tensor:
+    """``pack_mask`` that consumes its bool/uint8 argument as scratch (no full-size temporaries)."""
     flat = mask.reshape(-1)
     pad = (-flat.numel()) % 8
-    if pad:
-        flat = F.pad(flat.to(torch.uint8), (0, pad))
+    flat = F.pad(flat.to(torch.uint8), (0, pad)) if pad else flat.view(torch.uint8)
     shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=mask.device)
-    return (flat.view(-1, 8).to(torch.uint8) * shifts).sum(1, dtype=torch.uint8)
+    return flat.view(-1, 8).mul_(shifts).sum(1, dtype=torch.uint8)
 
 
 def unpack_mask(packed: torch.Tensor, shape) -> torch.Tensor:
-    """Inverse of ``pack_mask``: the packed bytes and the original shape in, a bool tensor out."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
-    bits = torch.bitwise_and(packed.unsqueeze(1), shifts) != 0
-    return bits.reshape(-1)[: _numel(shape)].reshape(shape)
+    """Inverse of ``pack_mask``: the packed bytes and the original shape in, a bool tensor out.
+
+    One byte-per-element buffer: the bits are shifted down and masked in place, then the
+    0/1 bytes are reinterpreted as bool.
+    """
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = torch.bitwise_right_shift(packed.unsqueeze(1), shifts).bitwise_and_(1)
+    return bits.view(torch.bool).reshape(-1)[: _numel(shape)].reshape(shape)
 
 
 def mask_bytes(numel: int) -> int:
     return (int(numel) + 7) // 8
+
+
+def _pack_phases(numel: int) -> list[int]:
+    """Bytes alive beyond the bool mask's owner while ``pack_mask_`` runs on a fresh mask."""
+    pad = (-numel) % 8
+    if pad:  # bool -> uint8 copy, then a padded copy
+        return [2 * numel, numel + (numel + pad), numel + (numel + pad) + 8 + mask_bytes(numel)]
+    return [numel + 8, numel + 8 + mask_bytes(numel)]
+
+
+def _over(phases, final: int) -> int:
+    """Extra bytes of the largest phase over what the runtime model already counts."""
+    return max(0, max(phases) - final)
 
 
 # --------------------------------------------------------------------------- pooled conv
@@ -99,7 +121,10 @@ def inflate_saved(saved: torch.Tensor, k: int, hw: tuple[int, int]) -> torch.Ten
     if k == 1:
         return saved
     h, w = hw
-    return saved.repeat_interleave(k, 2)[:, :, :h].repeat_interleave(k, 3)[:, :, :, :w]
+    n, c, hp, wp = saved.shape
+    # one expand + copy: repeat_interleave twice would keep a k-times intermediate too
+    up = saved[:, :, :, None, :, None].expand(n, c, hp, k, wp, k).reshape(n, c, hp * k, wp * k)
+    return up[:, :, :h, :w]
 
 
 def _is_pointwise(w_shape, stride, padding, dilation) -> bool:
@@ -214,6 +239,37 @@ class PooledConv2d(nn.Conv2d):
         k = self.pool
         return n * c * (-(-h // k)) * (-(-w // k)) * self.weight.element_size()
 
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        """Runtime accounting rule (edgetl.memory.runtime): the pooled input is kept.
+
+        Backward: conv2d_input (a 1-element dummy input, then grad_input), then
+        grad_weight: from the input upsampled back to full size (one copy), from
+        sum-pooled grad_output for a pointwise conv, or from the exact input at k=1.
+        """
+        grad = output_requires_grad
+        e = self.weight.element_size()
+        k = self.pool
+        trains = self.weight.requires_grad
+        if not grad:
+            return LayerCost()
+        saved = self.saved_bytes(in_shape, out_shape) if trains and k > 1 else 0
+        gx = _numel(in_shape) * e if input_requires_grad else 0
+        gw = self.weight.numel() * e if trains else 0
+        phases = [gx + (e if gx else 0), gx]
+        if trains:
+            if k == 1:
+                scratch = 0
+            elif _is_pointwise(self.weight.shape, self.stride, self.padding, self.dilation):
+                n, c, h, w = out_shape
+                scratch = n * c * (-(-h // k)) * (-(-w // k)) * e
+            else:
+                n, c, h, w = in_shape
+                scratch = n * c * (-(-h // k)) * k * (-(-w // k)) * k * e
+            phases.append(gx + scratch + e + gw)
+        return LayerCost(saves_input=trains and k == 1, saved_new_bytes=saved,
+                         backward_temp_bytes=_over(phases, gx + gw))
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", pool={self.pool}"
 
@@ -281,6 +337,11 @@ class LeanAvgPool2d(nn.AvgPool2d):
     def saved_bytes(self, in_shape, out_shape) -> int:
         return 0
 
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        # backward: a 0-d zero of the input dtype stands in for the input
+        return LayerCost(backward_temp_bytes=in_bytes or act_bytes)
+
 
 class _GlobalPoolFn(Function):
     @staticmethod
@@ -309,6 +370,15 @@ class LeanGlobalAvgPool(nn.AdaptiveAvgPool2d):
 
     def saved_bytes(self, in_shape, out_shape) -> int:
         return 0
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        in_bytes = in_bytes or act_bytes
+        nc = int(in_shape[0]) * int(in_shape[1])
+        gx = _numel(in_shape) * in_bytes if input_requires_grad else 0
+        # backward: gy / (H*W) in fp32, cast to the input dtype, then expanded into grad_input
+        phases = [nc * 4 + (nc * in_bytes if in_bytes != 4 else 0), nc * in_bytes + gx]
+        return LayerCost(backward_temp_bytes=_over(phases, gx))
 
 
 # --------------------------------------------------------------------------- frozen backbone
@@ -402,7 +472,8 @@ class FrozenConvBNAct(nn.Module):
         dtype = dtype or self.act_dtype
         if self.weight_scale is None:
             return self.weight.to(dtype)
-        return (self.weight.float() * self.weight_scale.view(-1, 1, 1, 1)).to(dtype)
+        w = self.weight.float()  # one fp32 buffer, scaled in place (same values as codes * scale)
+        return w.mul_(self.weight_scale.view(-1, 1, 1, 1)).to(dtype)
 
     def _uses_batch_stats(self) -> bool:
         return self.bn_mode == "batch" and self.training
@@ -418,6 +489,92 @@ class FrozenConvBNAct(nn.Module):
         if self._uses_batch_stats():
             return _numel(out_shape) * _dtype_bytes(self.act_dtype) + 2 * int(out_shape[1]) * 4
         return mask_bytes(_numel(out_shape)) if self.act else 0
+
+    def _dequant_bytes(self, dtype_bytes: int) -> tuple[int, int]:
+        """(bytes of the dequantised weight, peak bytes while dequantising) in the act dtype."""
+        w = self.weight.numel()
+        if self.weight_scale is not None:  # int8: one fp32 buffer scaled in place, then cast
+            if dtype_bytes == 4:
+                return w * 4, w * 4
+            return w * dtype_bytes, w * (4 + dtype_bytes)
+        if self.weight.dtype == self.act_dtype:
+            return 0, 0
+        return w * dtype_bytes, w * dtype_bytes
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        """Runtime accounting rule (edgetl.memory.runtime), mirroring ``_FrozenConvFn``.
+
+        Forward: the dequantised weight and a cast copy of the input live during the conv;
+        fold mode builds the ReLU6 mask from two byte-per-element comparisons and packs it
+        in place; batch mode keeps a copy of the conv output plus per-channel statistics.
+        Backward: the unpacked mask (one byte per element), the masked grad_output, the
+        dequantised weight again, conv2d_input's 1-element dummy input, grad_input in the
+        act dtype and, when the input came in another dtype, its cast.
+        """
+        a = _dtype_bytes(self.act_dtype)
+        b = in_bytes or a
+        grad = output_requires_grad
+        nin, nout, c = _numel(in_shape), _numel(out_shape), int(out_shape[1])
+        big_y = nout * a
+        dq, dq_peak = self._dequant_bytes(a)
+        xc = nin * a if b != a else 0
+        phases = [dq_peak, dq + xc + big_y]
+        saved_new = 0
+        batch = self._uses_batch_stats()
+        small = c * a if a != 4 else 0  # a per-channel vector cast to the act dtype
+        if self.bn_mode == "fold":
+            phases.append(big_y + small)
+        elif batch:
+            yf = nout * 4 if a != 4 else 0
+            phases.append(big_y + yf + 2 * c * 4)  # var_mean of an fp32 view of y
+            phases.append(big_y + 4 * c * 4)  # var, mean, var + eps, invstd
+            if grad:
+                saved_new = big_y + 2 * c * 4  # the BN input + mean, invstd
+                phases.append(big_y + saved_new + c * 4 + 4 * c * 4 + small)
+            else:
+                phases.append(big_y + 2 * c * 4 + 4 * c * 4 + small)
+        else:  # batch BN in eval mode: running statistics
+            phases.append(big_y + 5 * c * 4 + small)
+        if self.act and grad and not batch:
+            saved_new = mask_bytes(nout)
+            phases.append(big_y + 2 * nout)  # y > 0 and y < 6, and-ed in place
+            phases += [big_y + p for p in _pack_phases(nout)]
+        if not grad:
+            return LayerCost(forward_temp_bytes=_over(phases, big_y))
+        fwd = _over(phases, big_y + saved_new)
+
+        gx_in = nin * b if input_requires_grad else 0
+        gbias = c * 4 if self.bias.requires_grad else 0
+        g = nout * a
+        bw: list[int] = [0]
+        if batch:
+            held = 0
+            if self.act:
+                bw += [5 * c * 4, g + 2 * nout + small, nout + g]  # y*scale+shift, keep mask, gy*keep
+                held = g
+            if a != 4:
+                bw.append(held + 2 * nout * 4 + nout * 4 + gbias)  # fp32 gy, y, grad
+                bw.append(nout * 4 + g + gbias)
+                gc = g
+            else:
+                bw.append(held + nout * 4 + gbias)
+                gc = nout * 4
+        else:
+            gc = 0
+            if self.act:
+                bw += [nout + 8, nout + g]  # unpacked bits, then the masked gy
+                gc = g
+            if self.bn_mode == "batch":  # eval: gy * a fixed scale
+                bw += [gc + 3 * c * 4, gc + g + c * 4 + small]
+                gc = g
+            bw.append(gc + gbias)
+        if input_requires_grad:
+            bw += [gc + gbias + dq_peak, gc + gbias + dq + a + nin * a]
+            if b != a:
+                bw.append(gbias + nin * a + nin * b)
+        return LayerCost(saved_new_bytes=saved_new, forward_temp_bytes=fwd,
+                         backward_temp_bytes=_over(bw, gx_in + gbias))
 
     def extra_repr(self) -> str:
         return (
@@ -462,7 +619,10 @@ class _FrozenConvFn(Function):
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
         if m.act:
             if need and not saved:
-                saved = (pack_mask((y > 0) & (y < 6)),)
+                mask = y > 0
+                mask &= y < 6
+                saved = (pack_mask_(mask),)
+                del mask
             y.clamp_(0, 6)
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
         ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
@@ -480,13 +640,18 @@ class _FrozenConvFn(Function):
             y, mean, invstd = ctx.saved_tensors
             if m.act:
                 scale, shift = _scale_shift(m, mean, invstd, m.bias.detach())
-                out = y * scale.to(act).view(c) + shift.to(act).view(c)
-                gy = gy * ((out > 0) & (out < 6))
+                out = y * scale.to(act).view(c)
+                out.add_(shift.to(act).view(c))
+                keep = out > 0
+                keep &= out < 6
                 del out
+                gy = gy * keep
+                del keep
             g_conv, _, gbias = torch.ops.aten.native_batch_norm_backward(
                 gy.float(), y.float(), m.bn_weight, None, None, mean, invstd, True, m.eps,
                 [ctx.needs_input_grad[0], False, ctx.needs_input_grad[1]],
             )
+            gy = None
             g_conv = g_conv.to(act) if g_conv is not None else None
         else:
             if ctx.kind == "mask":
@@ -498,11 +663,14 @@ class _FrozenConvFn(Function):
             else:
                 g_conv = gy
             if ctx.needs_input_grad[1]:
-                gbias = gy.float().sum((0, 2, 3))
+                # accumulates in fp32 without a visible fp32 copy of gy
+                gbias = gy.sum((0, 2, 3), dtype=torch.float32)
+        del gy
         gx = None
         if ctx.needs_input_grad[0]:
             w = m.dequantized_weight(act)
             gx = conv2d_input(ctx.in_shape, w, g_conv, m.stride, m.padding, m.dilation, m.groups)
+            del w, g_conv
             gx = gx.to(ctx.in_dtype)
         return gx, gbias, None, None
 

@@ -27,14 +27,21 @@ from torch import nn
 from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from edgetl.models.lean import LeanAvgPool2d, PooledConv2d, _check_pool
+from edgetl.memory.runtime import LayerCost
+from edgetl.models.lean import LeanAvgPool2d, PooledConv2d, _check_pool, _numel, _over
 
 _C = (1, -1, 1, 1)
 
 
-def _bn_apply(y, mean, invstd, gamma, beta):
+def _bn_apply(y, mean, invstd, gamma, beta, out=None):
+    """BN with given statistics; into ``out`` (may be ``y`` itself) or one new tensor."""
     scale = invstd * gamma
-    return y * scale.view(_C) + (beta - mean * scale).view(_C)
+    shift = beta - mean * scale
+    if out is None:
+        out = y * scale.view(_C)
+    else:
+        out = torch.mul(y, scale.view(_C), out=out)
+    return out.add_(shift.view(_C))
 
 
 def _batch_stats(y, bn: nn.BatchNorm2d, momentum: float):
@@ -70,7 +77,7 @@ class _SideTailFn(Function):
             mean2, invstd2 = _batch_stats(y2, bn2, m2)
         else:
             mean2, invstd2 = _eval_stats(bn2)
-        out = _bn_apply(y2, mean2, invstd2, g2, b2)
+        out = _bn_apply(y2, mean2, invstd2, g2, b2, out=y2)  # y2 is not needed again: in place
         ctx.batch, ctx.eps = batch, (bn1.eps, bn2.eps)
         if batch:
             ctx.save_for_backward(y1, g1, b1, w2, g2, mean1, invstd1, mean2, invstd2)
@@ -95,8 +102,8 @@ class _SideTailFn(Function):
             mean2 = invstd2 = None
         # recompute what stock autograd would have stored: bn1 output, ReLU output, bn2 input
         o1 = _bn_apply(y1, mean1, invstd1, g1, b1)
-        a1 = o1.clamp(min=0)
         mask1 = o1 > 0
+        a1 = o1.clamp_(min=0)
         del o1
         y2 = F.conv2d(a1, w2)
         gy2, gg2, gb2 = torch.ops.aten.native_batch_norm_backward(
@@ -107,6 +114,7 @@ class _SideTailFn(Function):
         ga1 = conv2d_input(a1.shape, w2, gy2)
         del a1, gy2
         go1 = ga1.mul_(mask1)
+        del mask1
         gy1, gg1, gb1 = torch.ops.aten.native_batch_norm_backward(
             go1,
             y1,
@@ -146,6 +154,53 @@ class LeanSideTail(nn.Module):
         return _SideTailFn.apply(
             y1, bn1.weight, bn1.bias, conv2.weight, bn2.weight, bn2.bias, self, batch, m1, m2
         )
+
+    def runtime_parameters(self) -> list[nn.Parameter]:
+        """The parameters this leaf uses (they are registered on the owning side module)."""
+        return [p for m in self.parts for p in m.parameters()]
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        """Runtime accounting rule (edgetl.memory.runtime), mirroring ``_SideTailFn``.
+
+        Forward: bn1's output (ReLU in place) and conv2's output coexist; bn2 runs in
+        place. Backward recomputes bn1's output (ReLU in place, plus a bool mask) and
+        conv2's output, then runs bn2's, conv2's and bn1's backward.
+        """
+        if not output_requires_grad:
+            return LayerCost()
+        bn1, conv2, bn2 = self.parts
+        e = bn1.weight.element_size()
+        m, o = bn1.num_features * e, bn2.num_features * e
+        y1, y2 = _numel(in_shape) * e, _numel(out_shape) * e
+        n1 = _numel(in_shape)  # bool mask bytes
+        w2 = conv2.weight.numel() * e
+        batch = bn1.training
+        if batch:
+            stats = 2 * (m + o)  # kept: mean and invstd of both BNs
+            fwd = [5 * m, y1 + 4 * m, y1 + y2 + 2 * m, y2 + 2 * m + 4 * o, y2 + 2 * m + 5 * o]
+            held = 0  # invstd1 is a saved tensor
+            first = [3 * m, y1 + 2 * m]
+        else:
+            stats = 0
+            fwd = [4 * m, y1 + 3 * m, y1 + y2 + m, y2 + m + 2 * o, y2 + m + 4 * o]
+            held = m  # invstd1, recomputed from the running variance
+            first = [2 * m, m + 3 * m, y1 + m + 2 * m]
+        grads = sum(p.numel() * p.element_size() for p in self.runtime_parameters() if p.requires_grad)
+        g2 = 2 * o if bn2.weight.requires_grad else 0
+        gw2 = w2 if conv2.weight.requires_grad else 0
+        g1 = 2 * m if bn1.weight.requires_grad else 0
+        gx = y1 if input_requires_grad else 0
+        bwd = first + [
+            held + y1 + n1 + y2,  # conv2 recomputed from relu(bn1(y1))
+            held + y1 + n1 + 2 * y2 + g2,  # bn2 backward
+            held + y1 + n1 + y2 + g2 + 4 + gw2,  # conv2 grad_weight
+            held + y1 + n1 + y2 + g2 + gw2 + 4 + y1,  # conv2 grad_input
+            held + y1 + g2 + gw2 + y1 + g1,  # bn1 backward
+        ]
+        return LayerCost(saves_input=True, saved_new_bytes=stats,
+                         forward_temp_bytes=_over(fwd, y2 + stats),
+                         backward_temp_bytes=_over(bwd, gx + grads))
 
     def saved_bytes(self, in_shape, out_shape) -> int:
         bn1, _, bn2 = self.parts
@@ -201,10 +256,12 @@ class LeanSideModule(nn.Module):
         return self.conv1.pool
 
     def forward(self, x: torch.Tensor, size) -> torch.Tensor:
-        x = x.to(self.conv1.weight.dtype)  # a bf16/fp16 lean backbone feeds low-precision activations
         if self.pre_pool is not None:
             x = self.pre_pool(x)
         x = self.pool(x)
+        # a bf16/fp16 lean backbone feeds low-precision activations: cast after pooling,
+        # so no full-resolution fp32 copy is made
+        x = x.to(self.conv1.weight.dtype)
         x = self.tail(self.conv1(x))
         if tuple(x.shape[-2:]) != tuple(size):
             # bilinear upsampling saves nothing for backward
