@@ -73,7 +73,7 @@ def _podman_reason() -> str | None:
     if os.geteuid() != 0:
         return "docker/build_local.sh needs root"
     if os.environ.get("EDGETL_PODMAN_TESTS") != "1":
-        return "slow (copies ~5 GB, several minutes): set EDGETL_PODMAN_TESTS=1 to run"
+        return "slow (about 5 min: copies ~6 GB into a local base image): set EDGETL_PODMAN_TESTS=1 to run"
     return None
 
 
