@@ -169,7 +169,8 @@ def measure_training_peak(
     opt = make_optimizer(trainable, optimizer, lr)
     net.train()
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    image = torch.randn(batch_size, 3, resolution, resolution, generator=gen).to(device)
+    image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
+    image = image.to(device, getattr(net, "input_dtype", torch.float32))
     labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
     for p in trainable:
         p.grad = None

@@ -313,7 +313,8 @@ def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
         is_leaf = len(list(module.children())) == 0
         handles.append(module.register_forward_pre_hook(pre(name, is_leaf)))
         handles.append(module.register_forward_hook(post(name, is_leaf)))
-    image_t = torch.empty(batch_size, 3, resolution, resolution, device="meta")
+    image_t = torch.empty(batch_size, 3, resolution, resolution, device="meta",
+                          dtype=getattr(net, "input_dtype", torch.float32))
     image = value_of(image_t)
     try:
         with torch.no_grad(), Recorder():

@@ -548,6 +548,22 @@ class FrozenConvBNAct(nn.Module):
         gbias = c * 4 if self.bias.requires_grad else 0
         g = nout * a
         bw: list[int] = [0]
+        if not batch and _mask_per_sample(self, input_requires_grad, out_shape):
+            n = int(out_shape[0])
+            gxa, po, pi = nin * a, nout // n, nin // n  # grad_input in the act dtype; one sample
+            sc = c * a if self.bn_mode == "batch" else 0
+            if sc:
+                bw += [gbias + gxa + 3 * c * 4, gbias + gxa + c * 4 + sc]
+            bw += [gbias + gxa + sc + dq_peak]
+            base = gbias + gxa + sc + dq
+            bw += [base + po + 8, base + po + po * a]  # one sample's bits, its masked gy
+            if gbias:
+                bw.append(base + po * a + c * 4)
+            bw.append(base + po * a + a + pi * a)  # conv2d_input's dummy input + its result
+            if b != a:
+                bw.append(gbias + gxa + nin * b)
+            return LayerCost(saved_new_bytes=saved_new, forward_temp_bytes=fwd,
+                             backward_temp_bytes=_over(bw, gx_in + gbias))
         if batch:
             held = 0
             if self.act:
@@ -636,6 +652,8 @@ class _FrozenConvFn(Function):
         c = (1, -1, 1, 1)
         gy = gy.to(act)
         gbias = None
+        if _per_sample(ctx):
+            return _per_sample_backward(ctx, gy)
         if ctx.kind == "batch":
             y, mean, invstd = ctx.saved_tensors
             if m.act:
@@ -673,6 +691,44 @@ class _FrozenConvFn(Function):
             del w, g_conv
             gx = gx.to(ctx.in_dtype)
         return gx, gbias, None, None
+
+
+def _mask_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
+    """Whether the masked backward runs sample by sample (each sample's mask whole bytes)."""
+    n = int(out_shape[0])
+    return m.act and needs_input_grad and n > 1 and (_numel(out_shape) // n) % 8 == 0
+
+
+def _per_sample(ctx) -> bool:
+    return ctx.kind == "mask" and _mask_per_sample(ctx.m, ctx.needs_input_grad[0], ctx.out_shape)
+
+
+def _per_sample_backward(ctx, gy):
+    """Masked backward one sample at a time: only one sample's unpacked mask and masked
+    grad_output exist at once (a whole-batch masked copy would coexist with grad_output
+    and grad_input: the peak of the lean backward)."""
+    m = ctx.m
+    act = m.act_dtype
+    (packed,) = ctx.saved_tensors
+    n = ctx.out_shape[0]
+    one_out, one_in = (1,) + tuple(ctx.out_shape[1:]), (1,) + tuple(ctx.in_shape[1:])
+    step = _numel(one_out) // 8
+    gbias = torch.zeros(m.out_channels, dtype=torch.float32, device=gy.device) if ctx.needs_input_grad[1] else None
+    gx = torch.empty(ctx.in_shape, dtype=act, device=gy.device)
+    scale = None
+    if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
+        scale = (m.bn_weight * torch.rsqrt(m.running_var + m.eps)).to(act).view(1, -1, 1, 1)
+    w = m.dequantized_weight(act)
+    for i in range(n):
+        g = gy[i : i + 1] * unpack_mask(packed[i * step : (i + 1) * step], one_out)
+        if gbias is not None:
+            gbias.add_(g.sum((0, 2, 3), dtype=torch.float32))
+        if scale is not None:
+            g.mul_(scale)
+        gx[i : i + 1] = conv2d_input(one_in, w, g, m.stride, m.padding, m.dilation, m.groups)
+        del g
+    del w
+    return gx.to(ctx.in_dtype), gbias, None, None
 
 
 def check_act_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
@@ -766,6 +822,14 @@ def leanify_backbone(
         else:
             raise ConfigError(f"features[{i}] ({type(block).__name__}) has no lean replacement")
     net.pool = LeanGlobalAvgPool(torch.float32)
+    side = getattr(net, "side", None)
+    if side is not None:
+        for b in side.blocks:
+            if getattr(b, "lean", False):
+                b.out_dtype = adt
+    # the batch can be fed in the activation dtype (the stem casts otherwise): the meter
+    # and the runtime accounting build their batch in this dtype
+    net.input_dtype = adt
     return net
 
 

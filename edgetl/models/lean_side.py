@@ -250,6 +250,10 @@ class LeanSideModule(nn.Module):
         self.bn2 = nn.BatchNorm2d(out_channels)
         nn.init.zeros_(self.bn2.weight)
         self.tail = LeanSideTail(self.bn1, self.conv2, self.bn2)
+        # dtype of the output (the backbone's activation dtype, set by leanify_backbone);
+        # None keeps the weights' dtype. Casting here, before the resize, keeps the tap's
+        # sum (and every residual stream after it) in the backbone's dtype.
+        self.out_dtype: torch.dtype | None = None
 
     @property
     def activation_pool(self) -> int:
@@ -263,6 +267,8 @@ class LeanSideModule(nn.Module):
         # so no full-resolution fp32 copy is made
         x = x.to(self.conv1.weight.dtype)
         x = self.tail(self.conv1(x))
+        if self.out_dtype is not None:
+            x = x.to(self.out_dtype)
         if tuple(x.shape[-2:]) != tuple(size):
             # bilinear upsampling saves nothing for backward
             x = F.interpolate(x, size=tuple(size), mode="bilinear", align_corners=False)
