@@ -396,7 +396,9 @@ def test_low_precision_activations(act_dtype):
     except CapabilityError as exc:
         pytest.skip(str(exc))
     net, lean = _tiny_pair(pool=1, act_dtype=act_dtype, weight_dtype="fp16")
-    x = smooth((2, 3, 64, 64), 0)
+    # batch 8: the last side module's batch-statistics BN sees one 1x1 value per image;
+    # at batch 2 it normalises 2 values per channel and amplifies bf16 rounding to ~6 %
+    x = smooth((8, 3, 64, 64), 0)
     with count_saved_bytes(lean) as s_lean:
         holder = {}
         pred = predicted_saved_bytes(lean, lambda: holder.setdefault("y", lean(x)))
@@ -411,7 +413,7 @@ def test_low_precision_activations(act_dtype):
     g1, g2 = _grads(net), _grads(lean)
     cos = [float(F.cosine_similarity(g1[n].flatten(), g2[n].flatten(), dim=0)) for n in g1 if g1[n].any()]
     assert min(cos) > 0.95, min(cos)
-    assert s_lean.bytes == sum(pred.values()) + 2 * net.classifier[1].in_features * 4
+    assert s_lean.bytes == sum(pred.values()) + 8 * net.classifier[1].in_features * 4
 
 
 def test_unsupported_act_dtype_fails_clearly(monkeypatch):
