@@ -43,10 +43,10 @@ def add_parser(sub) -> None:
         "retrain",
         help="retrain a pruned backbone on ImageNet (or pretrain one); torchrun for many GPUs",
         description=(
-            "Retrain the whole (pruned) backbone on an ImageFolder dataset (train/ and val/ "
-            "class folders) with the shared training loop: SGD with momentum, warmup + cosine, "
-            "label smoothing, no weight decay on BN and biases, optional distillation from the "
-            "unpruned network. Resumable; works unchanged under torchrun. The output run folder "
+            "Retrain the whole (pruned) backbone on an ImageFolder dataset (train/ and val/\n"
+            "class folders) with the shared training loop: SGD with momentum, warmup + cosine,\n"
+            "label smoothing, no weight decay on BN and biases, optional distillation from the\n"
+            "unpruned network. Resumable; works unchanged under torchrun. The output run folder\n"
             "is also a backbone folder."
         ),
         epilog=EPILOG,
