@@ -660,6 +660,7 @@ class _FrozenConvFn(Function):
                 scale, shift = _scale_shift(m, mean, invstd, m.bias.detach())
                 out = y * scale.to(act).view(c)
                 out.add_(shift.to(act).view(c))
+                del scale, shift
                 keep = out > 0
                 keep &= out < 6
                 del out
