@@ -11,6 +11,7 @@ from edgetl.memory.report import MB
 from edgetl.memory.runtime import LayerCost, runtime_report, stock_cost
 from edgetl.models.backbone import BackboneSpec, EdgeNet
 from edgetl.models.side import Resize, build_network
+from edgetl.profile import profile
 
 F4 = 4
 RES = 16  # tiny nets: 16x16 maps
@@ -156,17 +157,27 @@ def test_report_fields_are_consistent():
     assert last.blocks[-1].cugrd_bytes == net.classifier[1].in_features * F4
 
 
-def test_cli_runtime_measure(capsys):
-    code = main(["profile", "--mode", "repnet", "--accounting", "runtime", "--measure",
+@pytest.mark.parametrize("runtime,label", [("auto", "lean: pool 2, fp32 activations"), ("stock", "stock modules")])
+def test_cli_runtime_measure(capsys, runtime, label):
+    """repnet profiles the lean runtime by default (auto); --runtime stock the torch modules."""
+    code = main(["profile", "--mode", "repnet", "--accounting", "runtime", "--measure", "--runtime", runtime,
                  "--width", "0.35", "--resolution", "64", "--num-classes", "10", "--batch-size", "2"])
     out = capsys.readouterr().out
     assert code == 0
     assert "prediction vs measured: +0.0%" in out or "prediction vs measured: -0.0%" in out
-    assert "runtime accounting" in out
+    assert "runtime accounting" in out and label in out
+
+
+@pytest.mark.parametrize("runtime", ["auto", "stock"])
+def test_profile_runtime_prediction_is_exact(runtime):
+    report = profile(mode="repnet", accounting="runtime", resolution=64, batch_size=2, num_classes=10,
+                     width=0.35, measure=True, measure_steps=2, runtime=runtime)
+    assert report.runtime == ("lean" if runtime == "auto" else "stock")
+    assert abs(report.total_bytes - report.measured_peak_bytes) <= 64
 
 
 def test_full_size_repnet_matches_design_figure():
-    """224 px, batch 8, 102 classes, stock modules: DESIGN 2c measured 414.7 MB."""
+    """224 px, batch 8, 102 classes, stock modules (no ``lean``): DESIGN 2c measured 414.7 MB."""
     net = build_network(BackboneSpec(num_classes=102), "repnet")
     report = runtime_report(net, mode="repnet", resolution=224, batch_size=8)
     measured = measure_training_peak(net, resolution=224, batch_size=8, steps=2)
