@@ -348,14 +348,14 @@ def test_bad_input_is_one_line_exit_2(toy, pruned, tmp_path, capsys):
 # --- demo scale on real data (slow) ---------------------------------------------------
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
-# Fashion-MNIST, all 10 classes, 6000 training images (class-balanced), the same 2000
+# Fashion-MNIST, all 10 classes, 5000 training images (class-balanced), the same 2000
 # test images for every model; MobileNetV2 0.35 at 32 px; the retrain recipe (SGD
 # momentum 0.9, warmup + cosine, smoothing 0.1, no BN/bias decay) with these overrides.
 DEMO_SETS = ["data.preset=fashion_mnist", "data.root=null", "data.resolution=32",
-             "data.max_samples=6000", "data.max_val_samples=2000", "train.workers=0",
+             "data.max_samples=5000", "data.max_val_samples=2000", "train.workers=0",
              "train.val_batch_size=250", "train.checkpoint_every=0"]
-DEMO_PRETRAIN = ["--epochs", "8", "--batch-size", "64", "--lr", "0.1"]
-DEMO_RETRAIN = ["--epochs", "3", "--batch-size", "64", "--lr", "0.02"]
+DEMO_PRETRAIN = ["--epochs", "8", "--batch-size", "64", "--lr", "0.03"]
+DEMO_RETRAIN = ["--epochs", "3", "--batch-size", "64", "--lr", "0.01"]
 
 
 def _sets(items):
@@ -398,7 +398,7 @@ def test_demo_pruned_backbone_recovers_on_fashion_mnist(tmp_path, capsys):
     print("DEMO " + json.dumps({k: round(v, 2) for k, v in acc.items()}), file=sys.stderr)
     with capsys.disabled():
         print("\ndemo accuracies (%):", {k: round(v, 2) for k, v in acc.items()})
-    assert acc["unpruned"] > 70.0  # it learned (10 classes: chance is 10 %)
+    assert acc["unpruned"] > 65.0  # it learned (10 classes: chance is 10 %)
     assert acc["pruned"] < acc["unpruned"] - 5.0  # pruning the paper's ratios costs accuracy
     assert acc["retrained"] >= acc["unpruned"] - 1.0  # and retraining recovers it
     assert acc["retrained"] >= acc["control"] - 2.0
