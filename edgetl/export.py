@@ -29,7 +29,9 @@ from edgetl.models.backbone import BackboneSpec, EdgeNet
 log = logging.getLogger(__name__)
 
 RUN_MODEL_FILE = "model.json"
-CHECKPOINT_FILES = ("best.pt", "last.pt")
+# model.pt: the best weights in the stock layout, written by edgetl finetune at the end
+# (best.pt / last.pt hold the lean training layout when the run used the lean runtime).
+CHECKPOINT_FILES = ("model.pt", "best.pt", "last.pt")
 SIDECAR_FORMAT = "edgetl-export/1"
 FORMATS = ("onnx", "engine")
 INPUT_NAME = "image"
@@ -139,7 +141,7 @@ def recipe_hash(recipe: dict) -> str:
 
 
 def load_run_model(run_dir: str | Path, device: torch.device | str = "cpu") -> RunModel:
-    """Rebuild the fine-tuned network of a run folder and load its best (else last) checkpoint.
+    """Rebuild the fine-tuned network of a run folder and load its final (else best, else last) weights.
 
     Run-folder contract (what ``edgetl finetune`` writes):
 
@@ -151,7 +153,7 @@ def load_run_model(run_dir: str | Path, device: torch.device | str = "cpu") -> R
         - ``"recipe"``: the resolved recipe (any JSON object; hashed into the export sidecar);
         - optional ``"preprocessing"``: ``Preprocessing`` fields (resolution, resize, mean,
           std); missing fields take the defaults (224 px, ImageNet mean/std, resize 256).
-    - ``best.pt`` or else ``last.pt``: a checkpoint dict saved with ``torch.save`` whose
+    - ``model.pt``, else ``best.pt``, else ``last.pt``: a checkpoint dict saved with ``torch.save`` whose
       ``"model"`` entry is the EdgeNet ``state_dict`` including ``side.*`` keys. Other entries
       (optimizer, scheduler, epoch, ...) are ignored. It is loaded with ``weights_only=True``,
       so it must hold only tensors and plain containers.

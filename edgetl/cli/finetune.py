@@ -1,0 +1,148 @@
+"""``edgetl finetune``: train the Rep-Net side network on the lean runtime inside a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from edgetl.cli._common import fmt_mb, positive_int, print_table
+from edgetl.errors import ConfigError
+from edgetl.memory.report import MemoryReport
+from edgetl.units import parse_bytes
+
+
+def budget_type(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def override(text: str):
+    from edgetl.recipe import parse_override
+
+    try:
+        return parse_override(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune the side network (frozen, lean backbone) on your data within a memory budget",
+        description=(
+            "Fine-tune only the Rep-Net side network and the classifier on a frozen backbone, on "
+            "edgetl's lean runtime (BN folded, frozen convs keep no input, 1-bit ReLU6 masks, "
+            "side activations stored average-pooled by --pool). Before training, the runtime "
+            "accounting predicts the peak memory of a step; above --budget the run is refused "
+            "with the breakdown and the largest batch that fits. Resumable with --resume."
+        ),
+        epilog="example: edgetl finetune --recipe fashion_mnist -o runs/fmnist --budget 256MB",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--recipe", required=True, metavar="NAME|PATH",
+                   help="recipe YAML (bundled: cifar10, flowers102, pets, cub200, imagefolder, fashion_mnist)")
+    p.add_argument("--backbone", metavar="DIR", help="backbone folder (edgetl prune / retrain output)")
+    p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
+    p.add_argument("--budget", type=budget_type, metavar="SIZE",
+                   help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B)")
+    p.add_argument("--batch-size", type=positive_int, help="train.batch_size")
+    p.add_argument("--epochs", type=positive_int, help="train.epochs")
+    p.add_argument("--pool", type=int, choices=(1, 2, 4), help="model.pool: side activations stored pooled by k")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="model.precision (backbone activations)")
+    p.add_argument("--frozen-weights", choices=("fp32", "fp16", "int8"), help="model.frozen_weights")
+    p.add_argument("--set", dest="overrides", action="append", type=override, default=[],
+                   metavar="KEY=VALUE", help="any recipe value, e.g. --set optim.lr_side=1e-3")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--resume", action="store_true", help="continue the run in -o from its last checkpoint")
+    p.add_argument("--no-measure", dest="measure", action="store_false",
+                   help="skip the one-step memory measurement before training (CPU)")
+    p.add_argument("-o", "--out", required=True, type=Path, metavar="RUN", help="run folder")
+    p.set_defaults(run=run)
+
+
+def recipe_from_args(args):
+    from edgetl.recipe import load_recipe
+
+    overrides = dict(args.overrides)
+    flags = {"model.backbone": args.backbone, "data.root": args.data,
+             "train.batch_size": args.batch_size, "train.epochs": args.epochs,
+             "model.pool": args.pool, "model.precision": args.precision,
+             "model.frozen_weights": args.frozen_weights}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    return load_recipe(args.recipe, overrides=overrides)
+
+
+def print_preflight(report: MemoryReport, measured: int | None, budget: int | None) -> None:
+    rows = [[name, fmt_mb(value)] for name, value in report.breakdown.items()]
+    rows.append(["predicted peak", fmt_mb(report.total_bytes)])
+    if measured is not None:
+        rows.append(["measured peak (one real step)", fmt_mb(measured)])
+    if budget is not None:
+        rows.append(["budget", fmt_mb(budget)])
+    print_table(["pre-flight, batch %d" % report.batch_size, "MB"], rows)
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from edgetl.finetune import finetune
+
+    if args.out.exists() and not args.resume and any(args.out.iterdir()):
+        raise ConfigError(f"run folder {args.out} is not empty; use --resume or choose another -o")
+    if args.resume and not args.out.is_dir():
+        raise ConfigError(f"nothing to resume: run folder {args.out} does not exist")
+    recipe = recipe_from_args(args)
+    bar = None
+    state = {"t0": None, "images": 0, "acc": "-", "measured": None}
+
+    def on_preflight(report, measured):
+        state["measured"] = measured
+        print_preflight(report, measured, args.budget)
+
+    def on_step(info):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=info["steps"] * info["epochs"], initial=info["global_step"] - 1,
+                       unit="step", dynamic_ncols=True)
+            # images/s counts from the end of the first step (which includes warm-up)
+            state["t0"], state["images"] = time.perf_counter(), 0
+        else:
+            state["images"] += recipe.train.batch_size
+        elapsed = time.perf_counter() - state["t0"]
+        rate = f"{state['images'] / elapsed:.0f}" if state["images"] else "-"
+        peak = _peak_text(args.device, state["measured"])
+        bar.set_description(f"epoch {info['epoch'] + 1}/{info['epochs']}")
+        bar.set_postfix_str(f"loss {info['loss']:.3f} acc {state['acc']} {rate} img/s peak {peak}")
+        bar.update(1)
+
+    def on_epoch(row):
+        if row.get("val_acc1") is not None:
+            state["acc"] = f"{row['val_acc1']:.1f}%"
+
+    start = time.perf_counter()
+    try:
+        result = finetune(recipe=recipe, out_dir=args.out, budget_bytes=args.budget, resume=args.resume,
+                          device=args.device, measure=args.measure, on_step=on_step,
+                          on_epoch=on_epoch, on_preflight=on_preflight)
+    finally:
+        if bar is not None:
+            bar.close()
+    rows = [[r["epoch"], f"{r.get('train_loss', float('nan')):.4f}",
+             "-" if r.get("val_acc1") is None else f"{r['val_acc1']:.2f}"] for r in result.history]
+    print_table(["epoch", "train loss", "val top-1 %"], rows)
+    best = "-" if result.best_acc1 is None else f"{result.best_acc1:.2f}% (epoch {result.best_epoch})"
+    print(f"best val top-1: {best}   wall time {time.perf_counter() - start:.0f} s")
+    print(f"saved to {args.out}")
+    print(f"next: edgetl export --run {args.out}")
+    return 0
+
+
+def _peak_text(device: str, measured: int | None) -> str:
+    import torch
+
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.max_memory_allocated() / 1e6:.0f}MB"
+    return "-" if measured is None else f"{measured / 1e6:.0f}MB"

@@ -1,0 +1,245 @@
+"""Fine-tune stage: a recipe, a backbone folder and data in; a run folder out.
+
+The backbone stays frozen; the Rep-Net side network (and the classifier) train on the
+lean runtime (edgetl.models.lean): BN folded into frozen convs that keep no input,
+1-bit ReLU6 masks, side-network convs that store their input average-pooled. Before
+anything is trained, the runtime accounting predicts the peak for the batch and a run
+that would not fit ``budget_bytes`` is refused with the breakdown and the largest batch
+that fits.
+
+Run folder: ``recipe.yaml``, ``metrics.csv``/``metrics.jsonl``, ``last.pt``/``best.pt``
+(the training loop's resumable checkpoints, lean layout), and at the end ``model.json``
++ ``model.pt``: the best weights in the stock torchvision layout, which ``edgetl export``
+reads (contract in edgetl.export.load_run_model).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from edgetl.errors import BudgetError, ConfigError
+from edgetl.io import atomic_text_json, atomic_torch_save
+from edgetl.memory.report import MB, MemoryReport
+from edgetl.models.backbone import BackboneSpec, EdgeNet, build_backbone, load_backbone
+from edgetl.models.side import LeanOptions, build_side_network, make_lean, set_trainable
+from edgetl.profile import LEAN_MODES
+from edgetl.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+MODEL_JSON = "model.json"
+MODEL_WEIGHTS = "model.pt"
+
+
+def lean_options(recipe: Recipe) -> LeanOptions | None:
+    """The lean runtime options a recipe asks for; None where the mode needs stock modules."""
+    m = recipe.model
+    if m.mode not in LEAN_MODES:
+        if (m.pool, m.frozen_weights) != (1, "fp32"):
+            raise ConfigError(
+                f"model.mode {m.mode} trains the backbone; model.pool and model.frozen_weights "
+                f"need a frozen backbone ({', '.join(LEAN_MODES)})"
+            )
+        return None
+    if m.pool not in (1, 2, 4):
+        raise ConfigError(f"model.pool: {m.pool} is not allowed; allowed: 1, 2, 4")
+    return LeanOptions(pool=m.pool, bn=m.bn, frozen_weights=m.frozen_weights, precision=m.precision)
+
+
+def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "cpu") -> EdgeNet:
+    """The stock network to fine-tune: backbone (folder or stock), new classifier, side network.
+
+    The backbone folder's classifier is replaced by a new one with ``num_classes`` outputs.
+    Without a backbone folder the weights are random: edgetl never downloads weights.
+    """
+    m = recipe.model
+    if m.backbone is not None:
+        net = load_backbone(m.backbone, device=device)
+        spec = dataclasses.replace(net.spec, num_classes=num_classes)
+        old = net.classifier[-1]
+        net.classifier[-1] = nn.Linear(old.in_features, num_classes, device=old.weight.device)
+        net.spec = spec
+    else:
+        log.warning("no model.backbone: fine-tuning a randomly initialised MobileNetV2 %s", m.width)
+        net = build_backbone(BackboneSpec(width=m.width, num_classes=num_classes), device=device)
+    if m.mode.startswith("repnet"):
+        net.attach_side(build_side_network(net))
+    set_trainable(net, m.mode)
+    return net
+
+
+def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
+    """Runtime accounting (DESIGN 2b) of one training step of ``net`` on the lean runtime."""
+    from edgetl.memory.runtime import runtime_report
+
+    meta = copy.deepcopy(net).to("meta")
+    options = lean_options(recipe)
+    if options is not None:
+        make_lean(meta, options)
+    return runtime_report(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
+                          batch_size=batch_size)
+
+
+def largest_batch(net: EdgeNet, recipe: Recipe, budget_bytes: int, upper: int) -> int:
+    """Largest batch size <= ``upper`` whose predicted peak fits; 0 if not even batch 1."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if predict_peak(net, recipe, mid).total_bytes <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def preflight(net: EdgeNet, recipe: Recipe, budget_bytes: int | None) -> MemoryReport:
+    """Predict the peak of the requested batch; refuse (BudgetError) if it exceeds the budget."""
+    batch = recipe.train.batch_size
+    report = predict_peak(net, recipe, batch)
+    if budget_bytes is not None and report.total_bytes > budget_bytes:
+        fits = largest_batch(net, recipe, budget_bytes, batch - 1)
+        parts = ", ".join(f"{k} {v / MB:.1f}" for k, v in report.breakdown.items())
+        advice = (f"the largest batch that fits is {fits} (--batch-size {fits})" if fits
+                  else "not even batch 1 fits: prune the backbone, raise --pool or use --precision bf16")
+        raise BudgetError(
+            f"predicted peak {report.total_bytes / MB:.1f} MB at batch {batch} exceeds the budget "
+            f"{budget_bytes / MB:.1f} MB (MB; {parts}); {advice}"
+        )
+    return report
+
+
+def stock_state_dict(lean_net: EdgeNet, stock_net: EdgeNet) -> dict[str, torch.Tensor]:
+    """The weights of a lean network in the stock torchvision layout of ``stock_net``.
+
+    Side network and classifier keys are the same in both layouts. Each lean
+    FrozenConvBNAct corresponds, in order, to one stock conv + BN pair; what training
+    can change there is the BN beta (repnet+bias: the folded bias) and, with batch
+    statistics, the running statistics. The frozen conv weights are ``stock_net``'s.
+    """
+    from edgetl.models.lean import FrozenConvBNAct
+
+    state = {k: v.detach().clone() for k, v in stock_net.state_dict().items()}
+    for key, value in lean_net.state_dict().items():
+        if key.startswith(("side.", "classifier.")):
+            state[key] = value.detach().clone()
+    lean_layers = [m for m in lean_net.features.modules() if isinstance(m, FrozenConvBNAct)]
+    stock_bns = [m for m in stock_net.features.modules() if isinstance(m, nn.BatchNorm2d)]
+    if len(lean_layers) != len(stock_bns):
+        raise ConfigError("lean and stock networks do not correspond layer for layer")
+    bn_names = {m: n for n, m in stock_net.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    for lean, bn in zip(lean_layers, stock_bns):
+        name = bn_names[bn]
+        bias = lean.bias.detach().float()
+        if lean.bn_mode == "fold":
+            scale = bn.weight.detach().float() / torch.sqrt(bn.running_var.float() + bn.eps)
+            beta = bias + bn.running_mean.float() * scale  # undo bias' = beta - mean * scale
+        else:
+            beta = bias
+            for stat in ("running_mean", "running_var", "num_batches_tracked"):
+                state[f"{name}.{stat}"] = getattr(lean, stat).detach().clone()
+        state[f"{name}.bias"] = beta.to(bn.bias.dtype)
+    return state
+
+
+@dataclass
+class FinetuneResult:
+    out_dir: Path
+    best_acc1: float | None
+    best_epoch: int | None
+    predicted: MemoryReport
+    measured_peak_bytes: int | None
+    history: list[dict] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)
+
+
+def finetune(
+    *,
+    recipe: Recipe,
+    out_dir: str | Path,
+    budget_bytes: int | None = None,
+    resume: bool = False,
+    device: torch.device | str = "cpu",
+    measure: bool = True,
+    on_step: Callable[[dict], None] | None = None,
+    on_epoch: Callable[[dict], None] | None = None,
+    on_preflight: Callable[[MemoryReport, int | None], None] | None = None,
+) -> FinetuneResult:
+    """Fine-tune per ``recipe`` into ``out_dir`` (resumable), within ``budget_bytes``.
+
+    Args:
+        recipe: resolved recipe (data, model incl. backbone folder and lean options, optim, train).
+        out_dir: run folder; must not hold a run unless ``resume``.
+        budget_bytes: refuse to start if the predicted peak exceeds it.
+        resume: continue the run in ``out_dir`` from its last checkpoint.
+        device: where to train.
+        measure: on CPU, measure one real training step with the storage meter before
+            training (the measured peak shown beside the prediction).
+        on_step, on_epoch: progress callbacks of edgetl.train.fit.
+        on_preflight: called with the prediction and the measured peak before training.
+    """
+    from edgetl.data import datasets_from_recipe, loaders_from_recipe
+    from edgetl.train import fit, is_main_process, seed_everything, setup_distributed
+
+    device = setup_distributed(device)
+    out_dir = Path(out_dir)
+    options = lean_options(recipe)
+    splits = datasets_from_recipe(recipe)
+    seed_everything(recipe.train.seed)
+    net = build_model(recipe, splits.num_classes, device="cpu")
+    predicted = preflight(net, recipe, budget_bytes)
+    stock = copy.deepcopy(net)
+    if options is not None:
+        make_lean(net, options)
+    measured = None
+    if measure and device.type == "cpu":
+        from edgetl.memory.meter import measure_training_peak
+
+        probe = copy.deepcopy(net)
+        measured = measure_training_peak(probe, resolution=recipe.data.resolution,
+                                         batch_size=recipe.train.batch_size, steps=2)
+        del probe
+    if on_preflight is not None:
+        on_preflight(predicted, measured)
+
+    train_loader, val_loader = loaders_from_recipe(recipe, splits, pin_memory=device.type == "cuda")
+    # The lean layers run the backbone in the activation dtype themselves; autocast on top
+    # would also cast the side network and break the memory plan.
+    fit_recipe = recipe
+    if options is not None and recipe.model.precision != "fp32":
+        fit_recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, precision="fp32"))
+    result = fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=fit_recipe,
+                 out_dir=out_dir, device=device, resume=resume, on_step=on_step, on_epoch=on_epoch)
+    if is_main_process():
+        _write_model(out_dir, net, stock, recipe, splits.classes, options)
+    return FinetuneResult(out_dir, result.best_acc1, result.best_epoch, predicted, measured,
+                          result.history, splits.classes)
+
+
+def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, classes: list[str],
+                 options: LeanOptions | None) -> None:
+    """model.pt (best weights, stock layout) + model.json: what edgetl export reads."""
+    from edgetl.train import BEST, LAST, load_checkpoint
+
+    source = out_dir / BEST if (out_dir / BEST).is_file() else out_dir / LAST
+    net.load_state_dict(load_checkpoint(source)["model"])
+    net.to("cpu")
+    stock.to("cpu")
+    weights = stock_state_dict(net, stock) if options is not None else net.state_dict()
+    atomic_torch_save({"model": weights, "source": source.name}, out_dir / MODEL_WEIGHTS)
+    atomic_text_json(out_dir / MODEL_JSON, {
+        "backbone": stock.spec.to_dict(),
+        "mode": recipe.model.mode,
+        "labels": list(classes),
+        "recipe": recipe.to_dict(),
+        "lean": None if options is None else dataclasses.asdict(options),
+        "preprocessing": {"resolution": recipe.data.resolution,
+                          "resize": int(round(recipe.data.resolution / 0.875))},
+    })

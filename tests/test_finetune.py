@@ -1,0 +1,165 @@
+"""`edgetl finetune`: pre-flight budget, learning on real data, resume, stock weights, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgetl.cli import main
+from edgetl.errors import BudgetError
+from edgetl.finetune import build_model, finetune, predict_peak, preflight, stock_state_dict
+from edgetl.models.backbone import BackboneSpec
+from edgetl.models.side import LeanOptions, build_network, make_lean
+from edgetl.recipe import load_recipe
+
+from tests.conftest import FMNIST_REASON, HAVE_FMNIST
+
+needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason=FMNIST_REASON)
+
+
+def exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def target_recipe(pretrained_backbone, **overrides):
+    values = {"model.backbone": str(backbone), "data.max_samples": 1000, "data.max_val_samples": 500,
+              "train.epochs": 2, "train.checkpoint_every": 4}
+    values.update(overrides)
+    return load_recipe("fashion_mnist", values)
+
+
+@needs_fmnist
+def test_finetune_learns_and_pooling_costs_little(pretrained_backbone, tmp_path):
+    acc = {}
+    for k in (1, 2):
+        result = finetune(recipe=target_recipe(pretrained_backbone, **{"model.pool": k}), out_dir=tmp_path / f"k{k}",
+                          measure=False)
+        acc[k] = result.history[-1]["val_acc1"]
+        assert result.classes == ["Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+    assert acc[1] > 40.0  # 5 classes: chance is 20 %
+    assert abs(acc[2] - acc[1]) <= 1.0, acc
+
+
+@needs_fmnist
+def test_resume_after_kill_equals_uninterrupted(pretrained_backbone, tmp_path):
+    recipe = target_recipe(pretrained_backbone, **{"data.max_samples": 200, "data.max_val_samples": 50,
+                                        "model.pool": 2})
+    finetune(recipe=recipe, out_dir=tmp_path / "whole", measure=False)
+
+    class Killed(Exception):
+        pass
+
+    def kill(info):
+        if info["global_step"] == 9:  # mid-epoch 2, one step after the step-8 checkpoint
+            raise Killed
+
+    with pytest.raises(Killed):
+        finetune(recipe=recipe, out_dir=tmp_path / "killed", measure=False, on_step=kill)
+    assert not (tmp_path / "killed" / "model.pt").exists()
+    finetune(recipe=recipe, out_dir=tmp_path / "killed", resume=True, measure=False)
+    whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)["model"]
+    resumed = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)["model"]
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+@needs_fmnist
+def test_run_folder_exports_the_network_that_trained(pretrained_backbone, tmp_path):
+    """model.pt (stock layout) rebuilt by export's loader gives the lean network's logits."""
+    from edgetl.export import load_run_model
+    from edgetl.train import load_checkpoint
+
+    recipe = target_recipe(pretrained_backbone, **{"data.max_samples": 100, "train.epochs": 1,
+                                        "model.mode": "repnet+bias"})
+    finetune(recipe=recipe, out_dir=tmp_path / "run", measure=False)
+    info = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert info["lean"]["pool"] == 1 and info["mode"] == "repnet+bias"
+    assert len(info["labels"]) == info["backbone"]["num_classes"] == 5
+    exported = load_run_model(tmp_path / "run").net.eval()
+    lean = build_model(recipe, 5)
+    make_lean(lean, LeanOptions(pool=1))
+    lean.load_state_dict(load_checkpoint(tmp_path / "run" / "best.pt")["model"])
+    lean.eval()
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(exported(x), lean(x), atol=1e-4, rtol=1e-4)
+
+
+def test_stock_state_dict_inverts_bn_folding():
+    """Lean layers with trained biases and batch statistics convert back to stock BN layers."""
+    torch.manual_seed(0)
+    spec = BackboneSpec(width=0.35, num_classes=4)
+    for bn_mode in ("fold", "batch"):
+        stock = build_network(spec, "repnet+bias")
+        stock.train()
+        with torch.no_grad():  # non-trivial running statistics
+            for _ in range(3):
+                stock(torch.randn(8, 3, 64, 64) * 2 + 1)
+        reference = build_network(spec, "repnet+bias")
+        reference.load_state_dict(stock.state_dict())
+        make_lean(stock, LeanOptions(pool=1, bn=bn_mode))
+        with torch.no_grad():
+            for name, p in stock.named_parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.1)
+            if bn_mode == "batch":
+                stock.train()
+                stock(torch.randn(8, 3, 64, 64))
+        back = build_network(spec, "repnet+bias")
+        back.load_state_dict(stock_state_dict(stock, reference))
+        stock.eval(), back.eval()
+        x = torch.randn(2, 3, 64, 64)
+        with torch.no_grad():
+            assert torch.allclose(stock(x), back(x), atol=1e-4, rtol=1e-3), bn_mode
+
+
+def test_preflight_refuses_over_budget_and_names_the_batch_that_fits(tmp_path):
+    recipe = load_recipe("fashion_mnist", {"train.batch_size": 32})
+    net = build_model(recipe, 5)
+    at = {b: predict_peak(net, recipe, b).total_bytes for b in (8, 9, 32)}
+    assert at[8] < at[9] < at[32]
+    budget = (at[8] + at[9]) // 2
+    with pytest.raises(BudgetError, match=r"the largest batch that fits is 8 \(--batch-size 8\)"):
+        preflight(net, recipe, budget)
+    assert preflight(net, recipe, at[32]).total_bytes == at[32]
+    assert "not even batch 1 fits" in str(pytest.raises(BudgetError, preflight, net, recipe, 1000).value)
+
+
+@needs_fmnist
+@pytest.mark.parametrize("make_args, needle", [
+    (lambda d: ["--data", str(d / "missing")], "does not exist"),
+    (lambda d: ["--recipe", "imagefolder", "--data", str(d)], "train"),
+    (lambda d: ["--set", "model.poool=2"], "did you mean"),
+    (lambda d: ["--budget", "1MB"], "exceeds the budget"),
+    (lambda d: ["--budget", "256"], "has no unit"),
+])
+def test_bad_input_exit_2_no_run_folder(tmp_path, capsys, make_args, needle):
+    out = tmp_path / "run"
+    args = make_args(tmp_path)
+    argv = ["finetune", "--recipe", "fashion_mnist", "-o", str(out), *args]
+    if "--recipe" in args:
+        argv = ["finetune", "-o", str(out), *args]
+    assert exit_code(argv) == 2
+    _, err = capsys.readouterr()
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_empty_class_folder_is_refused(tmp_path, capsys):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            folder = tmp_path / "data" / split / cls
+            folder.mkdir(parents=True)
+            if not (split == "train" and cls == "dog"):
+                Image.new("RGB", (8, 8)).save(folder / "a.png")
+    out = tmp_path / "run"
+    assert exit_code(["finetune", "--recipe", "imagefolder", "--data", str(tmp_path / "data"), "-o", str(out)]) == 2
+    _, err = capsys.readouterr()
+    assert "dog" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
