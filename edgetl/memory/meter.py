@@ -144,7 +144,8 @@ def measure_training_peak(
     optimizer step, ``zero_grad(set_to_none=True)``. Everything is included: params,
     buffers, grads, optimizer state, the input batch and labels, saved activations and
     temporaries. Only parameters with ``requires_grad`` go into the optimizer. The
-    network is put in train mode and its weights change.
+    network is put in train mode and its weights change. The batch is built in
+    ``net.input_dtype`` when the network has one (lean bf16/fp16 runtime), else fp32.
 
     Args:
         net: an EdgeNet (or any image classifier) with trainability already set.

@@ -30,10 +30,10 @@ mask as large as its input (input dtype); bilinear resize, add and flatten save 
 
 Lean-layer protocol: a leaf module may define
 
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, in_bytes, input_requires_grad,
                      output_requires_grad) -> LayerCost
 
-returning a :class:`LayerCost` (what it keeps for backward, whether it is in-place,
+(``act_bytes``/``in_bytes``: element sizes of its output/input) returning a :class:`LayerCost` (what it keeps for backward, whether it is in-place,
 forward and backward temporaries, whether its backward produces a grad_input). The rule
 table consults this method first, so a frozen conv that saves nothing, a BN folded
 into its conv, a ReLU6 that keeps a bit-packed mask, or a side conv that keeps its
@@ -43,6 +43,14 @@ input or output storages are declared with ``saves_input`` / ``saves_output`` so
 storage shared with a neighbour is counted once. A leaf that returns the very tensor it
 was given is taken as an identity (no op, no grad_fn) unless it has ``inplace = True``,
 in which case it is an in-place op whose output shares its input's storage.
+Temporaries are the *largest* extra a layer holds at any moment inside its forward
+(beyond its output and ``saved_new_bytes``) or backward (beyond grad_input and its
+param grads); the lean layers (edgetl.models.lean, lean_side) derive them from the
+sequence of allocations their code makes, checked against the meter in
+tests/test_lean_runtime.py. A leaf whose parameters are registered elsewhere (the lean
+side tail) lists them with ``runtime_parameters()``. The input batch is built in
+``net.input_dtype`` when the network has one (the lean runtime feeds bf16/fp16 batches);
+a pass-through gradient (add, view) whose input has another dtype is a new cast buffer.
 """
 
 from __future__ import annotations

@@ -22,6 +22,13 @@ no backward is needed (e.g. frozen layers before the first side tap, or under
 ``torch.no_grad``) it saves 0. ``predicted_saved_bytes`` sums the rule over a real
 forward; ``count_saved_bytes`` measures the same thing with ``saved_tensors_hooks``;
 tests check that the two agree to the byte.
+
+Runtime-accounting contract: every lean leaf also has ``runtime_cost(...) -> LayerCost``
+(see edgetl/memory/runtime.py): saved bytes plus the largest forward and backward
+temporaries, derived from the allocations its code makes (dequantised weights, cast
+copies, mask construction, per-sample masked gradients, upsampled pooled inputs).
+tests/test_lean_runtime.py checks the whole step against the meter to the byte. Keep
+the two in step when changing a forward or backward here.
 """
 
 from __future__ import annotations
