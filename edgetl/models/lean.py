@@ -545,8 +545,12 @@ class FrozenConvBNAct(nn.Module):
             phases.append(big_y + 5 * c * 4 + small)
         if self.act and grad and not batch:
             saved_new = mask_bytes(nout)
-            phases.append(big_y + 2 * nout)  # y > 0 and y < 6, and-ed in place
-            phases += [big_y + p for p in _pack_phases(nout)]
+            if _sample_aligned(out_shape):  # one sample's comparisons at a time
+                per = nout // int(out_shape[0])
+                phases += [big_y + saved_new + 2 * per, big_y + saved_new + per + 8 + per // 8]
+            else:
+                phases.append(big_y + 2 * nout)  # y > 0 and y < 6, and-ed in place
+                phases += [big_y + p for p in _pack_phases(nout)]
         if not grad:
             return LayerCost(forward_temp_bytes=_over(phases, big_y))
         fwd = _over(phases, big_y + saved_new)
@@ -642,10 +646,7 @@ class _FrozenConvFn(Function):
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
         if m.act:
             if need and not saved:
-                mask = y > 0
-                mask &= y < 6
-                saved = (pack_mask_(mask),)
-                del mask
+                saved = (_relu6_mask(y),)
             y.clamp_(0, 6)
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
         ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
@@ -701,10 +702,33 @@ class _FrozenConvFn(Function):
         return gx, gbias, None, None
 
 
+def _sample_aligned(shape) -> bool:
+    """More than one sample, and each sample's mask fills whole bytes."""
+    n = int(shape[0])
+    return n > 1 and (_numel(shape) // n) % 8 == 0
+
+
+def _relu6_mask(y: torch.Tensor) -> torch.Tensor:
+    """The packed mask of 0 < y < 6, built one sample at a time when the bytes align
+    (the byte-per-element comparisons of a whole batch would sit next to y)."""
+    if not _sample_aligned(y.shape):
+        mask = y > 0
+        mask &= y < 6
+        return pack_mask_(mask)
+    n = y.shape[0]
+    step = y.numel() // n // 8
+    packed = torch.empty(n * step, dtype=torch.uint8, device=y.device)
+    for i in range(n):
+        mask = y[i] > 0
+        mask &= y[i] < 6
+        packed[i * step : (i + 1) * step] = pack_mask_(mask)
+        del mask
+    return packed
+
+
 def _mask_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
     """Whether the masked backward runs sample by sample (each sample's mask whole bytes)."""
-    n = int(out_shape[0])
-    return m.act and needs_input_grad and n > 1 and (_numel(out_shape) // n) % 8 == 0
+    return m.act and needs_input_grad and _sample_aligned(out_shape)
 
 
 def _per_sample(ctx) -> bool:
