@@ -6,7 +6,7 @@ STAMP := $(VENV)/.edgetl-installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean data
+.PHONY: setup test test-slow demo clean data
 
 setup: $(STAMP) data
 
@@ -28,6 +28,9 @@ data:
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 demo: setup
 	mkdir -p runs/demo

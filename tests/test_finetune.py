@@ -25,7 +25,7 @@ def exit_code(argv) -> int:
         return exc.code
 
 
-def target_recipe(pretrained_backbone, **overrides):
+def target_recipe(backbone, **overrides):
     values = {"model.backbone": str(backbone), "data.max_samples": 1000, "data.max_val_samples": 500,
               "train.epochs": 2, "train.checkpoint_every": 4}
     values.update(overrides)
