@@ -24,7 +24,6 @@ from edgetl.models.lean import (
     pack_mask,
     unpack_mask,
 )
-from edgetl.models.lean_side import leanify_network
 from edgetl.models.side import LeanOptions, build_network
 
 TINY = BackboneSpec(width=0.35, num_classes=10)
