@@ -1,0 +1,528 @@
+"""Benchmark stage: fine-tuning methods in, a BenchResult (memory three ways, speed, largest batch) out.
+
+The paper's Table I, measured. Per method: paper accounting (DESIGN 2a), runtime
+accounting (DESIGN 2b), measured peak (DESIGN 2c), training throughput, the largest
+batch that fits a memory budget and the trainable parameter count. Throughput follows
+Liu et al. ("An Evaluation of Memory Optimization Methods", shared/papers/003): memory
+methods are compared at the same batch size in the same process, and steps are
+interleaved round-robin (one step of each method per round) so machine noise hits all
+methods alike; the reported figure is the median step time after warm-up.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from edgetl.errors import ConfigError
+from edgetl.memory.report import MB
+from edgetl.models.backbone import BackboneSpec, EdgeNet, build_backbone, hidden_channels
+from edgetl.models.side import LeanOptions, build_network
+
+log = logging.getLogger(__name__)
+
+# The FMEC paper's pruning ratios for blocks 1-4 (DESIGN 5); at width 1.0 they keep
+# 22/21/77/77 hidden channels.
+PAPER_PRUNING = {1: 0.3, 2: 0.78, 3: 0.46, 4: 0.46}
+REFERENCE = "repnet-stock"
+FROZEN_BITS = 8  # paper accounting: frozen weights stored 8-bit (DESIGN 2a)
+MAX_BATCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: what trains, on which runtime, on which backbone."""
+
+    name: str
+    label: str
+    mode: str
+    lean: LeanOptions | None = None  # None: stock torch modules
+    pruned: bool = False
+    checkpoint: bool = False  # torch.utils.checkpoint over every features block
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("full", "full fine-tune", "full"),
+    Method("full-ckpt", "full fine-tune + gradient checkpointing", "full", checkpoint=True),
+    Method("last", "last layer", "last"),
+    Method("bias", "bias only (TinyTL-B)", "bias"),
+    Method(REFERENCE, "Rep-Net, stock modules", "repnet"),
+    Method("repnet-lean", "Rep-Net, lean runtime", "repnet", LeanOptions(pool=1)),
+    Method("repnet-pruned", "Rep-Net, lean, pruned backbone", "repnet", LeanOptions(pool=1), pruned=True),
+    Method("repnet-pruned-pool2", "+ pooled storage k=2", "repnet", LeanOptions(pool=2), pruned=True),
+    Method("repnet-pruned-pool2-bf16-int8", "+ bf16 activations, int8 frozen weights", "repnet",
+           LeanOptions(pool=2, precision="bf16", frozen_weights="int8"), pruned=True),
+)}
+
+
+@dataclass
+class BenchRow:
+    """One method's figures. Bytes are whole bytes; ``None`` where a view does not model the method."""
+
+    method: str
+    label: str
+    mode: str
+    runtime: str  # "stock", "lean" or "stock+checkpoint"
+    lean: dict | None
+    hidden: dict[str, int]
+    trainable_params: int
+    paper_bytes: int | None
+    runtime_bytes: int | None
+    measured_bytes: int
+    images_per_s: float
+    step_seconds: list[float]
+    largest_batch: int
+    largest_batch_source: str  # "runtime" (accounting) or "measured" (meter bisection)
+    largest_batch_bytes: int | None  # at largest_batch, by largest_batch_source
+    next_batch_bytes: int | None  # at largest_batch + 1, by largest_batch_source
+    largest_batch_measured_bytes: int | None  # measured at largest_batch (verification), if run
+    memory_ratio: float | None = None  # measured / reference measured
+    throughput_ratio: float | None = None  # images/s / reference images/s
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    """The benchmark table and how it was made."""
+
+    resolution: int
+    batch_size: int
+    num_classes: int
+    width: float
+    budget_bytes: int
+    steps: int
+    warmup: int
+    optimizer: str
+    device: str
+    threads: int
+    torch_version: str
+    reference: str
+    rows: list[BenchRow] = field(default_factory=list)
+    command: str | None = None
+
+    def row(self, method: str) -> BenchRow:
+        for r in self.rows:
+            if r.method == method:
+                return r
+        raise KeyError(method)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BenchResult":
+        data = dict(data)
+        data["rows"] = [BenchRow(**r) for r in data["rows"]]
+        return cls(**data)
+
+    def save_json(self, path: str | Path) -> None:
+        from edgetl.io import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load_json(cls, path: str | Path) -> "BenchResult":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"cannot read bench results {path}: {exc}") from None
+
+    def save_csv(self, path: str | Path) -> None:
+        from edgetl.io import atomic_write_text
+
+        cols = [f.name for f in dataclasses.fields(BenchRow) if f.name not in ("lean", "hidden", "step_seconds")]
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(cols + ["lean", "hidden", "step_seconds"])
+        for r in self.rows:
+            d = dataclasses.asdict(r)
+            writer.writerow([("" if d[c] is None else d[c]) for c in cols]
+                            + [json.dumps(d["lean"]), json.dumps(d["hidden"]),
+                               " ".join(f"{s:.4f}" for s in d["step_seconds"])])
+        atomic_write_text(path, buf.getvalue())
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def pruned_hidden(width: float, num_classes: int) -> dict[int, int]:
+    """Hidden channels kept by the paper's ratios: int(C * (1 - ratio)) (DESIGN 5)."""
+    net = build_backbone(BackboneSpec(width=width, num_classes=num_classes), device="meta")
+    return {b: max(1, int(hidden_channels(net, b) * (1 - r))) for b, r in PAPER_PRUNING.items()}
+
+
+class Checkpointed(nn.Module):
+    """A features block whose activations are recomputed in backward (torch.utils.checkpoint)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.block(x)
+        # Non-reentrant: works with inputs that do not require grad (the image) and
+        # with nested autograd Functions. BN running statistics are updated twice per
+        # step (forward and recompute); harmless for a memory/speed benchmark.
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def build_method(method: Method, *, width: float, num_classes: int, device: str | torch.device,
+                 hidden: dict[int, int] | None = None) -> EdgeNet:
+    """The network of ``method``, trainability set (random weights: memory and speed only)."""
+    spec = BackboneSpec(width=width, num_classes=num_classes, hidden=dict(hidden or {}))
+    net = build_network(spec, method.mode, device=device, lean=method.lean)
+    if method.checkpoint:
+        for i in range(len(net.features)):
+            net.features[i] = Checkpointed(net.features[i])
+    return net
+
+
+def count_trainable(net: nn.Module) -> int:
+    return sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------- largest batch
+
+
+def largest_fitting(total: Callable[[int], int], budget_bytes: int, known: dict[int, int],
+                    upper: int = MAX_BATCH) -> tuple[int, dict[int, int]]:
+    """Largest batch b <= upper with total(b) <= budget; 0 if not even batch 1 fits.
+
+    ``total`` must be non-decreasing in b; ``known`` holds totals already computed (at
+    least two batches). A training step's peak is the largest of a few moments, each
+    affine in the batch, so the total is convex and piecewise affine: secant steps
+    through the two latest points land on the answer in a few calls (a straight
+    bisection would need about 16); bisection finishes if they do not. Returns the
+    batch and every total computed, ``known`` included.
+    """
+    seen = dict(known)
+    if len(seen) < 2:
+        raise ValueError("largest_fitting needs totals at two batches")
+
+    def bounds() -> tuple[int, int]:
+        lo = max((b for b, t in seen.items() if t <= budget_bytes), default=0)
+        hi = min((b for b, t in seen.items() if t > budget_bytes), default=upper + 1)
+        return lo, hi
+
+    recent = sorted(seen)[-2:]
+    for _ in range(8):
+        lo, hi = bounds()
+        if hi - lo <= 1:
+            break
+        (a, c) = recent[-2:]
+        slope = (seen[c] - seen[a]) / (c - a)
+        if slope <= 0:
+            break
+        guess = c + int((budget_bytes - seen[c]) // slope)
+        guess = min(max(guess, lo + 1), hi - 1)
+        if guess not in seen:
+            seen[guess] = total(guess)
+        if seen[guess] <= budget_bytes and guess + 1 not in seen and guess + 1 <= upper:
+            seen[guess + 1] = total(guess + 1)  # the secant usually hits the answer: check its neighbour
+        if seen[guess] > budget_bytes:
+            recent = [c, guess]
+        else:
+            recent = [guess, guess + 1] if guess + 1 in seen else [c, guess]
+    lo, hi = bounds()
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        seen[mid] = total(mid)
+        lo, hi = bounds()
+    return lo, seen
+
+
+# ----------------------------------------------------------------------------- throughput
+
+
+class _Trainer:
+    """One method's network, Adam and a fixed random batch; ``step()`` returns seconds."""
+
+    def __init__(self, net: EdgeNet, *, resolution: int, batch_size: int, num_classes: int,
+                 device: torch.device, lr: float, seed: int):
+        self.net = net.train()
+        self.opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=lr)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
+        self.image = image.to(device, getattr(net, "input_dtype", torch.float32))
+        self.labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
+        self.device = device
+
+    def step(self) -> float:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        sync(self.device)
+        start = time.perf_counter()
+        loss = F.cross_entropy(self.net(self.image), self.labels)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sync(self.device)
+        return time.perf_counter() - start
+
+
+def interleaved_step_times(trainers: dict[str, _Trainer], *, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Round-robin: each round runs one step of every method; warm-up rounds are dropped."""
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for round_ in range(warmup + steps):
+        for name, trainer in trainers.items():
+            seconds = trainer.step()
+            if round_ >= warmup:
+                times[name].append(seconds)
+        log.info("throughput round %d/%d done", round_ + 1, warmup + steps)
+    return times
+
+
+# ----------------------------------------------------------------------------- the bench
+
+
+def bench(
+    *,
+    resolution: int = 224,
+    batch_size: int = 8,
+    num_classes: int = 102,
+    width: float = 1.0,
+    budget_bytes: int = 256 * 10**6,
+    methods: list[str] | tuple[str, ...] | None = None,
+    steps: int = 3,
+    warmup: int = 1,
+    device: str | torch.device = "cpu",
+    verify_images: int = 64,
+    measure_steps: int = 2,
+    lr: float = 1e-3,
+    seed: int = 0,
+    command: str | None = None,
+) -> BenchResult:
+    """Measure every method side by side.
+
+    Args:
+        resolution: input side in pixels.
+        batch_size: images per step for the memory figures and the throughput.
+        num_classes: classifier outputs.
+        width: MobileNetV2 width multiplier.
+        budget_bytes: memory budget for the largest-batch column.
+        methods: names from ``METHODS`` (default: all), in table order.
+        steps: measured throughput rounds (one step of every method per round).
+        warmup: throughput rounds run first and dropped.
+        device: where to measure and time.
+        verify_images: the largest batch found by runtime accounting is re-measured with
+            the meter when batch x resolution^2 <= verify_images x 224^2 (cheap enough).
+        measure_steps: training steps per meter measurement (the peak comes in step 2,
+            once optimizer state exists).
+        lr: Adam learning rate of the timed and measured steps.
+        seed: seeds the random batches.
+        command: the command line that made this result, stored with it.
+    """
+    from edgetl.memory.meter import measure_training_peak
+    from edgetl.memory.runtime import runtime_report
+    from edgetl.profile import check_options, paper_report
+
+    names = list(methods) if methods is not None else list(METHODS)
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
+    if not names:
+        raise ConfigError("no methods to bench")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"methods repeat: {', '.join(names)}")
+    if steps < 1 or warmup < 0 or measure_steps < 1:
+        raise ConfigError(f"need steps >= 1, warmup >= 0, measure_steps >= 1; got {steps}, {warmup}, {measure_steps}")
+    if budget_bytes < 1:
+        raise ConfigError(f"budget {budget_bytes} bytes is not allowed; give a positive size")
+    for name in names:
+        check_options(mode=METHODS[name].mode, accounting="runtime", resolution=resolution,
+                      batch_size=batch_size)
+    device = torch.device(device)
+    hidden = pruned_hidden(width, num_classes)
+    result = BenchResult(
+        resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
+        budget_bytes=budget_bytes, steps=steps, warmup=warmup, optimizer="adam", device=str(device),
+        threads=torch.get_num_threads(), torch_version=torch.__version__, reference=REFERENCE,
+        command=command,
+    )
+    verify_pixels = verify_images * 224 * 224
+    trainers: dict[str, _Trainer] = {}
+    for name in names:
+        method = METHODS[name]
+        method_hidden = hidden if method.pruned else {}
+        build = lambda dev, m=method, h=method_hidden: build_method(  # noqa: E731
+            m, width=width, num_classes=num_classes, device=dev, hidden=h)
+        log.info("%s: accounting", name)
+
+        def measured(b: int, build=build) -> int:
+            return measure_training_peak(build(device), resolution=resolution, batch_size=b,
+                                         steps=measure_steps, lr=lr, seed=seed)
+
+        if method.checkpoint:
+            # Neither accounting models recomputation: the paper walk and the runtime
+            # simulation would both describe the plain full fine-tune.
+            paper_bytes = runtime_bytes = None
+            note = "accountings do not model recomputation; largest batch by measurement"
+        else:
+            stock_meta = build_method(
+                dataclasses.replace(method, lean=None), width=width, num_classes=num_classes,
+                device="meta", hidden=method_hidden)
+            paper_bytes = paper_report(stock_meta, mode=method.mode, resolution=resolution,
+                                       batch_size=batch_size, frozen_bits=FROZEN_BITS).total_bytes
+            meta = build("meta")
+
+            def accounted(b: int, meta=meta, mode=method.mode) -> int:
+                return runtime_report(meta, mode=mode, resolution=resolution, batch_size=b).total_bytes
+
+            runtime_bytes = accounted(batch_size)
+            note = ""
+        log.info("%s: measuring the peak", name)
+        measured_bytes = measured(batch_size)
+        log.info("%s: largest batch in %.1f MB", name, budget_bytes / MB)
+        if method.checkpoint:
+            source, total_fn, at_batch = "measured", measured, measured_bytes
+        else:
+            source, total_fn, at_batch = "runtime", accounted, runtime_bytes
+        known = {batch_size: at_batch, 1: at_batch if batch_size == 1 else total_fn(1)}
+        if batch_size == 1:
+            known[2] = total_fn(2)
+        largest, seen = largest_fitting(total_fn, budget_bytes, known)
+        verify = None
+        if source == "measured":
+            verify = seen.get(largest)
+        elif 1 <= largest and largest * resolution**2 <= verify_pixels:
+            verify = measured(largest)
+        real = build(device)
+        trainers[name] = _Trainer(real, resolution=resolution, batch_size=batch_size,
+                                  num_classes=num_classes, device=device, lr=lr, seed=seed)
+        result.rows.append(BenchRow(
+            method=name, label=method.label, mode=method.mode,
+            runtime="lean" if method.lean else ("stock+checkpoint" if method.checkpoint else "stock"),
+            lean=None if method.lean is None else dataclasses.asdict(method.lean),
+            hidden={str(k): v for k, v in sorted(method_hidden.items())},
+            trainable_params=count_trainable(real),
+            paper_bytes=paper_bytes, runtime_bytes=runtime_bytes, measured_bytes=measured_bytes,
+            images_per_s=0.0, step_seconds=[],
+            largest_batch=largest, largest_batch_source=source,
+            largest_batch_bytes=seen.get(largest), next_batch_bytes=seen.get(largest + 1),
+            largest_batch_measured_bytes=verify, note=note,
+        ))
+    log.info("throughput: %d warm-up + %d rounds of %d methods", warmup, steps, len(trainers))
+    times = interleaved_step_times(trainers, steps=steps, warmup=warmup)
+    for row in result.rows:
+        row.step_seconds = times[row.method]
+        row.images_per_s = batch_size / statistics.median(row.step_seconds)
+    set_ratios(result)
+    return result
+
+
+def set_ratios(result: BenchResult) -> None:
+    """Memory and throughput ratios against the reference row (None without it)."""
+    try:
+        ref = result.row(result.reference)
+    except KeyError:
+        return
+    for row in result.rows:
+        row.memory_ratio = row.measured_bytes / ref.measured_bytes
+        row.throughput_ratio = row.images_per_s / ref.images_per_s
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / MB:.1f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
+    """Headers and formatted cells (MB = 10^6 B) shared by the terminal and markdown tables."""
+    headers = ["method", "trainable params", "paper MB", "runtime MB", "measured MB", "memory vs Rep-Net",
+               "images/s", "speed vs Rep-Net", f"largest batch in {result.budget_bytes / MB:g} MB"]
+    rows = []
+    for r in result.rows:
+        batch = str(r.largest_batch) + (" (measured)" if r.largest_batch_source == "measured" else "")
+        rows.append([r.label, f"{r.trainable_params:,}", _mb(r.paper_bytes), _mb(r.runtime_bytes),
+                     _mb(r.measured_bytes), _ratio(r.memory_ratio), f"{r.images_per_s:.1f}",
+                     _ratio(r.throughput_ratio), batch])
+    return headers, rows
+
+
+def caption(result: BenchResult) -> str:
+    return (f"MobileNetV2 {result.width:g}, {result.resolution} px, batch {result.batch_size}, "
+            f"{result.num_classes} classes, Adam, {result.device} ({result.threads} thread"
+            f"{'s' if result.threads != 1 else ''}, torch {result.torch_version}); throughput: median of "
+            f"{result.steps} interleaved steps after {result.warmup} warm-up; MB = 10^6 bytes")
+
+
+def to_markdown(result: BenchResult) -> str:
+    """The README's results table, rendered from a result (e.g. a committed JSON)."""
+    headers, rows = table_rows(result)
+    right = [":---"] + ["---:"] * (len(headers) - 1)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(right) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines.append("")
+    lines.append(caption(result) + ".")
+    lines.append("Paper accounting: the TinyTL/Rep-Net profiler (4 B activations, 8-bit frozen weights, "
+                 "stock modules: it models neither pooling, bf16 nor the lean layers). Runtime accounting: "
+                 "edgetl's model of what its runtime holds. Measured: peak live tensor bytes over real "
+                 "training steps. Largest batch by runtime accounting (\"measured\": by the meter).")
+    notes = [f"{r.label}: {r.note}" for r in result.rows if r.note]
+    if notes:
+        lines.append("Notes: " + "; ".join(notes) + ".")
+    if result.command:
+        lines.append("")
+        lines.append(f"Made with `{result.command}`.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_bench(result: BenchResult, path: str | Path) -> None:
+    """PNG: measured peak per method as bars with paper/runtime markers; throughput beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from edgetl.io import atomic_write_bytes
+
+    rows = result.rows
+    idx = list(range(len(rows)))
+    labels = [r.label.replace(", ", ",\n").replace(" + ", "\n+ ") for r in rows]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5.5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
+    ax.bar(idx, [r.measured_bytes / MB for r in rows], color="#337ab7", label="measured peak")
+    pi = [i for i, r in enumerate(rows) if r.paper_bytes is not None]
+    ri = [i for i, r in enumerate(rows) if r.runtime_bytes is not None]
+    ax.plot(pi, [rows[i].paper_bytes / MB for i in pi], "o", color="#d9534f", label="paper accounting")
+    ax.plot(ri, [rows[i].runtime_bytes / MB for i in ri], "x", color="k", ms=9, label="runtime accounting")
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r.measured_bytes / MB:.0f}", (i, r.measured_bytes / MB), ha="center",
+                    xytext=(0, 3), textcoords="offset points", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("training memory, MB (10^6 B), log scale")
+    ax.set_xticks(idx, labels, rotation=60, ha="right", fontsize=8)
+    ax.set_title(f"memory at batch {result.batch_size}")
+    ax.legend(fontsize=8)
+    bx.barh(idx, [r.images_per_s for r in rows], color="#5cb85c")
+    for i, r in enumerate(rows):
+        bx.annotate(f"{r.images_per_s:.1f}", (r.images_per_s, i), va="center", xytext=(3, 0),
+                    textcoords="offset points", fontsize=8)
+    bx.set_yticks(idx, [r.label for r in rows], fontsize=8)
+    bx.invert_yaxis()
+    bx.set_xlabel("training throughput, images/s (median)")
+    bx.set_title(f"speed at batch {result.batch_size}")
+    fig.suptitle(caption(result), fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -1,0 +1,120 @@
+"""``edgetl bench``: memory (paper, runtime, measured), speed and largest batch of every method side by side."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from edgetl.bench import METHODS, BenchResult, bench, caption, plot_bench, table_rows, to_markdown
+from edgetl.cli._common import positive_float, positive_int, print_table, writable_file
+from edgetl.errors import ConfigError
+from edgetl.units import parse_bytes
+
+# --quick: a tiny backbone at 64 px, for a smoke run in well under a minute of work.
+QUICK = {"width": 0.35, "resolution": 64, "budget": "24MB", "steps": 2, "warmup": 1}
+DEFAULTS = {"width": 1.0, "resolution": 224, "budget": "256MB", "steps": 3, "warmup": 1}
+
+
+def method_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown method(s) {', '.join(unknown) or text!r}; allowed: {', '.join(METHODS)}")
+    return names
+
+
+def nonnegative_int(text: str) -> int:
+    if text == "0":
+        return 0
+    return positive_int(text)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="the paper's Table I, measured: memory and speed of every fine-tuning method",
+        description=(
+            "Benchmark fine-tuning methods side by side on MobileNetV2: paper accounting, runtime "
+            "accounting and measured peak memory at --batch-size, training throughput (median step "
+            "time, steps of all methods interleaved round-robin), the largest batch that fits "
+            "--budget, trainable parameters, and ratios against stock Rep-Net. MB = 10^6 bytes. "
+            f"Methods: {', '.join(METHODS)}. "
+            "--from PATH re-renders a saved JSON result without running anything."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--resolution", type=positive_int, help=f"input size in pixels (default {DEFAULTS['resolution']})")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--num-classes", type=positive_int, default=102)
+    p.add_argument("--width", type=positive_float, help=f"MobileNetV2 width multiplier (default {DEFAULTS['width']})")
+    p.add_argument("--budget", help=f"memory budget for the largest-batch column, e.g. 256MB (default {DEFAULTS['budget']})")
+    p.add_argument("--methods", type=method_list, metavar="A,B,...", help="comma-separated methods (default: all)")
+    p.add_argument("--steps", type=positive_int, help=f"timed rounds after warm-up (default {DEFAULTS['steps']})")
+    p.add_argument("--warmup", type=nonnegative_int, help=f"warm-up rounds (default {DEFAULTS['warmup']})")
+    p.add_argument("--verify-images", type=nonnegative_int, default=64,
+                   help="re-measure the largest batch when batch x resolution^2 <= this x 224^2")
+    p.add_argument("--quick", action="store_true",
+                   help=f"tiny scale: width {QUICK['width']}, {QUICK['resolution']} px, budget {QUICK['budget']}, "
+                        f"{QUICK['steps']} steps (explicit flags still win)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--from", dest="source", metavar="PATH", help="render a saved JSON result instead of running")
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown (for the README)")
+    p.add_argument("--json", type=writable_file, metavar="PATH", help="save the result as JSON")
+    p.add_argument("--csv", type=writable_file, metavar="PATH", help="save the rows as CSV")
+    p.add_argument("--plot", type=writable_file, metavar="PATH", help="save a PNG chart")
+    p.set_defaults(run=run)
+
+
+def print_result(result: BenchResult) -> None:
+    headers, rows = table_rows(result)
+    print_table(headers, rows, title=caption(result))
+    for r in result.rows:
+        if r.note:
+            print(f"note: {r.label}: {r.note}")
+
+
+def _command(args, pick) -> str:
+    """The resolved command line (every value explicit), stored with the result."""
+    parts = ["edgetl", "bench", "--resolution", pick("resolution"), "--batch-size", args.batch_size,
+             "--num-classes", args.num_classes, "--width", f"{pick('width'):g}", "--budget", pick("budget"),
+             "--steps", pick("steps"), "--warmup", pick("warmup")]
+    if args.methods is not None:
+        parts += ["--methods", ",".join(args.methods)]
+    for flag in ("json", "csv", "plot"):
+        if getattr(args, flag):
+            parts += [f"--{flag}", getattr(args, flag)]
+    return " ".join(shlex.quote(str(p)) for p in parts)
+
+
+def run(args) -> int:
+    if args.source:
+        result = BenchResult.load_json(args.source)
+    else:
+        preset = QUICK if args.quick else DEFAULTS
+        pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
+        budget = parse_bytes(pick("budget"))
+        if args.methods is not None and len(set(args.methods)) != len(args.methods):
+            raise ConfigError(f"methods repeat: {','.join(args.methods)}")
+        print("benchmarking (memory of each method, then interleaved timed steps) ...", file=sys.stderr)
+        result = bench(
+            resolution=pick("resolution"), batch_size=args.batch_size, num_classes=args.num_classes,
+            width=pick("width"), budget_bytes=budget, methods=args.methods, steps=pick("steps"),
+            warmup=pick("warmup"), device=args.device, verify_images=args.verify_images,
+            command=_command(args, pick),
+        )
+    if args.markdown:
+        print(to_markdown(result), end="")
+    else:
+        print_result(result)
+    if args.json:
+        result.save_json(args.json)
+        print(f"saved {args.json}")
+    if args.csv:
+        result.save_csv(args.csv)
+        print(f"saved {args.csv}")
+    if args.plot:
+        plot_bench(result, args.plot)
+        print(f"saved {args.plot}")
+    return 0
