@@ -220,6 +220,11 @@ def build_scheduler(
 # --- checkpoints -----------------------------------------------------------------------
 
 
+def input_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model takes its images in: the lean runtime's activation dtype, else fp32."""
+    return getattr(unwrap(model), "input_dtype", torch.float32)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (checkpoints hold its state_dict, not the wrapper's)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -331,7 +336,8 @@ def evaluate(
     loss_sum, correct, count = 0.0, 0.0, 0.0
     with torch.no_grad(), autocast():
         for images, labels in loader:
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            images = images.to(device, dtype=input_dtype(model), non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
             logits = model(images).float()
             loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
             correct += (logits.argmax(1) == labels).sum().item()
@@ -512,7 +518,8 @@ def fit(
         _set_train_mode(net, recipe.model.bn)
         t0, seen = time.perf_counter(), 0
         for step, (images, labels) in enumerate(batches, start=first):
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            images = images.to(device, dtype=input_dtype(model), non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
             with autocast():
                 logits = net(images)
                 loss = label_loss(logits, labels)
