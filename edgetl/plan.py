@@ -1,0 +1,831 @@
+"""Plan stage: a memory budget and a device in, a Plan (pruning, pooling, precision, batch) out.
+
+Deciding is apart from doing: ``plan`` only calls the runtime accounting (DESIGN 2b) on
+meta networks and returns a :class:`Plan`; ``edgetl prune --plan`` and ``edgetl finetune
+--plan`` act on it; ``verify_plan`` builds the planned network and measures real training
+steps (DESIGN 2c).
+
+Objective: fit the budget while removing as few hidden channels as possible, then prefer
+a smaller pooling factor k, then a larger batch. Every candidate lies on one fixed *path*
+from the exact configuration to the most memory-saving one, each step degrading one
+dimension and never undoing another:
+
+1. storage: frozen weights fp32 -> fp16, activations fp32 -> half (bf16), frozen weights
+   -> int8, side pooling k 1 -> 2 -> 4 (dimensions the caller fixes are skipped);
+2. pruning, at the most saving storage: the per-image peak of every sensitive block above
+   a cap T is lowered to T (the paper's rule: prune the blocks that set the peak, just
+   enough), T falling one channel at a time down to the peak of what pruning cannot
+   reach, and finally every candidate block at ``max_ratio``;
+3. with ``batch_size="auto"`` the path starts at batch 1 and, once the exact
+   configuration fits, the batch grows up to ``max_batch_size``.
+
+The plan is the least degraded path element whose predicted peak fits. Because the path
+is fixed and each dimension only degrades along it, a larger budget never prunes more,
+never pools coarser and never shrinks the batch. The predicted peak falls along the path
+(every step shrinks tensors), so the boundary is found by bracketing: a model (peak
+linear in the cap T) guesses, real accounting decides. A block's kept channels follow a
+linear model of its per-image peak between unpruned and ``max_ratio``; it only shapes the
+path, the fit is always checked with ``runtime_report``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from edgetl.errors import BudgetError, ConfigError, DataError
+from edgetl.models.backbone import BackboneSpec, build_backbone, hidden_channels, prunable_blocks
+
+log = logging.getLogger(__name__)
+
+MB = 10**6
+PLAN_FORMAT = "edgetl-plan/1"
+MODE = "repnet"
+OPTIMIZER = "adam"
+POOLS = (1, 2, 4)
+PRECISIONS = ("fp32", "bf16", "fp16")
+HALF = "bf16"  # "half": bf16 runs on CPUs (--verify) and on Orin (sm_87); same bytes as fp16
+FROZEN_WEIGHTS = ("fp32", "fp16", "int8")
+BUDGET_SCOPES = ("tensors", "process")
+MAX_RATIO = 0.9
+MAX_BATCH_SIZE = 256
+VERIFY_TOLERANCE = 0.05
+OBJECTIVE = ("fit the budget removing as few hidden channels as possible, then prefer a smaller "
+             "pooling k, then a larger batch; storage savings (frozen fp16, half activations, "
+             "int8 frozen weights) before pooling, pooling before pruning")
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """What a device adds around the training tensors.
+
+    Attributes:
+        name: preset name.
+        memory_bytes: device memory (shared by CPU and GPU on Jetson); None if unknown.
+        cuda_context_bytes: CUDA context of a torch process (DESIGN 2c: ~300 MB on Jetson).
+        allocator_slack: extra the caching allocator reserves beyond live tensors
+            (segment rounding, fragmentation), as a fraction of the tensor peak; an assumption
+            to replace by ``max_memory_reserved / max_memory_allocated`` measured on the device.
+        os_share: share of the device memory the OS, desktop and page cache keep
+            (edgetl.doctor keeps 25 % of MemAvailable free).
+    """
+
+    name: str
+    memory_bytes: int | None = None
+    cuda_context_bytes: int = 0
+    allocator_slack: float = 0.0
+    os_share: float = 0.0
+
+    def overheads(self, tensor_bytes: int) -> dict[str, int]:
+        """Process memory beyond ``tensor_bytes`` of live tensors, one line per cause."""
+        lines = {}
+        if self.cuda_context_bytes:
+            lines["CUDA context"] = self.cuda_context_bytes
+        if self.allocator_slack:
+            lines[f"allocator slack ({self.allocator_slack:.0%} of tensors)"] = int(
+                math.ceil(tensor_bytes * self.allocator_slack))
+        return lines
+
+    def process_limit_bytes(self) -> int | None:
+        """What the device leaves for one process once the OS share is kept free."""
+        if self.memory_bytes is None:
+            return None
+        return int(self.memory_bytes * (1 - self.os_share))
+
+    def tensor_budget(self, process_bytes: int) -> int:
+        """Largest tensor peak whose process total (tensors + overheads) is <= ``process_bytes``."""
+        room = process_bytes - self.cuda_context_bytes
+        return max(0, int(room / (1 + self.allocator_slack)))
+
+
+def _doctor_constants() -> tuple[int, float]:
+    from edgetl.doctor import BUDGET_HEADROOM, CUDA_CONTEXT_BYTES
+
+    return CUDA_CONTEXT_BYTES, BUDGET_HEADROOM
+
+
+_CTX, _HEADROOM = _doctor_constants()
+DEVICES = {
+    "none": DevicePreset("none"),
+    "orin-nano-8gb": DevicePreset("orin-nano-8gb", 8 * 2**30, _CTX, 0.10, _HEADROOM),
+    "orin-nano-4gb": DevicePreset("orin-nano-4gb", 4 * 2**30, _CTX, 0.10, _HEADROOM),
+}
+
+
+def device_preset(name: str) -> DevicePreset:
+    if name not in DEVICES:
+        raise ConfigError(f"unknown device {name!r}; allowed: {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Storage:
+    pool: int
+    precision: str
+    frozen_weights: str
+
+
+@dataclass
+class PlanConfig:
+    """One configuration: which hidden channels to keep, how to store, what batch.
+
+    Attributes:
+        kept: pruned block -> kept hidden channels (only blocks this plan prunes).
+        channels: pruned block -> hidden channels of the input backbone.
+        pool, precision, frozen_weights: lean runtime options (DESIGN 4); BN is folded.
+        batch_size: images per training step.
+    """
+
+    kept: dict[int, int]
+    channels: dict[int, int]
+    pool: int
+    precision: str
+    frozen_weights: str
+    batch_size: int
+
+    @property
+    def blocks(self) -> list[int]:
+        return sorted(self.kept)
+
+    @property
+    def ratios(self) -> list[float]:
+        """Ratios that make ``edgetl prune`` keep exactly ``kept`` (kept = int(C * (1 - r)))."""
+        return [ratio_for(self.channels[b], self.kept[b]) for b in self.blocks]
+
+    @property
+    def removed_channels(self) -> int:
+        return sum(self.channels[b] - self.kept[b] for b in self.kept)
+
+    def describe(self) -> str:
+        prune = ", ".join(f"{b}:{self.channels[b]}->{self.kept[b]}" for b in self.blocks) or "none"
+        return (f"prune {prune} | k={self.pool} | act {self.precision} | frozen {self.frozen_weights} "
+                f"| batch {self.batch_size}")
+
+    def to_dict(self) -> dict:
+        return {
+            "prune": {"blocks": self.blocks, "ratios": self.ratios,
+                      "channels": {b: self.channels[b] for b in self.blocks},
+                      "kept": {b: self.kept[b] for b in self.blocks}},
+            "finetune": {"mode": MODE, "pool": self.pool, "precision": self.precision,
+                         "frozen_weights": self.frozen_weights, "bn": "fold",
+                         "batch_size": self.batch_size},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> "PlanConfig":
+        _check_keys(data, {"prune", "finetune"}, where)
+        p, f = data["prune"], data["finetune"]
+        _check_keys(p, {"blocks", "ratios", "channels", "kept"}, f"{where}.prune")
+        _check_keys(f, {"mode", "pool", "precision", "frozen_weights", "bn", "batch_size"}, f"{where}.finetune")
+        kept = {int(b): int(k) for b, k in p["kept"].items()}
+        channels = {int(b): int(c) for b, c in p["channels"].items()}
+        if sorted(kept) != sorted(channels) or sorted(kept) != [int(b) for b in p["blocks"]]:
+            raise ConfigError(f"{where}.prune: blocks, channels and kept name different blocks")
+        for b in kept:
+            if b not in prunable_blocks() or not 1 <= kept[b] <= channels[b]:
+                raise ConfigError(f"{where}.prune: block {b} keeps {kept[b]} of {channels[b]} channels")
+        if f["mode"] != MODE or f["bn"] != "fold":
+            raise ConfigError(f"{where}.finetune: only mode {MODE} with bn fold is planned")
+        config = cls(kept, channels, int(f["pool"]), str(f["precision"]), str(f["frozen_weights"]),
+                     int(f["batch_size"]))
+        _check_storage(config.pool, config.precision, config.frozen_weights, where)
+        if config.batch_size < 1:
+            raise ConfigError(f"{where}.finetune.batch_size: {config.batch_size}; allowed: >= 1")
+        return config
+
+
+@dataclass
+class Candidate:
+    """A configuration the search evaluated, with its predicted peak."""
+
+    config: PlanConfig
+    predicted_bytes: int
+    fits: bool
+    why: str = ""
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), "predicted_bytes": self.predicted_bytes,
+                "fits": self.fits, "why": self.why}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> "Candidate":
+        _check_keys(data, {"config", "predicted_bytes", "fits", "why"}, where)
+        return cls(PlanConfig.from_dict(data["config"], f"{where}.config"), int(data["predicted_bytes"]),
+                   bool(data["fits"]), str(data["why"]))
+
+
+@dataclass
+class Plan:
+    """The chosen configuration, its predicted breakdown against the budget, and the runners-up.
+
+    Attributes:
+        budget_bytes: the budget as given; ``budget_scope`` says what it covers.
+        tensor_budget_bytes: what the training tensors may use (budget less device overheads
+            when the scope is "process").
+        device: device preset name; ``overheads`` its process lines for the chosen tensors.
+        device_process_limit_bytes: device memory less the OS share (None if unknown).
+        request: the constraints asked for (batch size or "auto", precision, ...).
+        backbone: the input backbone spec (before this plan's pruning).
+        chosen: the configuration; ``predicted_bytes`` its runtime-accounting peak and
+            ``breakdown`` that peak's parts (runtime_report's breakdown).
+        runners_up: other evaluated configurations near the chosen one on the path.
+        measured_bytes: filled by ``verify_plan``.
+    """
+
+    budget_bytes: int
+    budget_scope: str
+    tensor_budget_bytes: int
+    device: str
+    overheads: dict[str, int]
+    device_process_limit_bytes: int | None
+    resolution: int
+    num_classes: int
+    request: dict
+    backbone: dict
+    chosen: PlanConfig
+    predicted_bytes: int
+    breakdown: dict[str, int]
+    runners_up: list[Candidate] = field(default_factory=list)
+    objective: str = OBJECTIVE
+    evaluations: int = 0
+    search_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    measured_bytes: int | None = None
+    verify_steps: int | None = None
+
+    @property
+    def spec(self) -> BackboneSpec:
+        """The backbone spec the plan fine-tunes: the input backbone with the planned pruning."""
+        base = BackboneSpec.from_dict(self.backbone)
+        return dataclasses.replace(base, num_classes=self.num_classes,
+                                   hidden={**base.hidden, **self.chosen.kept})
+
+    def to_dict(self) -> dict:
+        return {
+            "format": PLAN_FORMAT,
+            "objective": self.objective,
+            "budget": {"budget_bytes": self.budget_bytes, "scope": self.budget_scope,
+                       "tensor_budget_bytes": self.tensor_budget_bytes, "device": self.device,
+                       "overheads": dict(self.overheads),
+                       "device_process_limit_bytes": self.device_process_limit_bytes},
+            "resolution": self.resolution,
+            "num_classes": self.num_classes,
+            "request": dict(self.request),
+            "backbone": dict(self.backbone),
+            **self.chosen.to_dict(),
+            "predicted": {"total_bytes": self.predicted_bytes, "breakdown": dict(self.breakdown)},
+            "verify": (None if self.measured_bytes is None else
+                       {"measured_bytes": self.measured_bytes, "steps": self.verify_steps}),
+            "runners_up": [c.to_dict() for c in self.runners_up],
+            "search": {"evaluations": self.evaluations, "seconds": round(self.search_seconds, 2)},
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise DataError(f"not an edgetl plan (format {PLAN_FORMAT})")
+        _check_keys(data, {"format", "objective", "budget", "resolution", "num_classes", "request",
+                           "backbone", "prune", "finetune", "predicted", "verify", "runners_up",
+                           "search", "notes"}, "plan")
+        b = data["budget"]
+        _check_keys(b, {"budget_bytes", "scope", "tensor_budget_bytes", "device", "overheads",
+                        "device_process_limit_bytes"}, "plan.budget")
+        chosen = PlanConfig.from_dict({"prune": data["prune"], "finetune": data["finetune"]}, "plan")
+        BackboneSpec.from_dict(data["backbone"])  # validates
+        verify = data.get("verify") or {}
+        search = data.get("search") or {}
+        return cls(
+            budget_bytes=int(b["budget_bytes"]), budget_scope=str(b["scope"]),
+            tensor_budget_bytes=int(b["tensor_budget_bytes"]), device=str(b["device"]),
+            overheads={str(k): int(v) for k, v in (b.get("overheads") or {}).items()},
+            device_process_limit_bytes=b.get("device_process_limit_bytes"),
+            resolution=int(data["resolution"]), num_classes=int(data["num_classes"]),
+            request=dict(data["request"]), backbone=dict(data["backbone"]), chosen=chosen,
+            predicted_bytes=int(data["predicted"]["total_bytes"]),
+            breakdown={str(k): int(v) for k, v in data["predicted"]["breakdown"].items()},
+            runners_up=[Candidate.from_dict(c, f"plan.runners_up[{i}]")
+                        for i, c in enumerate(data.get("runners_up") or [])],
+            objective=str(data.get("objective", OBJECTIVE)),
+            evaluations=int(search.get("evaluations", 0)), search_seconds=float(search.get("seconds", 0.0)),
+            notes=list(data.get("notes") or []),
+            measured_bytes=verify.get("measured_bytes"), verify_steps=verify.get("steps"),
+        )
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "Plan":
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise DataError(f"plan is not valid YAML: {exc}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        from edgetl.io import atomic_write_text
+
+        text = self.to_yaml() if str(path).endswith((".yaml", ".yml")) else json.dumps(self.to_dict(), indent=2) + "\n"
+        atomic_write_text(path, text)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan written by ``edgetl plan`` (YAML or JSON)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"plan file {path} does not exist")
+    try:
+        return Plan.from_yaml(path.read_text())
+    except (ConfigError, DataError) as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise DataError(f"{path} is not a valid edgetl plan: {type(exc).__name__} {exc}") from None
+
+
+class PlanImpossible(BudgetError):
+    """No configuration fits; ``min_budget_bytes`` (same scope as the budget) would."""
+
+    def __init__(self, message: str, min_budget_bytes: int, config: PlanConfig):
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
+        self.config = config
+
+
+def _check_keys(data, allowed: set[str], where: str) -> None:
+    import difflib
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping")
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(sorted(allowed))}"
+            raise ConfigError(f"{where}: unknown key {key!r}{hint}")
+    missing = allowed - set(data) - {"why", "verify", "runners_up", "search", "notes", "objective",
+                                     "device_process_limit_bytes"}
+    if missing:
+        raise ConfigError(f"{where}: missing {', '.join(sorted(missing))}")
+
+
+def _check_storage(pool, precision, frozen_weights, where: str) -> None:
+    if pool not in POOLS:
+        raise ConfigError(f"{where}: pool {pool} is not allowed; allowed: {', '.join(map(str, POOLS))}")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"{where}: precision {precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}")
+    if frozen_weights not in FROZEN_WEIGHTS:
+        raise ConfigError(f"{where}: frozen weights {frozen_weights!r} is not allowed; "
+                          f"allowed: {', '.join(FROZEN_WEIGHTS)}")
+
+
+def ratio_for(channels: int, kept: int) -> float:
+    """A ratio r with int(C * (1 - r)) == kept (edgetl.prune.kept_channels)."""
+    if kept >= channels:
+        return 0.0
+    r = round(1 - (kept + 0.5) / channels, 6)
+    if int(channels * (1 - r)) != kept:  # pragma: no cover - 0.5 channel margin
+        raise RuntimeError(f"no 6-digit ratio keeps {kept} of {channels}")
+    return r
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def storage_ladder(*, pool: int | None = None, precision: str | None = None,
+                   frozen_weights: str | None = None) -> list[Storage]:
+    """Storage options from exact to most saving; a fixed dimension never changes."""
+    p = 1 if pool is None else pool
+    a = "fp32" if precision is None else precision
+    w = "fp32" if frozen_weights is None else frozen_weights
+    ladder = [Storage(p, a, w)]
+
+    def step(**change):
+        ladder.append(dataclasses.replace(ladder[-1], **change))
+
+    if frozen_weights is None:
+        step(frozen_weights="fp16")
+    if precision is None:
+        step(precision=HALF)
+    if frozen_weights is None:
+        step(frozen_weights="int8")
+    if pool is None:
+        step(pool=2)
+        step(pool=4)
+    return ladder
+
+
+class _Evaluator:
+    """runtime_report of a configuration, cached per configuration (meta networks)."""
+
+    def __init__(self, base: BackboneSpec, resolution: int):
+        self.base, self.resolution = base, resolution
+        self.reports: dict[tuple, object] = {}
+        self.nets: dict[tuple, object] = {}
+        self.count = 0
+
+    def report(self, kept: dict[int, int], storage: Storage, batch: int):
+        from edgetl.memory.runtime import runtime_report
+        from edgetl.models.side import LeanOptions, build_network
+
+        key = (tuple(sorted(kept.items())), storage, batch)
+        if key not in self.reports:
+            if key[:2] not in self.nets:
+                spec = dataclasses.replace(self.base, hidden={**self.base.hidden, **kept})
+                lean = LeanOptions(pool=storage.pool, bn="fold", frozen_weights=storage.frozen_weights,
+                                   precision=storage.precision)
+                self.nets[key[:2]] = build_network(spec, MODE, device="meta", lean=lean)
+            net = self.nets[key[:2]]
+            self.reports[key] = runtime_report(net, mode=MODE, resolution=self.resolution, batch_size=batch,
+                                               optimizer=OPTIMIZER)
+            self.count += 1
+            log.debug("evaluated %s %s batch %d: %d bytes", kept, storage, batch,
+                      self.reports[key].total_bytes)
+        return self.reports[key]
+
+    def total(self, kept, storage, batch) -> int:
+        return self.report(kept, storage, batch).total_bytes
+
+
+def _unit_peak(report, block: int) -> int:
+    """Per-image peak of pruning unit ``block`` (block 1 shares its channels with the stem)."""
+    blocks = (0, 1) if block == 1 else (block,)
+    return max(report.block(i).peak_bytes for i in blocks)
+
+
+class _PruningPath:
+    """Kept-channel vectors from no pruning (level 0) to every candidate at its floor (last).
+
+    Level i > 0 caps every candidate unit's modelled per-image peak at ``caps[i]``; the
+    model is linear in the kept count between the unpruned and floor reports.
+    """
+
+    def __init__(self, channels: dict[int, int], floor: dict[int, int], full_report, floor_report,
+                 candidates: list[int]):
+        self.channels, self.floor = channels, floor
+        fixed = [b.peak_bytes for b in full_report.blocks
+                 if not any(b.index in ((0, 1) if u == 1 else (u,)) for u in candidates)]
+        self.reach = max(fixed, default=0)  # peak that no pruning of the candidates lowers
+        self.model = {}
+        for u in candidates:
+            hi, lo = _unit_peak(full_report, u), _unit_peak(floor_report, u)
+            if hi > lo and hi > self.reach and channels[u] > floor[u]:
+                self.model[u] = (lo, hi)
+        breaks = set()
+        for u, (lo, hi) in self.model.items():
+            c, f = channels[u], floor[u]
+            for k in range(f + 1, c + 1):
+                t = lo + (k - f) * (hi - lo) / (c - f)  # the cap from which u keeps k channels
+                if t > self.reach:
+                    breaks.add(t)
+        # a level per cap just below a breakpoint: the unit drops to k - 1 channels
+        self.caps = [math.inf] + sorted(breaks, reverse=True)
+        self.last = len(self.caps)  # index of the floor element
+
+    def kept(self, level: int) -> dict[int, int]:
+        if level >= self.last:
+            return dict(self.floor)
+        cap = self.caps[level]
+        out = {}
+        for u, (lo, hi) in self.model.items():
+            c, f = self.channels[u], self.floor[u]
+            if cap == math.inf:
+                k = c
+            else:
+                # largest k whose breakpoint is strictly below the cap, i.e. below level's own break
+                k = f + math.ceil((cap - lo) * (c - f) / (hi - lo) - 1e-9) - 1
+                k = min(c, max(f, k))
+            if k < c:
+                out[u] = k
+        return out
+
+    def cap(self, level: int) -> float:
+        if level >= self.last:
+            return float(self.reach)
+        return self.caps[level]
+
+
+def _resolve_spec(backbone, width: float, num_classes: int) -> BackboneSpec:
+    if backbone is None:
+        return BackboneSpec(width=width, num_classes=num_classes)
+    if isinstance(backbone, BackboneSpec):
+        return dataclasses.replace(backbone, num_classes=num_classes, hidden=dict(backbone.hidden))
+    from edgetl.models.backbone import read_backbone_spec
+
+    return dataclasses.replace(read_backbone_spec(backbone), num_classes=num_classes)
+
+
+def plan(
+    *,
+    budget_bytes: int,
+    device_preset: str = "none",
+    budget_scope: str = "tensors",
+    batch_size: int | str = 8,
+    resolution: int = 224,
+    num_classes: int = 102,
+    precision: str | None = None,
+    pool: int | None = None,
+    frozen_weights: str | None = None,
+    backbone: BackboneSpec | str | Path | None = None,
+    width: float = 1.0,
+    blocks: list[int] | None = None,
+    max_ratio: float = MAX_RATIO,
+    max_batch_size: int = MAX_BATCH_SIZE,
+) -> Plan:
+    """Choose pruning, pooling, precision, frozen-weight storage and batch size to fit a budget.
+
+    Args:
+        budget_bytes: the memory budget.
+        device_preset: "none", "orin-nano-8gb" or "orin-nano-4gb" (its process overheads).
+        budget_scope: "tensors" (the budget covers the training tensors) or "process"
+            (it also covers the device's overheads, which are subtracted first).
+        batch_size: a fixed batch, or "auto" (the largest that fits, see the module docstring).
+        resolution: input side in pixels.
+        num_classes: classifier outputs.
+        precision: fix the activation precision ("fp32", "half", "bf16", "fp16"); None searches.
+        pool: fix the side pooling k; None searches 1, 2, 4.
+        frozen_weights: fix the frozen-weight storage; None searches fp32, fp16, int8.
+        backbone: a BackboneSpec or a backbone folder (pruned or not); None: MobileNetV2 ``width``.
+        width: width multiplier when no backbone is given.
+        blocks: blocks pruning may touch; None: the sensitive blocks of the runtime profile.
+        max_ratio: most any block may be pruned.
+        max_batch_size: upper end of the "auto" search.
+
+    Raises:
+        PlanImpossible: nothing fits; carries the smallest budget that would.
+    """
+    start = time.perf_counter()
+    preset = device_preset if isinstance(device_preset, DevicePreset) else DEVICES.get(device_preset)
+    if preset is None:
+        raise ConfigError(f"unknown device {device_preset!r}; allowed: {', '.join(DEVICES)}")
+    if budget_scope not in BUDGET_SCOPES:
+        raise ConfigError(f"unknown budget scope {budget_scope!r}; allowed: {', '.join(BUDGET_SCOPES)}")
+    if not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ConfigError(f"budget {budget_bytes!r} is not allowed; allowed: a positive number of bytes")
+    auto = batch_size == "auto"
+    if not auto and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        raise ConfigError(f"batch size {batch_size!r} is not allowed; allowed: an integer >= 1 or 'auto'")
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ConfigError(f"max batch size {max_batch_size!r} is not allowed; allowed: an integer >= 1")
+    if precision == "half":
+        precision = HALF
+    _check_storage(1 if pool is None else pool, precision or "fp32", frozen_weights or "fp32", "plan")
+    if not 0 <= max_ratio < 1:
+        raise ConfigError(f"max ratio {max_ratio} is not allowed; allowed: 0 <= ratio < 1")
+    from edgetl.profile import check_options
+
+    check_options(mode=MODE, accounting="runtime", resolution=resolution, batch_size=1)
+    base = _resolve_spec(backbone, width, num_classes)
+    meta = build_backbone(base, device="meta")
+    if blocks is not None:
+        from edgetl.prune import check_plan
+
+        check_plan(list(blocks), [0.0] * len(blocks))
+
+    if budget_scope == "process":
+        tensor_budget = preset.tensor_budget(budget_bytes)
+    else:
+        tensor_budget = budget_bytes
+    ev = _Evaluator(base, resolution)
+    ladder = storage_ladder(pool=pool, precision=precision, frozen_weights=frozen_weights)
+    request = {"batch_size": batch_size, "precision": precision, "pool": pool,
+               "frozen_weights": frozen_weights, "blocks": None if blocks is None else list(blocks),
+               "max_ratio": max_ratio, "max_batch_size": max_batch_size}
+
+    def config(kept, storage, batch, chan):
+        return PlanConfig(dict(kept), {b: chan[b] for b in kept}, storage.pool, storage.precision,
+                          storage.frozen_weights, batch)
+
+    def fits(total):
+        return total <= tensor_budget
+
+    evaluated: list[tuple[tuple, PlanConfig, int]] = []  # (path position, config, total)
+
+    def record(pos, kept, storage, batch, chan):
+        total = ev.total(kept, storage, batch)
+        evaluated.append((pos, config(kept, storage, batch, chan), total))
+        return total
+
+    # channels of every prunable block of the input backbone (ratios are relative to them)
+    chan = {b: hidden_channels(meta, b) for b in prunable_blocks()}
+    path_batch = 1 if auto else batch_size
+    saving = ladder[-1]
+    chosen_pos = None
+    # path positions: (0, storage index from the saving end... ) -> we order as tuples where larger
+    # means less degraded: (stage, index): stage 0 pruning (index = -level), 1 storage, 2 batch.
+    exact = ladder[0]
+    top = len(ladder) - 1
+    total_exact = record((1, top), {}, exact, path_batch, chan)
+    if fits(total_exact):
+        chosen = config({}, exact, path_batch, chan)
+        chosen_pos = (1, top)
+        if auto:
+            best = _largest_batch(lambda b: record((2, b), {}, exact, b, chan), tensor_budget,
+                                  max_batch_size)
+            chosen = config({}, exact, best, chan)
+            chosen_pos = (2, best)
+    elif fits(total_saving := record((1, 0), {}, saving, path_batch, chan)):
+        # least degraded storage that fits: totals fall along the ladder
+        good, bad = top, 0
+        while good - bad > 1:
+            mid = (good + bad) // 2
+            if fits(record((1, top - mid), {}, ladder[mid], path_batch, chan)):
+                good = mid
+            else:
+                bad = mid
+        chosen = config({}, ladder[good], path_batch, chan)
+        chosen_pos = (1, top - good)
+    else:
+        # The path's per-block model reads batch-1 peaks without frozen-weight dequantisation
+        # temporaries: those do not grow with the batch and would mislead the model.
+        shape = dataclasses.replace(saving, frozen_weights="fp32")
+        report = ev.report({}, shape, 1)
+        if blocks is None:
+            cand = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(prunable_blocks()))
+        else:
+            cand = sorted(blocks)
+        floor = {u: max(1, int(chan[u] * (1 - max_ratio))) for u in cand}
+        floor = {u: k for u, k in floor.items() if k < chan[u]}
+        if not floor:
+            raise _impossible(total_saving, config({}, saving, path_batch, chan), budget_bytes,
+                              tensor_budget, budget_scope, preset, auto, resolution)
+        path = _PruningPath(chan, floor, report, ev.report(floor, shape, 1), list(floor))
+        last = path.last
+        # index i = last - level: 0 is the floor (fits), last is no pruning (does not fit)
+        top_cap = max((m[1] for m in path.model.values()), default=path.cap(last))
+        # first guess: the peak image's activations shrink by the cap cut, times the batch;
+        # index i = last - level: 0 is the floor, last is no pruning (does not fit)
+        def i_of(x):
+            return last - _level_of(path, x)
+
+        first = i_of(top_cap - (total_saving - tensor_budget) / path_batch)
+        i = _largest_fitting(lambda i: record((0, i), path.kept(last - i), saving, path_batch, chan),
+                             0, last, tensor_budget, first)
+        if i == 0:
+            total_floor = record((0, 0), floor, saving, path_batch, chan)
+            if not fits(total_floor):
+                raise _impossible(total_floor, config(floor, saving, path_batch, chan), budget_bytes,
+                                  tensor_budget, budget_scope, preset, auto, resolution)
+        chosen = config(path.kept(last - i), saving, path_batch, chan)
+        chosen_pos = (0, i)
+
+    report = ev.report(chosen.kept, Storage(chosen.pool, chosen.precision, chosen.frozen_weights),
+                       chosen.batch_size)
+    runners = _runners_up(evaluated, chosen_pos, chosen, tensor_budget)
+    notes = []
+    overheads = preset.overheads(report.total_bytes)
+    limit = preset.process_limit_bytes()
+    process_total = report.total_bytes + sum(overheads.values())
+    if limit is not None and process_total > limit:
+        notes.append(f"tensors + overheads {process_total / MB:.1f} MB exceed what {preset.name} leaves "
+                     f"for a process ({limit / MB:.1f} MB after the OS share)")
+    elapsed = time.perf_counter() - start
+    log.info("plan: %s, predicted %d bytes, %d evaluations in %.1f s", chosen.describe(),
+             report.total_bytes, ev.count, elapsed)
+    return Plan(
+        budget_bytes=budget_bytes, budget_scope=budget_scope, tensor_budget_bytes=tensor_budget,
+        device=preset.name, overheads=overheads, device_process_limit_bytes=limit,
+        resolution=resolution, num_classes=num_classes, request=request,
+        backbone=dataclasses.replace(base, num_classes=num_classes).to_dict(), chosen=chosen,
+        predicted_bytes=report.total_bytes, breakdown=dict(report.breakdown), runners_up=runners,
+        evaluations=ev.count, search_seconds=elapsed, notes=notes,
+    )
+
+
+def _largest_fitting(total_at, lo: int, hi: int, budget: int, first: int | None = None) -> int:
+    """Largest index in [lo, hi) whose total fits, totals non-decreasing in the index.
+
+    ``lo`` is taken to fit and ``hi`` not to (it may be one past the range). ``first`` is
+    a model's guess; from it the search gallops (steps 1, 2, 4, ...) towards the boundary,
+    then bisects: about 1 + 2 log2(model error) evaluations, correct for any monotone totals.
+    """
+    if hi - lo <= 1:
+        return lo
+    guess = (lo + hi) // 2 if first is None else min(max(first, lo + 1), hi - 1)
+    up = total_at(guess) <= budget
+    lo, hi = (guess, hi) if up else (lo, guess)
+    step = 1
+    while hi - lo > 1:
+        probe = lo + step if up else hi - step
+        galloping = lo < probe < hi
+        if not galloping:
+            probe = (lo + hi) // 2
+        if total_at(probe) <= budget:
+            lo = probe
+            if not up:
+                step = 0  # crossed: bisect from here on
+        else:
+            hi = probe
+            if up:
+                step = 0
+        step = step * 2 if step and galloping else 0
+        if step == 0:
+            step = hi  # forces bisection
+    return lo
+
+
+def _level_of(path: _PruningPath, cap: float) -> int:
+    """The first level (most channels kept) whose cap is <= ``cap``."""
+    import bisect
+
+    if cap != cap:  # NaN
+        return path.last
+    neg = [-c for c in path.caps[1:]]  # caps descend from inf; negated they ascend
+    return min(bisect.bisect_left(neg, -cap) + 1, path.last)
+
+
+def _largest_batch(total_at, budget: int, upper: int) -> int:
+    """Largest batch <= upper that fits, given batch 1 does; totals grow with the batch."""
+    if upper == 1:
+        return 1
+    # small batches can peak in the optimizer step: take the slope from batches 8 and 16
+    points = [(1, total_at(1))]
+    lo, hi = 1, upper + 1
+    for probe in (8, 16):
+        if probe >= hi:
+            break
+        t = total_at(probe)
+        points.append((probe, t))
+        if t <= budget:
+            lo = probe
+        else:
+            hi = probe
+            break
+    (x1, t1), (x2, t2) = points[-2], points[-1]
+    first = None
+    if t2 > t1:
+        first = int(math.floor(x1 + (budget - t1) * (x2 - x1) / (t2 - t1)))
+    return _largest_fitting(total_at, lo, hi, budget, first)
+
+
+def _runners_up(evaluated, chosen_pos, chosen: PlanConfig, budget: int, count: int = 4) -> list[Candidate]:
+    seen, better, worse = set(), [], []
+    for pos, cfg, total in sorted(evaluated, key=lambda e: e[0]):
+        key = cfg.describe()
+        if key in seen or key == chosen.describe():
+            continue
+        seen.add(key)
+        (better if pos > chosen_pos else worse).append((pos, cfg, total))
+    out = []
+    for pos, cfg, total in better[:2]:
+        out.append(Candidate(cfg, total, total <= budget,
+                             "better on the objective but over the budget" if total > budget else
+                             "fits, but the path prefers the chosen one"))
+    for pos, cfg, total in list(reversed(worse))[:count - len(out)]:
+        out.append(Candidate(cfg, total, total <= budget,
+                             "fits, but prunes more, pools coarser or stores less exactly"
+                             if total <= budget else "over the budget"))
+    return out
+
+
+def _impossible(total: int, cfg: PlanConfig, budget: int, tensor_budget: int, scope: str,
+                preset: DevicePreset, auto: bool, resolution: int) -> PlanImpossible:
+    need = total
+    if scope == "process":
+        need = preset.cuda_context_bytes + math.ceil(total * (1 + preset.allocator_slack))
+        while preset.tensor_budget(need) < total:  # float rounding of the slack
+            need += 1
+    what = "batch 1 (auto)" if auto else f"batch {cfg.batch_size}"
+    return PlanImpossible(
+        f"budget {budget / MB:.2f} MB ({scope}) is impossible at {what}, {resolution} px: the most "
+        f"saving configuration ({cfg.describe()}) needs {total / MB:.2f} MB of tensors; the smallest "
+        f"budget that works is {math.ceil(need / 1e4) / 100:.2f} MB ({scope})",
+        need, cfg)
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 0) -> int:
+    """Build the planned network (random weights) and measure real training steps; returns bytes.
+
+    Also stores the measurement in ``plan.measured_bytes``.
+    """
+    import torch
+
+    from edgetl.memory.meter import measure_training_peak
+    from edgetl.models.side import LeanOptions, build_network
+
+    c = plan.chosen
+    lean = LeanOptions(pool=c.pool, bn="fold", frozen_weights=c.frozen_weights, precision=c.precision)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = build_network(copy.deepcopy(plan.spec), MODE, device=device, lean=lean)
+    measured = measure_training_peak(net, resolution=plan.resolution, batch_size=c.batch_size,
+                                     steps=steps, optimizer=OPTIMIZER, device=device, seed=seed)
+    plan.measured_bytes, plan.verify_steps = int(measured), steps
+    log.info("verify: predicted %d, measured %d bytes", plan.predicted_bytes, measured)
+    return int(measured)
