@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # 22/21/77/77 hidden channels.
 PAPER_PRUNING = {1: 0.3, 2: 0.78, 3: 0.46, 4: 0.46}
 REFERENCE = "repnet-stock"
+PLAN = "plan"
 FROZEN_BITS = 8  # paper accounting: frozen weights stored 8-bit (DESIGN 2a)
 MAX_BATCH = 1 << 16
 
@@ -52,6 +53,8 @@ class Method:
     lean: LeanOptions | None = None  # None: stock torch modules
     pruned: bool = False
     checkpoint: bool = False  # torch.utils.checkpoint over every features block
+    planned: bool = False  # storage and pruning come from ``edgetl.plan.plan`` for the budget
+    hidden: dict[int, int] | None = None  # explicit kept hidden channels (a plan's pruning)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -65,7 +68,34 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("repnet-pruned-pool2", "+ pooled storage k=2", "repnet", LeanOptions(pool=2), pruned=True),
     Method("repnet-pruned-pool2-bf16-int8", "+ bf16 activations, int8 frozen weights", "repnet",
            LeanOptions(pool=2, precision="bf16", frozen_weights="int8"), pruned=True),
+    Method(PLAN, "edgetl plan's pick for the budget", "repnet", planned=True),
 )}
+
+
+def plan_available() -> bool:
+    """Whether the plan stage (edgetl.plan) is installed; without it the ``plan`` row is left out."""
+    import importlib.util
+
+    return importlib.util.find_spec("edgetl.plan") is not None
+
+
+def default_methods() -> list[str]:
+    return [n for n in METHODS if n != PLAN or plan_available()]
+
+
+def planned_method(*, budget_bytes: int, batch_size: int, resolution: int, num_classes: int,
+                   width: float) -> tuple[Method, str]:
+    """The configuration ``edgetl plan`` picks for the budget at this batch, as a Method."""
+    try:
+        from edgetl.plan import plan
+    except ImportError as exc:
+        raise ConfigError(f"method {PLAN!r} needs the plan stage (edgetl.plan): {exc}") from None
+    chosen = plan(budget_bytes=budget_bytes, batch_size=batch_size, resolution=resolution,
+                  num_classes=num_classes, width=width).chosen
+    lean = LeanOptions(pool=chosen.pool, precision=chosen.precision, frozen_weights=chosen.frozen_weights)
+    method = Method(PLAN, METHODS[PLAN].label, "repnet", lean, pruned=bool(chosen.kept),
+                    planned=True, hidden=dict(chosen.kept))
+    return method, f"plan: {chosen.describe()}"
 
 
 @dataclass
@@ -329,7 +359,7 @@ def bench(
     from edgetl.memory.runtime import runtime_report
     from edgetl.profile import check_options, paper_report
 
-    names = list(methods) if methods is not None else list(METHODS)
+    names = list(methods) if methods is not None else default_methods()
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
@@ -355,8 +385,11 @@ def bench(
     verify_pixels = verify_images * 224 * 224
     trainers: dict[str, _Trainer] = {}
     for name in names:
-        method = METHODS[name]
-        method_hidden = hidden if method.pruned else {}
+        method, plan_note = METHODS[name], ""
+        if method.planned:
+            method, plan_note = planned_method(budget_bytes=budget_bytes, batch_size=batch_size,
+                                               resolution=resolution, num_classes=num_classes, width=width)
+        method_hidden = method.hidden if method.hidden is not None else (hidden if method.pruned else {})
         build = lambda dev, m=method, h=method_hidden: build_method(  # noqa: E731
             m, width=width, num_classes=num_classes, device=dev, hidden=h)
         log.info("%s: accounting", name)
@@ -382,7 +415,7 @@ def bench(
                 return runtime_report(meta, mode=mode, resolution=resolution, batch_size=b).total_bytes
 
             runtime_bytes = accounted(batch_size)
-            note = ""
+            note = plan_note
         log.info("%s: measuring the peak", name)
         measured_bytes = measured(batch_size)
         log.info("%s: largest batch in %.1f MB", name, budget_bytes / MB)

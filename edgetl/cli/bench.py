@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-classes", type=positive_int, default=102)
     p.add_argument("--width", type=positive_float, help=f"MobileNetV2 width multiplier (default {DEFAULTS['width']})")
     p.add_argument("--budget", help=f"memory budget for the largest-batch column, e.g. 256MB (default {DEFAULTS['budget']})")
-    p.add_argument("--methods", type=method_list, metavar="A,B,...", help="comma-separated methods (default: all)")
+    p.add_argument("--methods", type=method_list, metavar="A,B,...", help="comma-separated methods (default: all; plan only where edgetl.plan is installed)")
     p.add_argument("--steps", type=positive_int, help=f"timed rounds after warm-up (default {DEFAULTS['steps']})")
     p.add_argument("--warmup", type=nonnegative_int, help=f"warm-up rounds (default {DEFAULTS['warmup']})")
     p.add_argument("--verify-images", type=nonnegative_int, default=64,

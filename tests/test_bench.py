@@ -1,0 +1,200 @@
+"""edgetl bench at --quick scale: every number in the table re-checked against an independent computation."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+import pytest
+import torch
+import torchvision
+
+from edgetl.bench import (
+    METHODS, PLAN, REFERENCE, BenchResult, bench, largest_fitting, plot_bench, pruned_hidden,
+    to_markdown,
+)
+from edgetl.cli import main
+from edgetl.memory.runtime import runtime_report
+from edgetl.models.backbone import BackboneSpec
+from edgetl.models.side import build_network
+
+RES, WIDTH, CLASSES, BATCH, BUDGET = 64, 0.35, 102, 8, 24 * 10**6
+STATIC = [n for n in METHODS if n != PLAN]
+
+
+@pytest.fixture(scope="module")
+def result() -> BenchResult:
+    torch.manual_seed(0)
+    # verify_images=1: re-measure only largest batches up to 12 images at 64 px (keeps the test short)
+    return bench(resolution=RES, width=WIDTH, num_classes=CLASSES, batch_size=BATCH, budget_bytes=BUDGET,
+                 methods=STATIC, steps=2, warmup=1, verify_images=1)
+
+
+def test_every_method_once_in_order(result):
+    assert [r.method for r in result.rows] == STATIC
+    assert result.threads == torch.get_num_threads()
+
+
+def test_measured_peak_matches_runtime_accounting(result):
+    for r in result.rows:
+        if r.runtime_bytes is None:
+            continue
+        assert abs(r.measured_bytes / r.runtime_bytes - 1) <= 0.05, (r.method, r.measured_bytes, r.runtime_bytes)
+    ckpt, full = result.row("full-ckpt"), result.row("full")
+    assert ckpt.runtime_bytes is None and ckpt.paper_bytes is None  # neither models recomputation
+    assert ckpt.measured_bytes < full.measured_bytes  # recomputation frees the stored activations
+
+
+def test_largest_batch_verified_by_meter_where_run(result):
+    checked = 0
+    for r in result.rows:
+        if r.largest_batch_measured_bytes is not None:
+            assert r.largest_batch_measured_bytes <= BUDGET
+            assert abs(r.largest_batch_measured_bytes / r.largest_batch_bytes - 1) <= 0.05
+            checked += 1
+    assert checked >= 3  # full, bias, stock Rep-Net (<= 12 images) and the measured checkpoint row
+
+
+def test_ratios_against_stock_repnet(result):
+    ref = result.row(REFERENCE)
+    assert ref.memory_ratio == 1 and ref.throughput_ratio == 1
+    for r in result.rows:
+        assert r.images_per_s == pytest.approx(BATCH / statistics.median(r.step_seconds))
+        assert len(r.step_seconds) == 2
+        assert r.memory_ratio == pytest.approx(r.measured_bytes / ref.measured_bytes)
+        assert r.throughput_ratio == pytest.approx(r.images_per_s / ref.images_per_s)
+    # the lean runtime is what closes the gap (DESIGN 4): a fraction of stock Rep-Net's memory
+    assert result.row("repnet-lean").memory_ratio < 0.5
+    assert result.row("repnet-pruned-pool2-bf16-int8").memory_ratio < result.row("repnet-lean").memory_ratio
+
+
+def test_largest_batch_fits_and_next_does_not(result):
+    for r in result.rows:
+        assert r.largest_batch >= 1
+        assert r.largest_batch_bytes <= BUDGET < r.next_batch_bytes, r.method
+    # independent recomputation of the runtime accounting for two rows
+    hidden = pruned_hidden(WIDTH, CLASSES)
+    for name, spec, lean in (
+        (REFERENCE, BackboneSpec(width=WIDTH, num_classes=CLASSES), None),
+        ("repnet-pruned-pool2-bf16-int8", BackboneSpec(width=WIDTH, num_classes=CLASSES, hidden=hidden),
+         METHODS["repnet-pruned-pool2-bf16-int8"].lean),
+    ):
+        row = result.row(name)
+        net = build_network(spec, "repnet", device="meta", lean=lean)
+        at = runtime_report(net, mode="repnet", resolution=RES, batch_size=row.largest_batch).total_bytes
+        nxt = runtime_report(net, mode="repnet", resolution=RES, batch_size=row.largest_batch + 1).total_bytes
+        assert at <= BUDGET < nxt
+        assert (at, nxt) == (row.largest_batch_bytes, row.next_batch_bytes)
+        if name == REFERENCE:
+            assert runtime_report(net, mode="repnet", resolution=RES, batch_size=BATCH).total_bytes == row.runtime_bytes
+
+
+def _side_params(tv, taps=(2, 4, 7, 11, 14, 17)) -> int:
+    """Rep-Net side parameters by DESIGN 3's formula; channels and strides from torchvision."""
+    x, stride = torch.zeros(1, 3, 224, 224), {}
+    with torch.no_grad():
+        for i, block in enumerate(tv.features):
+            x = block(x)
+            stride[i] = 224 // x.shape[-1]
+    total = 0
+    for j, tap in enumerate(taps):
+        cin, groups, s_in = (3, 1, 4) if j == 0 else (tv.features[tap - 1].out_channels, 2, stride[tap - 1])
+        k = 3 if s_in >= 32 else 5
+        mid = -(-cin // 8) * 8
+        cout = tv.features[tap].out_channels
+        total += mid * (cin // groups) * k * k + 2 * mid + cout * mid + 2 * cout
+    return total
+
+
+def test_trainable_params_equal_independent_count(result):
+    tv = torchvision.models.mobilenet_v2(width_mult=WIDTH, num_classes=CLASSES)
+    head = tv.classifier[1].weight.numel() + tv.classifier[1].bias.numel()
+    bn_betas = sum(m.bias.numel() for m in tv.features.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    side = _side_params(tv)
+    expected = {
+        "full": sum(p.numel() for p in tv.parameters()), "full-ckpt": sum(p.numel() for p in tv.parameters()),
+        "last": head, "bias": head + bn_betas,
+    }
+    for r in result.rows:
+        assert r.trainable_params == expected.get(r.method, head + side), r.method
+
+
+def test_pruned_hidden_is_the_papers():
+    assert pruned_hidden(1.0, 102) == {1: 22, 2: 21, 3: 77, 4: 77}
+
+
+def test_largest_fitting_equals_brute_force():
+    budget = 1000
+    cases = [
+        lambda b: 100 + 7 * b,
+        lambda b: max(300 + 2 * b, 50 + 9 * b),  # convex, piecewise affine (two peaks)
+        lambda b: max(900 + b, 10 * b),
+        lambda b: 2000 + b,  # nothing fits
+        lambda b: 5 + b // 3,  # flat-ish steps
+    ]
+    for f in cases:
+        truth = max((b for b in range(1, 5000) if f(b) <= budget), default=0)
+        for start in ((1, 8), (1, 2), (4, 64)):
+            calls = []
+
+            def total(b, f=f):
+                calls.append(b)
+                return f(b)
+
+            got, seen = largest_fitting(total, budget, {b: f(b) for b in start}, upper=4999)
+            assert got == truth
+            assert all(seen[b] == f(b) for b in seen)
+            assert len(calls) <= 14
+
+
+def test_outputs_round_trip(result, tmp_path, capsys):
+    path = tmp_path / "r.json"
+    result.save_json(path)
+    again = BenchResult.load_json(path)
+    assert again == result
+    result.save_csv(tmp_path / "r.csv")
+    with open(tmp_path / "r.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["method"] for r in rows] == STATIC
+    for r, row in zip(rows, result.rows):
+        assert int(r["measured_bytes"]) == row.measured_bytes
+        assert float(r["images_per_s"]) == pytest.approx(row.images_per_s)
+        assert json.loads(r["lean"]) == row.lean
+    md = to_markdown(result)
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(result.rows)
+    ref_line = next(line for line in table if line.startswith("| Rep-Net, stock modules |"))
+    assert ref_line.count("1.00x") == 2
+    lean = result.row("repnet-lean")
+    assert f"| {lean.measured_bytes / 1e6:.1f} | {lean.memory_ratio:.2f}x |" in md
+    # the CLI renders the same markdown from the saved file
+    assert main(["bench", "--from", str(path), "--markdown"]) == 0
+    assert capsys.readouterr().out == md
+    plot_bench(result, tmp_path / "r.png")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(tmp_path / "r.png").shape[0] > 300
+
+
+def test_cli_quick_subset(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    assert main(["bench", "--quick", "--methods", "last", "--steps", "1", "--warmup", "0",
+                 "--verify-images", "0", "--json", str(out)]) == 0
+    saved = BenchResult.load_json(out)
+    assert (saved.resolution, saved.width, saved.budget_bytes) == (64, 0.35, 24 * 10**6)
+    row = saved.rows[0]
+    assert row.memory_ratio is None  # no stock Rep-Net row to compare with
+    assert row.largest_batch_measured_bytes is None
+    assert "--methods last" in saved.command and "--budget 24MB" in saved.command
+    assert "last layer" in capsys.readouterr().out
+
+
+def test_bad_input():
+    from edgetl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown method"):
+        bench(methods=["nope"])
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--methods", "nope"])
+    assert exc.value.code == 2
