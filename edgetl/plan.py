@@ -784,7 +784,8 @@ def _runners_up(evaluated, chosen_pos, chosen: PlanConfig, budget: int, count: i
         out.append(Candidate(cfg, total, total <= budget,
                              "better on the objective but over the budget" if total > budget else
                              "fits, but the path prefers the chosen one"))
-    for pos, cfg, total in list(reversed(worse))[:count - len(out)]:
+    picks = [worse[-1], worse[0]] if len(worse) > 1 else worse  # nearest, and most degraded seen
+    for pos, cfg, total in picks[:count - len(out)]:
         out.append(Candidate(cfg, total, total <= budget,
                              "fits, but prunes more, pools coarser or stores less exactly"
                              if total <= budget else "over the budget"))

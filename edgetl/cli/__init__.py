@@ -16,7 +16,7 @@ from edgetl import __version__
 from edgetl.errors import EdgetlError
 
 # Stage modules in pipeline order; each is edgetl/cli/<name>.py.
-COMMANDS = ("profile", "prune", "retrain", "finetune", "export", "bench", "doctor", "demo")
+COMMANDS = ("profile", "plan", "prune", "retrain", "finetune", "export", "bench", "doctor", "demo")
 
 EXIT_USAGE = 2
 

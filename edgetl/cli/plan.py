@@ -1,0 +1,160 @@
+"""``edgetl plan``: choose pruning, pooling, precision and batch size to fit a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from edgetl.cli._common import fmt_mb, positive_int, print_table, writable_file
+from edgetl.errors import ConfigError
+from edgetl.units import parse_bytes
+
+
+def budget_type(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def batch_type(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"batch size {text!r} is not allowed; allowed: an integer >= 1 or auto") from None
+
+
+def add_parser(sub) -> None:
+    from edgetl.plan import DEVICES, MAX_BATCH_SIZE, MAX_RATIO
+
+    p = sub.add_parser(
+        "plan",
+        help="choose pruning, pooling, precision and batch size to fit a memory budget",
+        description=(
+            "Choose, for Rep-Net fine-tuning on the lean runtime, the pruning of the sensitive "
+            "blocks (channel granularity), the side pooling k (1, 2, 4), the activation precision, "
+            "the frozen-weight storage and the batch size so that the predicted peak of a training "
+            "step (runtime accounting, MB = 10^6 B) fits the budget. Objective: fit the budget "
+            "removing as few hidden channels as possible, then prefer a smaller k, then a larger "
+            "batch. Storage savings (frozen fp16, half activations, int8 frozen weights) come "
+            "before pooling, pooling before pruning; with --batch-size auto the batch grows once "
+            "the exact configuration fits. All plans lie on one path, so a larger budget never "
+            "prunes more, pools coarser or shrinks the batch. --verify measures real training "
+            "steps of the planned network. An impossible budget exits with code 2 and the "
+            "smallest budget that works."
+        ),
+        epilog="example: edgetl plan --budget 256MB --device orin-nano-8gb --verify -o plan.yaml",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--budget", type=budget_type, required=True, metavar="SIZE",
+                   help="memory budget, e.g. 256MB, 1GiB (units B, kB/KB, MB, GB, KiB, MiB, GiB)")
+    p.add_argument("--budget-scope", choices=("tensors", "process"), default="tensors",
+                   help="tensors: the budget covers the training tensors; process: it also covers the "
+                        "device overheads (CUDA context, allocator slack), subtracted first")
+    p.add_argument("--device", default="none", choices=tuple(DEVICES),
+                   help="device preset whose overheads are shown (and subtracted with --budget-scope process)")
+    p.add_argument("--batch-size", type=batch_type, default=8, metavar="N|auto",
+                   help="fixed batch, or auto: the largest that fits")
+    p.add_argument("--max-batch-size", type=positive_int, default=MAX_BATCH_SIZE, help="upper end for auto")
+    p.add_argument("--resolution", type=positive_int, default=224, help="input size in pixels")
+    p.add_argument("--num-classes", type=positive_int, default=102, help="classifier outputs")
+    p.add_argument("--precision", choices=("fp32", "half", "bf16", "fp16"),
+                   help="fix the activation precision (half = bf16); default: searched")
+    p.add_argument("--backbone", metavar="DIR", help="backbone folder (default: MobileNetV2 --width)")
+    p.add_argument("--width", type=float, default=1.0, help="width multiplier without --backbone")
+    p.add_argument("--max-ratio", type=float, default=MAX_RATIO, help="most any block may be pruned")
+    p.add_argument("--verify", action="store_true",
+                   help="build the planned network (random weights) and measure real training steps")
+    p.add_argument("-o", "--output", type=writable_file, default=Path("plan.yaml"), metavar="PLAN",
+                   help="where to save the plan (YAML)")
+    p.add_argument("--json", type=writable_file, metavar="PATH", help="also save the plan as JSON")
+    p.set_defaults(run=run)
+
+
+def _storage(c) -> str:
+    return f"k={c.pool}, activations {c.precision}, frozen weights {c.frozen_weights}"
+
+
+def _pruning(c) -> str:
+    if not c.kept:
+        return "none"
+    return ", ".join(f"{b}: {c.channels[b]}->{c.kept[b]}" for b in c.blocks)
+
+
+def print_plan(plan) -> None:
+    c = plan.chosen
+    print(f"objective: {plan.objective}")
+    print_table(["chosen", ""], [
+        ["pruning (block: hidden channels)", _pruning(c)],
+        ["ratios (edgetl prune)", ", ".join(f"{r:g}" for r in c.ratios) or "-"],
+        ["storage", _storage(c)],
+        ["batch size", f"{c.batch_size}" + (" (auto)" if plan.request["batch_size"] == "auto" else "")],
+        ["input", f"{plan.resolution} px, {plan.num_classes} classes, Rep-Net, Adam"],
+    ])
+    print()
+    rows = [[name, fmt_mb(value)] for name, value in plan.breakdown.items()]
+    rows.append(["predicted peak (tensors)", fmt_mb(plan.predicted_bytes)])
+    if plan.measured_bytes is not None:
+        err = plan.measured_bytes / plan.predicted_bytes - 1
+        rows.append([f"measured peak ({plan.verify_steps} real steps)", f"{fmt_mb(plan.measured_bytes)} ({err:+.1%})"])
+    rows.append(["tensor budget", fmt_mb(plan.tensor_budget_bytes)])
+    rows.append(["headroom", fmt_mb(plan.tensor_budget_bytes - plan.predicted_bytes)])
+    print_table(["breakdown at the peak", "MB"], rows)
+    if plan.device != "none":
+        lines = [[name, fmt_mb(v)] for name, v in plan.overheads.items()]
+        total = plan.predicted_bytes + sum(plan.overheads.values())
+        lines.append(["process total (tensors + overheads)", fmt_mb(total)])
+        if plan.budget_scope == "process":
+            lines.append(["process budget", fmt_mb(plan.budget_bytes)])
+        if plan.device_process_limit_bytes is not None:
+            lines.append([f"{plan.device} memory less the OS share", fmt_mb(plan.device_process_limit_bytes)])
+        print()
+        print_table([f"device {plan.device}", "MB"], lines)
+    if plan.runners_up:
+        print()
+        rows = [[_pruning(r.config), _storage(r.config), r.config.batch_size, fmt_mb(r.predicted_bytes),
+                 "yes" if r.fits else "no", r.why] for r in plan.runners_up]
+        print_table(["runner-up pruning", "storage", "batch", "predicted MB", "fits", "why not chosen"], rows)
+    for note in plan.notes:
+        print(f"note: {note}")
+    print(f"search: {plan.evaluations} runtime-accounting evaluations, {plan.search_seconds:.1f} s")
+
+
+def run(args) -> int:
+    from edgetl.plan import DEVICES, VERIFY_TOLERANCE, plan, verify_plan
+
+    if args.device not in DEVICES:
+        raise ConfigError(f"unknown device {args.device!r}; allowed: {', '.join(DEVICES)}")
+    result = plan(budget_bytes=args.budget, device_preset=args.device, budget_scope=args.budget_scope,
+                  batch_size=args.batch_size, resolution=args.resolution, num_classes=args.num_classes,
+                  precision=args.precision, backbone=args.backbone, width=args.width,
+                  max_ratio=args.max_ratio, max_batch_size=args.max_batch_size)
+    if args.verify:
+        verify_plan(result)
+    print_plan(result)
+    result.save(args.output)
+    if args.json is not None:
+        from edgetl.io import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(result.to_dict(), indent=2) + "\n")
+    status = 0
+    if args.verify:
+        m, pred = result.measured_bytes, result.predicted_bytes
+        if m > result.tensor_budget_bytes or abs(m / pred - 1) > VERIFY_TOLERANCE:
+            print(f"edgetl plan: measured {fmt_mb(m)} MB vs predicted {fmt_mb(pred)} MB, budget "
+                  f"{fmt_mb(result.tensor_budget_bytes)} MB: the prediction is off by more than "
+                  f"{VERIFY_TOLERANCE:.0%} or the measurement exceeds the budget")
+            status = 1
+    print(f"saved to {args.output}" + (f" and {args.json}" if args.json else ""))
+    backbone = f" --backbone {args.backbone}" if args.backbone else ""
+    if result.chosen.kept:
+        source = f" --checkpoint {args.backbone}" if args.backbone else ""
+        print(f"next: edgetl prune --plan {args.output}{source} -o pruned && "
+              f"edgetl finetune --plan {args.output} --backbone pruned --recipe RECIPE -o runs/NAME")
+    else:
+        print(f"next: edgetl finetune --plan {args.output}{backbone} --recipe RECIPE -o runs/NAME "
+              "(the plan prunes nothing)")
+    return status
