@@ -20,7 +20,7 @@ from edgetl.models.backbone import BackboneSpec
 from edgetl.models.side import build_network
 
 RES, WIDTH, CLASSES, BATCH, BUDGET = 64, 0.35, 102, 8, 24 * 10**6
-STATIC = [n for n in METHODS if n != PLAN]
+ALL = list(METHODS)  # the plan row included: edgetl.plan has landed
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +28,11 @@ def result() -> BenchResult:
     torch.manual_seed(0)
     # verify_images=1: re-measure only largest batches up to 12 images at 64 px (keeps the test short)
     return bench(resolution=RES, width=WIDTH, num_classes=CLASSES, batch_size=BATCH, budget_bytes=BUDGET,
-                 methods=STATIC, steps=2, warmup=1, verify_images=1)
+                 methods=ALL, steps=2, warmup=1, verify_images=1)
 
 
 def test_every_method_once_in_order(result):
-    assert [r.method for r in result.rows] == STATIC
+    assert [r.method for r in result.rows] == ALL
     assert result.threads == torch.get_num_threads()
 
 
@@ -120,6 +120,18 @@ def test_trainable_params_equal_independent_count(result):
         assert r.trainable_params == expected.get(r.method, head + side), r.method
 
 
+def test_plan_row_is_the_plan_for_the_budget(result):
+    from edgetl.plan import plan
+
+    chosen = plan(budget_bytes=BUDGET, batch_size=BATCH, resolution=RES, num_classes=CLASSES, width=WIDTH)
+    row = result.row(PLAN)
+    c = chosen.chosen
+    assert row.lean == {"pool": c.pool, "bn": "fold", "frozen_weights": c.frozen_weights, "precision": c.precision}
+    assert row.hidden == {str(b): k for b, k in c.kept.items()}
+    assert row.runtime_bytes == chosen.predicted_bytes <= BUDGET
+    assert c.describe() in row.note
+
+
 def test_pruned_hidden_is_the_papers():
     assert pruned_hidden(1.0, 102) == {1: 22, 2: 21, 3: 77, 4: 77}
 
@@ -156,7 +168,7 @@ def test_outputs_round_trip(result, tmp_path, capsys):
     result.save_csv(tmp_path / "r.csv")
     with open(tmp_path / "r.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["method"] for r in rows] == STATIC
+    assert [r["method"] for r in rows] == ALL
     for r, row in zip(rows, result.rows):
         assert int(r["measured_bytes"]) == row.measured_bytes
         assert float(r["images_per_s"]) == pytest.approx(row.images_per_s)
