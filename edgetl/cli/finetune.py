@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
                    help="recipe YAML (bundled: cifar10, flowers102, pets, cub200, imagefolder, fashion_mnist)")
     p.add_argument("--backbone", metavar="DIR", help="backbone folder (edgetl prune / retrain output)")
     p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
+    p.add_argument("--plan", metavar="PLAN",
+                   help="plan.yaml from edgetl plan: supplies --pool, --precision, --frozen-weights, "
+                        "--batch-size and --budget (explicit flags win); checks the backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B)")
     p.add_argument("--batch-size", type=positive_int, help="train.batch_size")
@@ -63,16 +66,43 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def apply_plan(args) -> None:
+    """Fill flags the user did not give from ``--plan``; check the backbone is the planned one."""
+    from edgetl.models.backbone import read_backbone_spec
+    from edgetl.plan import load_plan
+
+    plan = load_plan(args.plan)
+    c = plan.chosen
+    for name, value in (("pool", c.pool), ("precision", c.precision), ("frozen_weights", c.frozen_weights),
+                        ("batch_size", c.batch_size), ("budget", plan.tensor_budget_bytes)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    want = plan.spec.hidden
+    have = read_backbone_spec(args.backbone).hidden if args.backbone else {}
+    if have != want:
+        hint = f"edgetl prune --plan {args.plan} -o pruned, then --backbone pruned" if c.kept else "the unpruned backbone"
+        raise ConfigError(f"{args.plan} plans hidden channels {want or 'unpruned'}; the backbone has "
+                          f"{have or 'unpruned'}: use {hint}")
+    args.plan_resolution = plan.resolution
+
+
 def recipe_from_args(args):
     from edgetl.recipe import load_recipe
 
+    if getattr(args, "plan", None) is not None:
+        apply_plan(args)
     overrides = dict(args.overrides)
     flags = {"model.backbone": args.backbone, "data.root": args.data,
              "train.batch_size": args.batch_size, "train.epochs": args.epochs,
              "model.pool": args.pool, "model.precision": args.precision,
              "model.frozen_weights": args.frozen_weights}
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    return load_recipe(args.recipe, overrides=overrides)
+    recipe = load_recipe(args.recipe, overrides=overrides)
+    planned = getattr(args, "plan_resolution", None)
+    if planned is not None and recipe.data.resolution != planned:
+        raise ConfigError(f"{args.plan} was planned at {planned} px; the recipe trains at "
+                          f"{recipe.data.resolution} px: plan again with --resolution {recipe.data.resolution}")
+    return recipe
 
 
 def print_preflight(report: MemoryReport, measured: int | None, budget: int | None) -> None:

@@ -67,6 +67,8 @@ def add_parser(sub) -> None:
                       help="pruning ratio per block, in the order of --blocks")
     plan.add_argument("--auto", action="store_true",
                       help="choose ratios so each block's temporary memory is <= --target-bytes")
+    p.add_argument("--plan", metavar="PLAN",
+                   help="plan.yaml from edgetl plan: supplies --blocks and --ratios (explicit flags win)")
     p.add_argument("--blocks", type=block_list, metavar="B1,B2,...",
                    help="blocks to prune, 1..17 (default: the profile's sensitive blocks)")
     p.add_argument("--target-bytes", type=positive_int, metavar="N",
@@ -134,6 +136,17 @@ def run(args) -> int:
     if args.target_bytes is not None and not args.auto:
         raise ConfigError("--target-bytes needs --auto")
     net, base = load_input(checkpoint=args.checkpoint, weights=args.weights, width=args.width)
+    if args.plan is not None:
+        if args.auto:
+            raise ConfigError("--plan supplies the ratios; not with --auto")
+        plan_blocks, plan_ratios = _from_plan(args.plan, net.spec)
+        if args.blocks is None and args.ratios is None:
+            args.blocks, args.ratios = plan_blocks, plan_ratios
+        elif args.ratios is None:  # --blocks given: keep the plan's ratio for those it names
+            ratio_of = dict(zip(plan_blocks, plan_ratios))
+            args.ratios = [ratio_of.get(b, 0.0) for b in args.blocks]
+        elif args.blocks is None:
+            args.blocks = plan_blocks
     blocks = args.blocks if args.blocks is not None else default_blocks(net.spec, resolution=args.resolution)
     if not blocks:
         raise ConfigError(f"no sensitive block to prune at {args.resolution} px; name some with --blocks")
@@ -164,3 +177,20 @@ def run(args) -> int:
     print(f"saved to {out}")
     print(f"next: edgetl profile --checkpoint {out} --num-classes 102")
     return 0
+
+
+def _from_plan(path, spec) -> tuple[list[int], list[float]]:
+    """Blocks and ratios of a plan, after checking it was made for this input backbone."""
+    from edgetl.plan import load_plan
+
+    plan = load_plan(path)
+    planned = plan.backbone
+    if (planned["width"], {int(k): v for k, v in planned["hidden"].items()}) != (spec.width, spec.hidden):
+        raise ConfigError(
+            f"{path} was planned for backbone width {planned['width']} hidden {planned['hidden'] or 'unpruned'}; "
+            f"this input is width {spec.width} hidden {spec.hidden or 'unpruned'}: plan again with --backbone"
+        )
+    if not plan.chosen.kept:
+        raise ConfigError(f"{path} prunes nothing: fine-tune the input backbone directly "
+                          f"(edgetl finetune --plan {path})")
+    return plan.chosen.blocks, plan.chosen.ratios

@@ -1,0 +1,233 @@
+"""edgetl plan: search on a tiny backbone (MobileNetV2 0.35, 64 px), monotonicity, YAML, CLI errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from edgetl.cli import main
+from edgetl.memory.runtime import runtime_report
+from edgetl.models.backbone import BackboneSpec
+from edgetl.models.side import LeanOptions, build_network
+from edgetl.plan import (
+    DEVICES,
+    Plan,
+    PlanImpossible,
+    load_plan,
+    plan,
+    ratio_for,
+    storage_ladder,
+    verify_plan,
+)
+from edgetl.prune import kept_channels
+
+TINY = BackboneSpec(width=0.35)
+RES = 64
+MB = 10**6
+
+
+def tiny_plan(budget_bytes: int, **kw) -> Plan:
+    kw.setdefault("batch_size", 8)
+    return plan(budget_bytes=budget_bytes, resolution=RES, backbone=TINY, **kw)
+
+
+def predicted(config, num_classes: int = 102) -> int:
+    """Independent runtime accounting of a configuration."""
+    spec = dataclasses.replace(TINY, num_classes=num_classes, hidden=dict(config.kept))
+    lean = LeanOptions(pool=config.pool, bn="fold", frozen_weights=config.frozen_weights,
+                       precision=config.precision)
+    net = build_network(spec, "repnet", device="meta", lean=lean)
+    return runtime_report(net, mode="repnet", resolution=RES, batch_size=config.batch_size).total_bytes
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    """Plans over a sweep of budgets, batch 8 and auto (one search each)."""
+    budgets = [int(x * MB) for x in (4.3, 4.45, 5.0, 9.0)]
+    return {batch: [(b, _try(b, batch)) for b in budgets] for batch in (8, "auto")}
+
+
+def _try(budget, batch):
+    try:
+        return tiny_plan(budget, batch_size=batch, max_batch_size=32)
+    except PlanImpossible as exc:
+        return exc
+
+
+def test_ladder_goes_one_dimension_at_a_time():
+    ladder = storage_ladder()
+    assert (ladder[0].pool, ladder[0].precision, ladder[0].frozen_weights) == (1, "fp32", "fp32")
+    assert (ladder[-1].pool, ladder[-1].precision, ladder[-1].frozen_weights) == (4, "bf16", "int8")
+    for a, b in zip(ladder, ladder[1:]):
+        assert sum(x != y for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))) == 1
+    fixed = storage_ladder(precision="fp32", pool=2)
+    assert {s.precision for s in fixed} == {"fp32"} and {s.pool for s in fixed} == {2}
+
+
+def test_ratio_for_keeps_exactly_the_planned_channels():
+    for channels in (16, 32, 96, 144, 960):
+        for kept in range(1, channels + 1):
+            assert kept_channels(channels, ratio_for(channels, kept)) == kept
+
+
+def test_sweep_fits_and_matches_accounting(sweep):
+    seen_impossible = seen_pruned = False
+    for batch, rows in sweep.items():
+        for budget, result in rows:
+            if isinstance(result, PlanImpossible):
+                seen_impossible = True
+                assert result.min_budget_bytes > budget
+                continue
+            c = result.chosen
+            assert result.predicted_bytes <= budget
+            assert predicted(c) == result.predicted_bytes  # re-checked independently
+            assert sum(result.breakdown.values()) == result.predicted_bytes
+            if batch == 8:
+                assert c.batch_size == 8
+            seen_pruned |= bool(c.kept)
+    assert seen_impossible and seen_pruned
+
+
+def test_sweep_is_monotone(sweep):
+    """A larger budget never prunes more, never pools coarser, never shrinks the batch."""
+    for batch, rows in sweep.items():
+        plans = [r for _, r in rows if not isinstance(r, PlanImpossible)]
+        assert len(plans) >= 3
+        for small, large in zip(plans, plans[1:]):
+            a, b = small.chosen, large.chosen
+            for block, kept in a.kept.items():
+                assert b.kept.get(block, b.channels.get(block, a.channels[block])) >= kept
+            assert set(b.kept) <= set(a.kept)
+            assert b.pool <= a.pool
+            assert b.batch_size >= a.batch_size
+
+
+def test_objective_prefers_exact_storage_when_it_fits():
+    c = tiny_plan(20 * MB).chosen
+    assert (c.kept, c.pool, c.precision, c.frozen_weights, c.batch_size) == ({}, 1, "fp32", "fp32", 8)
+
+
+def test_auto_batch_is_the_largest_that_fits(sweep):
+    result = dict(sweep["auto"])[9 * MB]
+    c = result.chosen
+    assert (c.kept, c.pool, c.precision) == ({}, 1, "fp32")
+    assert result.predicted_bytes <= 9 * MB
+    assert predicted(dataclasses.replace(c, batch_size=c.batch_size + 1)) > 9 * MB
+
+
+def test_impossible_reports_the_smallest_budget_that_works(sweep):
+    impossible = dict(sweep[8])[int(4.3 * MB)]
+    assert isinstance(impossible, PlanImpossible)
+    need = impossible.min_budget_bytes
+    assert "smallest budget that works" in str(impossible)
+    fitted = tiny_plan(need)
+    assert fitted.predicted_bytes <= need
+    with pytest.raises(PlanImpossible):
+        tiny_plan(need - 1)
+
+
+def test_process_scope_subtracts_device_overheads():
+    device = DEVICES["orin-nano-8gb"]
+    budget = 400 * MB
+    result = tiny_plan(budget, device_preset="orin-nano-8gb", budget_scope="process")
+    assert result.tensor_budget_bytes == int((budget - device.cuda_context_bytes) / (1 + device.allocator_slack))
+    assert result.predicted_bytes + sum(result.overheads.values()) <= budget
+    assert "CUDA context" in result.overheads
+    with pytest.raises(PlanImpossible) as info:
+        tiny_plan(302 * MB, device_preset="orin-nano-8gb", budget_scope="process")
+    assert info.value.min_budget_bytes > 302 * MB
+
+
+def test_yaml_round_trip_and_strict_keys(tmp_path):
+    result = tiny_plan(int(4.45 * MB))
+    path = tmp_path / "plan.yaml"
+    result.save(path)
+    again = load_plan(path)
+    assert again.to_dict() == result.to_dict()
+    assert again.spec.hidden == result.chosen.kept
+    path.write_text(path.read_text().replace("  bn: fold\n", "  bm: fold\n", 1))
+    from edgetl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown key 'bm'"):
+        load_plan(path)
+
+
+def test_verify_measures_within_five_percent():
+    result = tiny_plan(5 * MB)
+    measured = verify_plan(result, steps=2)
+    assert measured <= result.tensor_budget_bytes
+    assert abs(measured / result.predicted_bytes - 1) <= 0.05
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--budget", "256"], "no unit"),
+    (["--budget", "256mb"], "unknown unit"),
+    (["--budget", "256 parsecs"], "unknown unit"),
+    (["--budget", "lots"], "not a number with a unit"),
+    (["--budget", "256MB", "--device", "jetson-tx2"], "invalid choice"),
+    (["--budget", "256MB", "--batch-size", "eight"], "batch size 'eight'"),
+    (["--budget", "256MB", "--batch-size", "0"], "batch size '0'"),
+    (["--budget", "256MB", "--budget-scope", "device"], "invalid choice"),
+])
+def test_cli_parse_errors_are_one_line(argv, needle, capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", *argv, "-o", str(tmp_path / "p.yaml")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_plan_and_impossible(capsys, tmp_path):
+    out = tmp_path / "plan.yaml"
+    common = ["--resolution", str(RES), "--width", "0.35", "-o", str(out)]
+    assert main(["plan", "--budget", "20MB", *common]) == 0
+    text = capsys.readouterr().out
+    assert f"saved to {out}" in text and "next: edgetl finetune --plan" in text
+    assert load_plan(out).chosen.batch_size == 8
+    assert main(["plan", "--budget", "3MB", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "smallest budget that works" in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget, batch", [(32 * MB, 8), (128 * MB, "auto")])
+def test_224px_plans_verify(budget, batch):
+    result = plan(budget_bytes=budget, batch_size=batch, resolution=224, num_classes=102)
+    measured = verify_plan(result, steps=3)
+    assert measured <= budget
+    assert abs(measured / result.predicted_bytes - 1) <= 0.05
+
+
+def test_prune_and_finetune_take_the_plan(tmp_path, sweep, capsys):
+    from edgetl.cli import build_parser
+    from edgetl.cli.finetune import recipe_from_args
+    from edgetl.errors import ConfigError
+    from edgetl.models.backbone import read_backbone_spec
+
+    result = dict(sweep[8])[int(4.45 * MB)]
+    assert result.chosen.kept
+    path = tmp_path / "plan.yaml"
+    result.save(path)
+    pruned = tmp_path / "pruned"
+    assert main(["prune", "--plan", str(path), "--width", "0.35", "--importance", "weight-l2",
+                 "--resolution", str(RES), "-o", str(pruned)]) == 0
+    assert read_backbone_spec(pruned).hidden == result.chosen.kept
+
+    def finetune_args(*extra):
+        return build_parser().parse_args(["finetune", "--recipe", "fashion_mnist", "--plan", str(path),
+                                          "--set", f"data.resolution={RES}", "-o", str(tmp_path / "run"),
+                                          *extra])
+
+    args = finetune_args("--backbone", str(pruned), "--pool", "2")
+    recipe = recipe_from_args(args)
+    c = result.chosen
+    assert (recipe.model.pool, recipe.model.precision, recipe.model.frozen_weights) == (2, c.precision,
+                                                                                         c.frozen_weights)
+    assert recipe.train.batch_size == c.batch_size and args.budget == result.tensor_budget_bytes
+    with pytest.raises(ConfigError, match="plans hidden channels"):
+        recipe_from_args(finetune_args())  # no pruned backbone
+    with pytest.raises(ConfigError, match="planned at 64 px"):
+        recipe_from_args(build_parser().parse_args(
+            ["finetune", "--recipe", "fashion_mnist", "--plan", str(path), "--backbone", str(pruned),
+             "--set", "data.resolution=96", "-o", str(tmp_path / "run")]))
