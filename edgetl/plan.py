@@ -14,8 +14,8 @@ dimension and never undoing another:
    -> int8, side pooling k 1 -> 2 -> 4 (dimensions the caller fixes are skipped);
 2. pruning, at the most saving storage: the per-image peak of every sensitive block above
    a cap T is lowered to T (the paper's rule: prune the blocks that set the peak, just
-   enough), T falling one channel at a time down to the peak of what pruning cannot
-   reach, and finally every candidate block at ``max_ratio``;
+   enough), T falling one channel at a time, and finally every candidate block at
+   ``max_ratio``;
 3. with ``batch_size="auto"`` the path starts at batch 1 and, once the exact
    configuration fits, the batch grows up to ``max_batch_size``.
 
@@ -482,15 +482,14 @@ class _PruningPath:
         self.model = {}
         for u in candidates:
             hi, lo = _unit_peak(full_report, u), _unit_peak(floor_report, u)
-            if hi > lo and hi > self.reach and channels[u] > floor[u]:
+            if hi > lo and channels[u] > floor[u]:
                 self.model[u] = (lo, hi)
         breaks = set()
         for u, (lo, hi) in self.model.items():
             c, f = channels[u], floor[u]
             for k in range(f + 1, c + 1):
                 t = lo + (k - f) * (hi - lo) / (c - f)  # the cap from which u keeps k channels
-                if t > self.reach:
-                    breaks.add(t)
+                breaks.add(t)  # below ``reach`` too: at batch b the batch-1 reach may not bind
         # a level per cap just below a breakpoint: the unit drops to k - 1 channels
         self.caps = [math.inf] + sorted(breaks, reverse=True)
         self.last = len(self.caps)  # index of the floor element
@@ -662,6 +661,10 @@ def plan(
         if not floor:
             raise _impossible(total_saving, config({}, saving, path_batch, chan), budget_bytes,
                               tensor_budget, budget_scope, preset, auto, resolution)
+        total_floor = record((0, 0), floor, saving, path_batch, chan)  # impossible unless it fits
+        if not fits(total_floor):
+            raise _impossible(total_floor, config(floor, saving, path_batch, chan), budget_bytes,
+                              tensor_budget, budget_scope, preset, auto, resolution)
         path = _PruningPath(chan, floor, report, ev.report(floor, shape, 1), list(floor))
         last = path.last
         # index i = last - level: 0 is the floor (fits), last is no pruning (does not fit)
@@ -674,11 +677,6 @@ def plan(
         first = i_of(top_cap - (total_saving - tensor_budget) / path_batch)
         i = _largest_fitting(lambda i: record((0, i), path.kept(last - i), saving, path_batch, chan),
                              0, last, tensor_budget, first)
-        if i == 0:
-            total_floor = record((0, 0), floor, saving, path_batch, chan)
-            if not fits(total_floor):
-                raise _impossible(total_floor, config(floor, saving, path_batch, chan), budget_bytes,
-                                  tensor_budget, budget_scope, preset, auto, resolution)
         chosen = config(path.kept(last - i), saving, path_batch, chan)
         chosen_pos = (0, i)
 

@@ -44,8 +44,8 @@ def predicted(config, num_classes: int = 102) -> int:
 @pytest.fixture(scope="module")
 def sweep():
     """Plans over a sweep of budgets, batch 8 and auto (one search each)."""
-    budgets = [int(x * MB) for x in (4.3, 4.45, 5.0, 9.0)]
-    return {batch: [(b, _try(b, batch)) for b in budgets] for batch in (8, "auto")}
+    budgets = {8: (4.3, 4.45, 5.0, 9.0), "auto": (4.45, 5.0, 9.0)}
+    return {batch: [(int(x * MB), _try(int(x * MB), batch)) for x in xs] for batch, xs in budgets.items()}
 
 
 def _try(budget, batch):
@@ -121,10 +121,11 @@ def test_impossible_reports_the_smallest_budget_that_works(sweep):
     assert isinstance(impossible, PlanImpossible)
     need = impossible.min_budget_bytes
     assert "smallest budget that works" in str(impossible)
-    fitted = tiny_plan(need)
-    assert fitted.predicted_bytes <= need
-    with pytest.raises(PlanImpossible):
+    assert predicted(impossible.config) == need  # the most saving configuration, re-checked
+    assert impossible.config.pool == 4 and impossible.config.kept
+    with pytest.raises(PlanImpossible) as again:
         tiny_plan(need - 1)
+    assert again.value.min_budget_bytes == need
 
 
 def test_process_scope_subtracts_device_overheads():
@@ -139,8 +140,8 @@ def test_process_scope_subtracts_device_overheads():
     assert info.value.min_budget_bytes > 302 * MB
 
 
-def test_yaml_round_trip_and_strict_keys(tmp_path):
-    result = tiny_plan(int(4.45 * MB))
+def test_yaml_round_trip_and_strict_keys(tmp_path, sweep):
+    result = dict(sweep[8])[int(4.45 * MB)]
     path = tmp_path / "plan.yaml"
     result.save(path)
     again = load_plan(path)
