@@ -84,8 +84,11 @@ def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
     options = lean_options(recipe)
     if options is not None:
         make_lean(meta, options)
-    return runtime_report(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
-                          batch_size=batch_size)
+    report = runtime_report(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
+                            batch_size=batch_size)
+    report.runtime = "stock" if options is None else "lean"
+    report.lean = None if options is None else dataclasses.asdict(options)
+    return report
 
 
 def largest_batch(net: EdgeNet, recipe: Recipe, budget_bytes: int, upper: int) -> int:

@@ -43,3 +43,26 @@ def pretrained_backbone(tmp_path_factory) -> Path:
     fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=recipe, out_dir=folder / "run")
     save_backbone(folder, net)
     return folder
+
+
+@pytest.fixture(scope="session")
+def calibrated_backbone(tmp_path_factory) -> Path:
+    """Backbone folder: random MobileNetV2 0.35 whose BN statistics come from real images.
+
+    Cheap (no training): for tests of the mechanics (resume, export) rather than accuracy.
+    """
+    if not HAVE_FMNIST:
+        pytest.skip(FMNIST_REASON)
+    import torch
+
+    from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
+    from edgetl.prune import calibration_batches
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("calibrated")
+    net = build_backbone(BackboneSpec(width=0.35, num_classes=5)).train()
+    with torch.no_grad():
+        for batch in calibration_batches("fashion-mnist", resolution=64, batches=4, batch_size=16):
+            net(batch)
+    save_backbone(folder, net.eval())
+    return folder
