@@ -68,7 +68,7 @@ def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "
         net.classifier[-1] = nn.Linear(old.in_features, num_classes, device=old.weight.device)
         net.spec = spec
     else:
-        log.warning("no model.backbone: fine-tuning a randomly initialised MobileNetV2 %s", m.width)
+        log.info("no model.backbone: fine-tuning a randomly initialised MobileNetV2 %s", m.width)
         net = build_backbone(BackboneSpec(width=m.width, num_classes=num_classes), device=device)
     if m.mode.startswith("repnet"):
         net.attach_side(build_side_network(net))

@@ -1,7 +1,6 @@
 """`edgetl finetune`: pre-flight budget, learning on real data, resume, stock weights, bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -135,7 +134,7 @@ def test_preflight_refuses_over_budget_and_names_the_batch_that_fits(tmp_path):
 
 @needs_fmnist
 @pytest.mark.parametrize("make_args, needle", [
-    (lambda d: ["--data", str(d / "missing")], "does not exist"),
+    (lambda d: ["--recipe", "imagefolder", "--data", str(d / "missing")], "does not exist"),
     (lambda d: ["--recipe", "imagefolder", "--data", str(d)], "train"),
     (lambda d: ["--set", "model.poool=2"], "did you mean"),
     (lambda d: ["--budget", "1MB"], "exceeds the budget"),

@@ -6,7 +6,9 @@ import argparse
 import os
 from pathlib import Path
 
+from edgetl.errors import ConfigError
 from edgetl.memory.report import MB, MIB
+from edgetl.units import parse_bytes
 
 
 def positive_int(text: str) -> int:
@@ -17,6 +19,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: an integer >= 1")
     return value
+
+
+def budget_type(text: str) -> int:
+    """A memory size with a unit (edgetl.units.parse_bytes), as an argparse type."""
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_float(text: str) -> float:

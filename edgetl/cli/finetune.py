@@ -6,17 +6,9 @@ import argparse
 import time
 from pathlib import Path
 
-from edgetl.cli._common import fmt_mb, positive_int, print_table
+from edgetl.cli._common import budget_type, fmt_mb, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
-from edgetl.units import parse_bytes
-
-
-def budget_type(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def override(text: str):
@@ -130,6 +122,8 @@ def run(args) -> int:
 
     def on_preflight(report, measured):
         state["measured"] = measured
+        if recipe.model.backbone is None:
+            print("note: no --backbone: the backbone has random weights (edgetl never downloads weights)")
         print_preflight(report, measured, args.budget)
 
     def on_step(info):

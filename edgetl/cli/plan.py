@@ -6,16 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from edgetl.cli._common import fmt_mb, positive_int, print_table, writable_file
+from edgetl.cli._common import budget_type, fmt_mb, positive_int, print_table, writable_file
 from edgetl.errors import ConfigError
-from edgetl.units import parse_bytes
-
-
-def budget_type(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def batch_type(text: str):
