@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError
-from edgetl.io import atomic_text_json, atomic_write_bytes
+from edgetl.io import atomic_text_json, atomic_write_bytes, read_json
 from edgetl.models.backbone import BackboneSpec, EdgeNet
 
 log = logging.getLogger(__name__)
@@ -174,10 +174,7 @@ def load_run_model(run_dir: str | Path, device: torch.device | str = "cpu") -> R
     info_path = run_dir / RUN_MODEL_FILE
     if not info_path.is_file():
         raise DataError(f"{run_dir} is not an edgetl run folder: {RUN_MODEL_FILE} is missing")
-    try:
-        info = json.loads(info_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"{info_path} is corrupted: {exc}") from None
+    info = read_json(info_path)
     missing = [k for k in ("backbone", "mode", "labels", "recipe") if not isinstance(info, dict) or k not in info]
     if missing:
         raise DataError(f"{info_path} lacks {', '.join(missing)}")

@@ -53,6 +53,16 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def read_json(path: str | Path):
+    """Parse a JSON file; a damaged one is a one-line DataError naming the file."""
+    from edgetl.errors import DataError
+
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} is corrupted: {exc}") from None
+
+
 def atomic_text_json(path: str | Path, data) -> None:
     """Write ``data`` as indented JSON, atomically."""
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")

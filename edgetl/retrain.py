@@ -67,7 +67,6 @@ same number of processes; at an epoch boundary it may resume with a different nu
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -78,7 +77,7 @@ import torch
 from torch import nn
 
 from edgetl.errors import ConfigError, DataError
-from edgetl.io import atomic_text_json
+from edgetl.io import atomic_text_json, read_json
 from edgetl.models.backbone import (
     SPEC_FILE,
     WEIGHTS_FILE,
@@ -218,10 +217,7 @@ def read_run_info(run: str | Path) -> dict:
     path = Path(run) / RETRAIN_FILE
     if not path.is_file():
         raise DataError(f"{run} is not a retrain run: {RETRAIN_FILE} is missing")
-    try:
-        info = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path} is corrupted: {exc}") from None
+    info = read_json(path)
     if not isinstance(info, dict) or info.get("format") != RETRAIN_FORMAT:
         raise DataError(f"{path} is not a retrain description (format {RETRAIN_FORMAT})")
     return info

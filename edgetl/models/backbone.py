@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,16 +226,15 @@ def save_backbone(folder: str | Path, net: EdgeNet, info: dict | None = None) ->
 
 def read_backbone_info(folder: str | Path) -> dict:
     """Read and check a backbone folder's ``backbone.json``; the spec is under "spec"."""
+    from edgetl.io import read_json
+
     folder = Path(folder)
     path = folder / SPEC_FILE
     if not folder.is_dir():
         raise DataError(f"backbone folder {folder} does not exist")
     if not path.is_file():
         raise DataError(f"{folder} is not an edgetl backbone folder: {SPEC_FILE} is missing")
-    try:
-        info = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path} is corrupted: {exc}") from None
+    info = read_json(path)
     if not isinstance(info, dict) or info.get("format") != BACKBONE_FORMAT:
         raise DataError(f"{path} is not an edgetl backbone description (format {BACKBONE_FORMAT})")
     return info
