@@ -32,9 +32,9 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
+# The whole pipeline on Fashion-MNIST (offline); a rerun reuses finished stages.
 demo: setup
-	mkdir -p runs/demo
-	$(VENV)/bin/edgetl profile --mode repnet --num-classes 102 --json runs/demo/profile.json --plot runs/demo/profile.png
+	$(VENV)/bin/edgetl demo -o runs/demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info
