@@ -13,6 +13,25 @@ try:
 except DataError:
     HAVE_FMNIST = False
 
+COLORS = [(200, 40, 40), (40, 200, 40), (40, 40, 200)]
+
+
+def make_color_folder(root: Path, n_train: int, n_val: int = 8, size: int = 24, classes=COLORS) -> Path:
+    """An ImageFolder root/{train,val}/c<i>/*.png whose classes are told apart by colour, with noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("val", n_val)):
+        for c, color in enumerate(classes):
+            folder = root / split / f"c{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                px = np.clip(np.array(color) + rng.integers(-60, 60, (size, size, 3)), 0, 255)
+                Image.fromarray(px.astype(np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
 FMNIST_REASON = "Fashion-MNIST not installed (as root: apt-get install dataset-fashion-mnist; make test does it)"
 
 

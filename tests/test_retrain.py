@@ -10,10 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from edgetl import data as D
 from edgetl import train as T
@@ -21,8 +19,8 @@ from edgetl.cli import main
 from edgetl.models.backbone import BackboneSpec, build_backbone, load_backbone, read_backbone_info
 from edgetl.recipe import RECIPE_DIR, load_recipe, parse_override
 from edgetl.retrain import RETRAIN_FILE, retrain
+from tests.conftest import COLORS, make_color_folder
 
-COLORS = [(200, 40, 40), (40, 200, 40), (40, 40, 200)]
 # The bundled retrain recipe, scaled down: 32 px, tiny batches, checkpoints every 2 steps.
 TOY_SETS = ["data.preset=imagefolder", "data.resolution=32", "train.workers=0", "train.checkpoint_every=2",
             "optim.warmup_epochs=0"]
@@ -33,16 +31,7 @@ RUN_FILES = ["backbone.json", "backbone.pt", "best.pt", "last.pt", "metrics.csv"
 
 
 def make_folder(root: Path, n_train: int = 32, n_val: int = 8, size: int = 24, classes=COLORS) -> Path:
-    """Classes told apart by colour, with noise."""
-    rng = np.random.default_rng(0)
-    for split, n in (("train", n_train), ("val", n_val)):
-        for c, color in enumerate(classes):
-            folder = root / split / f"c{c}"
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                px = np.clip(np.array(color) + rng.integers(-60, 60, (size, size, 3)), 0, 255)
-                Image.fromarray(px.astype(np.uint8)).save(folder / f"{i}.png")
-    return root
+    return make_color_folder(root, n_train, n_val, size, classes)
 
 
 @pytest.fixture(scope="module")

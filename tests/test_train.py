@@ -12,10 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from torch import nn
 
 from edgetl import data as D
@@ -23,20 +21,11 @@ from edgetl import train as T
 from edgetl.errors import CapabilityError, ConfigError, DataError
 from edgetl.recipe import Recipe, apply_overrides
 
-COLORS = [(200, 40, 40), (40, 200, 40), (40, 40, 200)]
-
-
 def make_toy_folder(root: Path, n_train: int = 16, n_val: int = 8, size: int = 24) -> Path:
     """Three classes told apart by colour, with noise: linearly separable."""
-    rng = np.random.default_rng(0)
-    for split, n in (("train", n_train), ("val", n_val)):
-        for c, color in enumerate(COLORS):
-            folder = root / split / f"c{c}"
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                px = np.clip(np.array(color) + rng.integers(-60, 60, (size, size, 3)), 0, 255)
-                Image.fromarray(px.astype(np.uint8)).save(folder / f"{i}.png")
-    return root
+    from tests.conftest import make_color_folder  # not at top: DDP workers import this module
+
+    return make_color_folder(root, n_train, n_val, size)
 
 
 class Tiny(nn.Module):
