@@ -30,7 +30,7 @@ from edgetl.io import atomic_text_json, atomic_torch_save
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.models.backbone import BackboneSpec, EdgeNet, build_backbone, load_backbone
 from edgetl.models.side import LeanOptions, build_side_network, make_lean, set_trainable
-from edgetl.profile import LEAN_MODES
+from edgetl.profile import LEAN_MODES, describe_runtime
 from edgetl.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,7 @@ def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
         make_lean(meta, options)
     report = runtime_report(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
                             batch_size=batch_size)
-    report.runtime = "stock" if options is None else "lean"
-    report.lean = None if options is None else dataclasses.asdict(options)
+    describe_runtime(report, meta, options)
     return report
 
 

@@ -152,8 +152,7 @@ def profile(
 
         net = build_network(spec, mode, device="meta", lean=lean_options)
         report = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size)
-    report.runtime = "stock" if lean_options is None else "lean"
-    report.lean = None if lean_options is None else dataclasses.asdict(lean_options)
+    describe_runtime(report, net, lean_options)
     if measure:
         from edgetl.memory.meter import measure_training_peak
 
@@ -163,6 +162,20 @@ def profile(
         )
         log.info("measured peak %.2f MB", report.measured_peak_bytes / MB)
     return report
+
+
+def describe_runtime(report: MemoryReport, net: EdgeNet, lean: LeanOptions | None) -> None:
+    """Record in ``report`` which runtime ``net`` (the accounted network) uses, and the lean options.
+
+    ``lean["side_pools"]`` is the factor each side module's conv really stores its input
+    with at the report's resolution (small maps pool less than ``pool``).
+    """
+    report.runtime = "stock" if lean is None else "lean"
+    report.lean = None
+    if lean is not None:
+        from edgetl.models.lean_side import stored_pools
+
+        report.lean = {**dataclasses.asdict(lean), "side_pools": stored_pools(net, report.resolution)}
 
 
 def plot_profile(report: MemoryReport, path: str | Path) -> None:

@@ -13,11 +13,13 @@ from torchvision.models.mobilenetv2 import InvertedResidual
 from edgetl.errors import CapabilityError, ConfigError
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.lean import (
+    MIN_POOLED_SIDE,
     FrozenConvBNAct,
     LeanAvgPool2d,
     PooledConv2d,
     check_act_dtype,
     count_saved_bytes,
+    effective_pool,
     grad_weight_cosine,
     leanify_backbone,
     mask_bytes,
@@ -28,6 +30,7 @@ from edgetl.models.lean import (
 )
 from edgetl.models.lean_side import LeanSideModule, lean_side_from_stock, leanify_network
 from edgetl.models.side import SideModule, build_network
+from tests.conftest import FMNIST_REASON, HAVE_FMNIST
 
 TINY = BackboneSpec(width=0.35, num_classes=10)
 
@@ -116,7 +119,7 @@ def _independent_pooled_input(x: torch.Tensor, k: int) -> torch.Tensor:
 def test_non_divisible_size_crops_correctly(kernel, stride, padding):
     torch.manual_seed(0)
     conv = PooledConv2d(4, 6, kernel, stride=stride, padding=padding, bias=False, pool=2).double()
-    x = torch.randn(2, 4, 7, 7, dtype=torch.double, requires_grad=True)
+    x = torch.randn(2, 4, 9, 9, dtype=torch.double, requires_grad=True)  # pooled 5x5, last cell partial
     y = conv(x)
     gy = torch.randn(y.shape, dtype=torch.double)
     y.backward(gy)
@@ -139,12 +142,36 @@ def test_pointwise_sum_pool_path_equals_upsampling():
         torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
 
 
-def test_pooled_conv_saved_bytes_match_hooks():
+@pytest.mark.parametrize("hw, stored_hw", [
+    ((17, 16), (5, 4)),  # k=4 keeps 4 cells on the short side: pooled by 4 (ceil mode)
+    ((13, 10), (7, 5)),  # 10 // 4 < 4, 10 // 2 >= 4: pooled by 2
+    ((7, 9), (7, 9)),  # 7 // 2 < 4: kept exact
+])
+def test_pooled_conv_saved_bytes_match_hooks(hw, stored_hw):
     conv = PooledConv2d(8, 16, 3, padding=1, bias=False, pool=4)
-    x = randn(2, 8, 13, 10).requires_grad_()
+    x = randn(2, 8, *hw).requires_grad_()
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        conv(x)
     with count_saved_bytes(conv) as saved:
         conv(x)
-    assert saved.bytes == conv.saved_bytes((2, 8, 13, 10), (2, 16, 13, 10)) == 2 * 8 * 4 * 3 * 4
+    assert (2, 8, *stored_hw) in shapes
+    assert saved.bytes == conv.saved_bytes((2, 8, *hw), (2, 16, *hw)) == 2 * 8 * stored_hw[0] * stored_hw[1] * 4
+
+
+@pytest.mark.parametrize("k, hw, expected", [
+    (1, (64, 64), 1), (2, (8, 8), 2), (2, (8, 64), 2), (2, (7, 7), 1), (2, (2, 2), 1),
+    (4, (16, 16), 4), (4, (15, 40), 2), (4, (8, 8), 2), (4, (7, 7), 1), (4, (1, 1), 1),
+])
+def test_effective_pool_keeps_small_maps_exact(k, hw, expected):
+    # a pooled map keeps at least 4 cells on its short side
+    assert MIN_POOLED_SIDE == 4
+    assert effective_pool(k, hw) == expected
 
 
 def test_mask_pack_roundtrip():
@@ -434,3 +461,62 @@ def test_lean_backbone_rejects_trainable_weights_and_stock_side_with_bf16():
         leanify_backbone(net, act_dtype="bf16")
     with pytest.raises(ConfigError, match="weight_dtype"):
         leanify_backbone(net, weight_dtype="int4")
+
+
+@pytest.mark.parametrize("resolution, pool, expected", [
+    # side conv inputs (after the side pools): 224 px 28, 28, 14, 7, 7, 3; 64 px 8, 8, 4, 2, 2, 1
+    (224, 2, [2, 2, 2, 1, 1, 1]),
+    (224, 4, [4, 4, 2, 1, 1, 1]),
+    (64, 2, [2, 2, 1, 1, 1, 1]),
+    (64, 4, [2, 2, 1, 1, 1, 1]),
+    (64, 1, [1, 1, 1, 1, 1, 1]),
+])
+def test_stored_pools_follow_side_map_sizes(resolution, pool, expected):
+    from edgetl.models.lean_side import stored_pools
+
+    net = build_network(BackboneSpec(width=1.0, num_classes=10), "repnet", device="meta")
+    leanify_network(net, pool=pool)
+    net.train()
+    assert stored_pools(net, resolution) == expected
+    assert net.training and net.side.blocks[0].bn1.training  # modes restored
+
+
+@pytest.mark.skipif(not HAVE_FMNIST, reason=FMNIST_REASON)
+def test_small_maps_stay_exact_where_pooling_hurts_most(calibrated_backbone):
+    """On real images, the side convs effective_pool pools have better k=2 weight gradients than those it keeps exact.
+
+    MobileNetV2 0.35 at 64 px: side conv inputs 8x8, 8x8, 4x4, 2x2, 2x2, 1x1; the rule pools
+    the two 8x8 maps. Every BN2 gamma is 1 so the side convs receive gradients. Measured
+    (calibrated random backbone): pooled 0.91, 0.77; the three kept exact would be 0.63,
+    0.57, 0.64 if pooled.
+    """
+    from edgetl.models.backbone import load_backbone
+    from edgetl.models.side import build_side_network
+    from edgetl.prune import calibration_batches
+
+    torch.manual_seed(0)
+    net = load_backbone(calibrated_backbone)
+    net.attach_side(build_side_network(net))
+    for block in net.side.blocks:
+        nn.init.ones_(block.bn2.weight)
+    captured = {}
+
+    def keep(j):
+        def hook(module, args, output):
+            captured[j] = [args[0].detach()]
+            output.register_hook(lambda g: captured[j].append(g))
+        return hook
+
+    for j, block in enumerate(net.side.blocks):
+        block.conv1.register_forward_hook(keep(j))
+    images = calibration_batches("fashion-mnist", resolution=64, batches=1, batch_size=32)[0]
+    net.train()(images).logsumexp(1).sum().backward()
+    pooled, exact = [], []
+    for j, block in enumerate(net.side.blocks):
+        x, gy = captured[j]
+        if min(x.shape[-2:]) < 2:
+            continue  # a 1x1 map pools to itself: nothing to compare
+        cosine = grad_weight_cosine(block.conv1, x, 2, gy)
+        (pooled if effective_pool(2, tuple(x.shape[-2:])) == 2 else exact).append(cosine)
+    assert len(pooled) == 2 and len(exact) == 3
+    assert min(pooled) > max(exact), (pooled, exact)

@@ -157,7 +157,7 @@ def test_report_fields_are_consistent():
     assert last.blocks[-1].cugrd_bytes == net.classifier[1].in_features * F4
 
 
-@pytest.mark.parametrize("runtime,label", [("auto", "lean: pool 2, fp32 activations"), ("stock", "stock modules")])
+@pytest.mark.parametrize("runtime,label", [("auto", "lean: pool 2 (stored per side module: 2 2 1 1 1 1), fp32 activations"), ("stock", "stock modules")])
 def test_cli_runtime_measure(capsys, runtime, label):
     """repnet profiles the lean runtime by default (auto); --runtime stock the torch modules."""
     code = main(["profile", "--mode", "repnet", "--accounting", "runtime", "--measure", "--runtime", runtime,

@@ -58,6 +58,15 @@ def fmt_mb(n_bytes: float | None, unit: str = "MB") -> str:
     return f"{n_bytes / (MIB if unit == 'MiB' else MB):.2f}"
 
 
+def fmt_side_pools(lean: dict | None) -> str:
+    """"pool 2 (stored: 2 2 1 1 1 1)": the requested factor and what each side module really stores."""
+    if not lean:
+        return ""
+    pools = lean.get("side_pools") or []
+    stored = f" (stored per side module: {' '.join(map(str, pools))})" if pools else ""
+    return f"pool {lean['pool']}{stored}"
+
+
 def print_table(headers: list[str], rows: list[list[str]], title: str | None = None) -> None:
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     if title:

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from edgetl.cli._common import budget_type, fmt_mb, positive_int, print_table
+from edgetl.cli._common import budget_type, fmt_mb, fmt_side_pools, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
 
@@ -105,6 +105,8 @@ def print_preflight(report: MemoryReport, measured: int | None, budget: int | No
     if budget is not None:
         rows.append(["budget", fmt_mb(budget)])
     print_table(["pre-flight, batch %d" % report.batch_size, "MB"], rows)
+    if report.lean:
+        print(f"side activations: {fmt_side_pools(report.lean)}")
 
 
 def run(args) -> int:

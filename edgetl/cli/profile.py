@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgetl.cli._common import fmt_mb, positive_float, positive_int, print_table, writable_file
+from edgetl.cli._common import fmt_mb, fmt_side_pools, positive_float, positive_int, print_table, writable_file
 from edgetl.memory.report import MemoryReport
 from edgetl.models.side import TRAIN_MODES, LeanOptions
 from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, RUNTIMES, plot_profile, profile
@@ -83,7 +83,7 @@ def _runtime(report: MemoryReport) -> str:
     if report.lean is None:
         return "stock modules | "
     lean = report.lean
-    return (f"lean: pool {lean['pool']}, {lean['precision']} activations, "
+    return (f"lean: {fmt_side_pools(lean)}, {lean['precision']} activations, "
             f"{lean['frozen_weights']} frozen weights, BN {lean['bn']} | ")
 
 

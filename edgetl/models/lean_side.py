@@ -321,6 +321,38 @@ def lean_side_from_stock(side_network: nn.Module, pool: int = 2, inplace: bool =
     return target
 
 
+def stored_pools(net: nn.Module, resolution: int) -> list[int]:
+    """The factor each lean side module's conv really stores its input with, at this resolution.
+
+    ``model.pool`` is a request: small maps are stored with less or no pooling
+    (``edgetl.models.lean.effective_pool``). Runs one forward of batch 1 under no_grad
+    in eval mode, so no BN statistics move (free on a meta-device network).
+    """
+    side = getattr(net, "side", None)
+    blocks = [b for b in (side.blocks if side is not None else []) if isinstance(b, LeanSideModule)]
+    pools: list[int] = [1] * len(blocks)
+
+    def record(j):
+        def hook(module, args):
+            pools[j] = module.pool_for(args[0].shape)
+        return hook
+
+    handles = [b.conv1.register_forward_pre_hook(record(j)) for j, b in enumerate(blocks)]
+    modes = {m: m.training for m in net.modules()}
+    image = torch.zeros(1, 3, resolution, resolution, device=next(net.parameters()).device,
+                        dtype=getattr(net, "input_dtype", torch.float32))
+    try:
+        net.eval()
+        with torch.no_grad():
+            net(image)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+    return pools
+
+
 def leanify_network(
     net: nn.Module,
     *,
