@@ -33,18 +33,26 @@ def target_recipe(backbone, **overrides):
 
 @pytest.mark.slow
 @needs_fmnist
-def test_finetune_learns_and_pooling_costs_little(pretrained_backbone, tmp_path):
-    acc = {}
-    for k in (1, 2):
-        result = finetune(recipe=target_recipe(pretrained_backbone, **{"model.pool": k}), out_dir=tmp_path / f"k{k}",
-                          measure=False)
-        acc[k] = result.history[-1]["val_acc1"]
-        assert result.classes == ["Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
-    assert acc[1] > 40.0  # 5 classes: chance is 20 %
-    # The issue asks for k=2 within 1 point of k=1; measured here: 3.0 points below at this
-    # scale (1000 images, 2 epochs) and 1.4 below at 2000 images, 3 epochs (README). This
-    # bound guards against regressions of the pooled weight gradient; it is not the target.
-    assert acc[2] >= acc[1] - 3.5, acc
+def test_finetune_learns_and_pooled_storage_costs_under_a_point(pretrained_backbone, tmp_path):
+    """k=2 ends within 1 point of k=1, mean best val top-1 over seeds 0-2 (about 10 minutes).
+
+    The README's configuration: 2000 images, 3 epochs, 1000 validation images. Measured
+    (2026-11-23): k=1 77.3 / 76.7 / 75.4, k=2 76.5 / 77.9 / 76.3; single seeds differ by
+    up to 1.2 points either way, so the mean is what is asserted. Pooling every side map
+    regardless of size (before effective_pool) gave 73.5 at seed 0.
+    """
+    acc = {1: [], 2: []}
+    for seed in (0, 1, 2):
+        for k in (1, 2):
+            recipe = target_recipe(pretrained_backbone, **{
+                "model.pool": k, "train.seed": seed, "train.epochs": 3, "data.max_samples": 2000,
+                "data.max_val_samples": 1000, "train.checkpoint_every": 100})
+            result = finetune(recipe=recipe, out_dir=tmp_path / f"k{k}s{seed}", measure=False)
+            acc[k].append(max(row["val_acc1"] for row in result.history))
+            assert result.classes == ["Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+    mean = {k: sum(v) / len(v) for k, v in acc.items()}
+    assert mean[1] > 70.0, acc  # 5 classes: chance is 20 %
+    assert mean[2] >= mean[1] - 1.0, acc
 
 
 @needs_fmnist

@@ -327,6 +327,30 @@ def test_lean_network_saved_bytes_match_rule_and_drop():
     assert not any(k.startswith(("features.0.", "features.1.", "features.2.")) for k in pred)
 
 
+def test_saved_for_backward_224_one_image_readme_figures():
+    """README: saved for backward, MobileNetV2 1.0 + Rep-Net, 224 px, one image (frozen BN and dropout in eval mode)."""
+    torch.manual_seed(0)
+    spec = BackboneSpec(num_classes=102)
+    net = build_network(spec, "repnet").train()
+    net.features.eval()
+    net.classifier.eval()
+    x = randn(1, 3, 224, 224)
+    with count_saved_bytes(net) as s_stock:
+        net(x)
+    assert round(s_stock.bytes / 1e6, 2) == 48.77
+    for pool, readme_mb in ((1, 0.80), (2, 0.72), (4, 0.70)):
+        lean = build_network(spec, "repnet")
+        leanify_network(lean, pool=pool)
+        lean.train()
+        lean.features.eval()
+        lean.classifier.eval()
+        with count_saved_bytes(lean) as s_lean:
+            pred = predicted_saved_bytes(lean, lambda: lean(x))
+        head_input = lean.classifier[1].in_features * 4  # stock Linear keeps its input
+        assert s_lean.bytes == sum(pred.values()) + head_input
+        assert round(s_lean.bytes / 1e6, 2) == readme_mb, (pool, s_lean.bytes)
+
+
 def test_inverted_residual_block_saved_bytes():
     torch.manual_seed(0)
     block = InvertedResidual(16, 16, 1, 6)
@@ -520,3 +544,22 @@ def test_small_maps_stay_exact_where_pooling_hurts_most(calibrated_backbone):
         (pooled if effective_pool(2, tuple(x.shape[-2:])) == 2 else exact).append(cosine)
     assert len(pooled) == 2 and len(exact) == 3
     assert min(pooled) > max(exact), (pooled, exact)
+
+
+def test_keeping_small_maps_exact_costs_1_4_kB_an_image_at_64px(monkeypatch):
+    """README: at 64 px (width 0.35) the maps kept exact hold 360 more fp32 values an image.
+
+    Side conv inputs 16x4x4, 24x2x2, 32x2x2 stay exact instead of 2x2, 1x1, 1x1:
+    16*12 + 24*3 + 32*3 = 360 values.
+    """
+    import edgetl.models.lean as lean_module
+
+    def saved(min_side: int) -> int:
+        monkeypatch.setattr(lean_module, "MIN_POOLED_SIDE", min_side)
+        torch.manual_seed(0)
+        net = leanify_network(build_network(TINY, "repnet"), pool=2).train()
+        with count_saved_bytes(net) as s:
+            net(randn(3, 3, 64, 64))
+        return s.bytes
+
+    assert saved(MIN_POOLED_SIDE) - saved(1) == 3 * 360 * 4
