@@ -45,7 +45,9 @@ def add_parser(sub) -> None:
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B)")
     p.add_argument("--batch-size", type=positive_int, help="train.batch_size")
     p.add_argument("--epochs", type=positive_int, help="train.epochs")
-    p.add_argument("--pool", type=int, choices=(1, 2, 4), help="model.pool: side activations stored pooled by k")
+    p.add_argument("--pool", type=int, choices=(1, 2, 4),
+                   help="model.pool: side activations stored pooled by k (maps that would pool below "
+                        "4x4 cells pool less or not at all)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="model.precision (backbone activations)")
     p.add_argument("--frozen-weights", choices=("fp32", "fp16", "int8"), help="model.frozen_weights")
     p.add_argument("--set", dest="overrides", action="append", type=override, default=[],

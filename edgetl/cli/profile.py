@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
     lean.add_argument("--runtime", choices=RUNTIMES, default="auto",
                       help="lean: edgetl's lean layers; stock: plain torch modules; auto: lean where the mode allows")
     lean.add_argument("--pool", type=int, choices=(1, 2, 4), default=2,
-                      help="side-network activations stored average-pooled by k (1 = exact)")
+                      help="side-network activations stored average-pooled by k (1 = exact; maps that "
+                           "would pool below 4x4 cells pool less or not at all)")
     lean.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                       help="activation dtype of the frozen backbone")
     lean.add_argument("--frozen-weights", choices=("fp32", "fp16", "int8"), default="fp32",

@@ -4,7 +4,8 @@ Same computation and state_dict keys as ``edgetl.models.side.SideModule`` (conv1
 bn1.*, conv2.weight, bn2.*). What each part keeps for backward:
 
     pool (2x2, and 4x4 on the image)   nothing (stock AvgPool2d keeps its full input)
-    conv1 (k x k, trainable)           its input average-pooled by ``pool`` (PooledConv2d)
+    conv1 (k x k, trainable)           its input average-pooled by ``pool`` (PooledConv2d;
+                                       small maps by less or not at all: stored_pools)
     bn1 -> ReLU -> conv2 -> bn2        bn1's input (exact, fp32) + per-channel batch stats;
                                        ReLU mask, conv2's input and bn2's input are
                                        recomputed from it in backward (one extra 1x1 conv)
