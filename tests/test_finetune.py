@@ -34,7 +34,7 @@ def target_recipe(backbone, **overrides):
 @pytest.mark.slow
 @needs_fmnist
 def test_finetune_learns_and_pooled_storage_costs_under_a_point(pretrained_backbone, tmp_path):
-    """k=2 ends within 1 point of k=1, mean best val top-1 over seeds 0-2 (about 10 minutes).
+    """k=2 ends within 1 point of k=1, mean best val top-1 over seeds 0-2 (about 6 minutes).
 
     The README's configuration: 2000 images, 3 epochs, 1000 validation images. Measured
     (2026-11-23): k=1 77.3 / 76.7 / 75.4, k=2 76.5 / 77.9 / 76.3; single seeds differ by
