@@ -11,7 +11,8 @@ from the exact configuration to the most memory-saving one, each step degrading 
 dimension and never undoing another:
 
 1. storage: frozen weights fp32 -> fp16, activations fp32 -> half (bf16), frozen weights
-   -> int8, side pooling k 1 -> 2 -> 4 (dimensions the caller fixes are skipped);
+   -> int8, side pooling k 1 -> 2 -> 4 (dimensions the caller fixes are skipped, and a k
+   whose side convs would store exactly as the smaller k's, small maps pooling less);
 2. pruning, at the most saving storage: the per-image peak of every sensitive block above
    a cap T is lowered to T (the paper's rule: prune the blocks that set the peak, just
    enough), T falling one channel at a time, and finally every candidate block at
@@ -38,6 +39,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -406,8 +408,15 @@ def ratio_for(channels: int, kept: int) -> float:
 
 
 def storage_ladder(*, pool: int | None = None, precision: str | None = None,
-                   frozen_weights: str | None = None) -> list[Storage]:
-    """Storage options from exact to most saving; a fixed dimension never changes."""
+                   frozen_weights: str | None = None,
+                   stored_pools: Callable[[int], list[int]] | None = None) -> list[Storage]:
+    """Storage options from exact to most saving; a fixed dimension never changes.
+
+    ``stored_pools(k)``, when given, says how the side convs really store their inputs for
+    a requested k (small maps pool less, ``edgetl.models.lean.effective_pool``); a k that
+    stores exactly as the smaller one before it is no step: it would save nothing, and the
+    objective prefers the smaller k.
+    """
     p = 1 if pool is None else pool
     a = "fp32" if precision is None else precision
     w = "fp32" if frozen_weights is None else frozen_weights
@@ -423,9 +432,25 @@ def storage_ladder(*, pool: int | None = None, precision: str | None = None,
     if frozen_weights is None:
         step(frozen_weights="int8")
     if pool is None:
-        step(pool=2)
-        step(pool=4)
+        for k in (2, 4):
+            if stored_pools is None or stored_pools(k) != stored_pools(ladder[-1].pool):
+                step(pool=k)
     return ladder
+
+
+def _stored_pools_of(spec: BackboneSpec, resolution: int) -> Callable[[int], list[int]]:
+    """k -> the factor each side conv of ``spec`` stores its input with at ``resolution`` (meta)."""
+    from edgetl.models.lean_side import stored_pools
+    from edgetl.models.side import LeanOptions, build_network
+
+    cache: dict[int, list[int]] = {}
+
+    def pools(k: int) -> list[int]:
+        if k not in cache:
+            cache[k] = stored_pools(build_network(spec, MODE, device="meta", lean=LeanOptions(pool=k)), resolution)
+        return cache[k]
+
+    return pools
 
 
 class _Evaluator:
@@ -599,7 +624,8 @@ def plan(
     else:
         tensor_budget = budget_bytes
     ev = _Evaluator(base, resolution)
-    ladder = storage_ladder(pool=pool, precision=precision, frozen_weights=frozen_weights)
+    ladder = storage_ladder(pool=pool, precision=precision, frozen_weights=frozen_weights,
+                            stored_pools=_stored_pools_of(base, resolution))
     request = {"batch_size": batch_size, "precision": precision, "pool": pool,
                "frozen_weights": frozen_weights, "blocks": None if blocks is None else list(blocks),
                "max_ratio": max_ratio, "max_batch_size": max_batch_size}

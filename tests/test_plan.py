@@ -65,6 +65,19 @@ def test_ladder_goes_one_dimension_at_a_time():
     assert {s.precision for s in fixed} == {"fp32"} and {s.pool for s in fixed} == {2}
 
 
+def test_ladder_skips_a_pool_factor_that_stores_like_the_smaller_one():
+    # at 64 px the side conv inputs are 8, 8, 4, 2, 2, 1 pixels: k=4 stores like k=2
+    tiny_64 = {1: [1] * 6, 2: [2, 2, 1, 1, 1, 1], 4: [2, 2, 1, 1, 1, 1]}
+    assert [s.pool for s in storage_ladder(stored_pools=tiny_64.__getitem__)][-1] == 2
+    at_224 = {1: [1] * 6, 2: [2, 2, 2, 1, 1, 1], 4: [4, 4, 2, 1, 1, 1]}
+    assert [s.pool for s in storage_ladder(stored_pools=at_224.__getitem__)][-2:] == [2, 4]
+
+
+def test_plan_at_64px_prunes_at_k2_not_an_idle_k4(sweep):
+    chosen = dict(sweep[8])[int(4.45 * MB)].chosen
+    assert chosen.kept and chosen.pool == 2
+
+
 def test_ratio_for_keeps_exactly_the_planned_channels():
     for channels in (16, 32, 96, 144, 960):
         for kept in range(1, channels + 1):
@@ -122,7 +135,7 @@ def test_impossible_reports_the_smallest_budget_that_works(sweep):
     need = impossible.min_budget_bytes
     assert "smallest budget that works" in str(impossible)
     assert predicted(impossible.config) == need  # the most saving configuration, re-checked
-    assert impossible.config.pool == 4 and impossible.config.kept
+    assert impossible.config.pool == 2 and impossible.config.kept  # k=4 stores like k=2 at 64 px
     with pytest.raises(PlanImpossible) as again:
         tiny_plan(need - 1)
     assert again.value.min_budget_bytes == need
