@@ -59,7 +59,7 @@ def fmt_mb(n_bytes: float | None, unit: str = "MB") -> str:
 
 
 def fmt_side_pools(lean: dict | None) -> str:
-    """"pool 2 (stored: 2 2 1 1 1 1)": the requested factor and what each side module really stores."""
+    """"pool 2 (stored per side module: 2 2 1 1 1 1)": the requested k and what each side conv stores."""
     if not lean:
         return ""
     pools = lean.get("side_pools") or []
