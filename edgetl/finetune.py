@@ -220,14 +220,18 @@ def finetune(
     result = fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=fit_recipe,
                  out_dir=out_dir, device=device, resume=resume, on_step=on_step, on_epoch=on_epoch)
     if is_main_process():
-        _write_model(out_dir, net, stock, recipe, splits.classes, options)
+        _write_model(out_dir, net, stock, recipe, splits.classes, options, predicted.lean)
     return FinetuneResult(out_dir, result.best_acc1, result.best_epoch, predicted, measured,
                           result.history, splits.classes)
 
 
 def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, classes: list[str],
-                 options: LeanOptions | None) -> None:
-    """model.pt (best weights, stock layout) + model.json: what edgetl export reads."""
+                 options: LeanOptions | None, lean: dict | None) -> None:
+    """model.pt (best weights, stock layout) + model.json: what edgetl export reads.
+
+    ``lean`` is the pre-flight report's description of the lean runtime (options and the
+    pool each side conv really stored with); None for stock modules.
+    """
     from edgetl.train import BEST, LAST, load_checkpoint
 
     source = out_dir / BEST if (out_dir / BEST).is_file() else out_dir / LAST
@@ -241,7 +245,7 @@ def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, cl
         "mode": recipe.model.mode,
         "labels": list(classes),
         "recipe": recipe.to_dict(),
-        "lean": None if options is None else dataclasses.asdict(options),
+        "lean": lean,
         "preprocessing": {"resolution": recipe.data.resolution,
                           "resize": int(round(recipe.data.resolution / 0.875))},
     })

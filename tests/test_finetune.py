@@ -60,6 +60,8 @@ def test_resume_after_kill_equals_uninterrupted(calibrated_backbone, tmp_path):
     recipe = target_recipe(calibrated_backbone, **{"data.max_samples": 200, "data.max_val_samples": 50,
                                         "model.pool": 2})
     finetune(recipe=recipe, out_dir=tmp_path / "whole", measure=False)
+    # side conv inputs at 64 px: 8, 8, 4, 2, 2, 1 pixels; only the 8x8 maps keep 4x4 cells when pooled
+    assert json.loads((tmp_path / "whole" / "model.json").read_text())["lean"]["side_pools"] == [2, 2, 1, 1, 1, 1]
 
     class Killed(Exception):
         pass
@@ -89,6 +91,7 @@ def test_run_folder_exports_the_network_that_trained(calibrated_backbone, tmp_pa
     finetune(recipe=recipe, out_dir=tmp_path / "run", measure=False)
     info = json.loads((tmp_path / "run" / "model.json").read_text())
     assert info["lean"]["pool"] == 1 and info["mode"] == "repnet+bias"
+    assert info["lean"]["side_pools"] == [1] * 6
     assert len(info["labels"]) == info["backbone"]["num_classes"] == 5
     exported = load_run_model(tmp_path / "run").net.eval()
     lean = build_model(recipe, 5)
