@@ -439,18 +439,13 @@ def storage_ladder(*, pool: int | None = None, precision: str | None = None,
 
 
 def _stored_pools_of(spec: BackboneSpec, resolution: int) -> Callable[[int], list[int]]:
-    """k -> the factor each side conv of ``spec`` stores its input with at ``resolution`` (meta)."""
-    from edgetl.models.lean_side import stored_pools
-    from edgetl.models.side import LeanOptions, build_network
+    """k -> the factor each side conv of ``spec`` stores its input with at ``resolution``."""
+    from edgetl.models.lean import effective_pool
+    from edgetl.models.lean_side import side_conv_sizes
+    from edgetl.models.side import build_network
 
-    cache: dict[int, list[int]] = {}
-
-    def pools(k: int) -> list[int]:
-        if k not in cache:
-            cache[k] = stored_pools(build_network(spec, MODE, device="meta", lean=LeanOptions(pool=k)), resolution)
-        return cache[k]
-
-    return pools
+    sizes = side_conv_sizes(build_network(spec, MODE, device="meta"), resolution)
+    return lambda k: [effective_pool(k, hw) for hw in sizes]
 
 
 class _Evaluator:

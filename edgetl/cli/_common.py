@@ -58,10 +58,8 @@ def fmt_mb(n_bytes: float | None, unit: str = "MB") -> str:
     return f"{n_bytes / (MIB if unit == 'MiB' else MB):.2f}"
 
 
-def fmt_side_pools(lean: dict | None) -> str:
+def fmt_side_pools(lean: dict) -> str:
     """"pool 2 (stored per side module: 2 2 1 1 1 1)": the requested k and what each side conv stores."""
-    if not lean:
-        return ""
     pools = lean.get("side_pools") or []
     stored = f" (stored per side module: {' '.join(map(str, pools))})" if pools else ""
     return f"pool {lean['pool']}{stored}"

@@ -322,23 +322,23 @@ def lean_side_from_stock(side_network: nn.Module, pool: int = 2, inplace: bool =
     return target
 
 
-def stored_pools(net: nn.Module, resolution: int) -> list[int]:
-    """The factor each lean side module's conv really stores its input with, at this resolution.
+def side_conv_sizes(net: nn.Module, resolution: int) -> list[tuple[int, int]]:
+    """(H, W) of each side module's conv input at this resolution, stock or lean side network.
 
-    ``model.pool`` is a request: small maps are stored with less or no pooling
-    (``edgetl.models.lean.effective_pool``). Runs one forward of batch 1 under no_grad
-    in eval mode, so no BN statistics move (free on a meta-device network).
+    Runs one forward of batch 1 under no_grad in eval mode, so no BN statistics move (free
+    on a meta-device network); no forward at all without a side network.
     """
     side = getattr(net, "side", None)
-    blocks = [b for b in (side.blocks if side is not None else []) if isinstance(b, LeanSideModule)]
-    pools: list[int] = [1] * len(blocks)
+    if side is None or not len(side.blocks):
+        return []
+    sizes: list[tuple[int, int]] = [(0, 0)] * len(side.blocks)
 
     def record(j):
         def hook(module, args):
-            pools[j] = module.pool_for(args[0].shape)
+            sizes[j] = tuple(args[0].shape[-2:])
         return hook
 
-    handles = [b.conv1.register_forward_pre_hook(record(j)) for j, b in enumerate(blocks)]
+    handles = [b.conv1.register_forward_pre_hook(record(j)) for j, b in enumerate(side.blocks)]
     modes = {m: m.training for m in net.modules()}
     image = torch.zeros(1, 3, resolution, resolution, device=next(net.parameters()).device,
                         dtype=getattr(net, "input_dtype", torch.float32))
@@ -351,7 +351,19 @@ def stored_pools(net: nn.Module, resolution: int) -> list[int]:
             h.remove()
         for m, training in modes.items():
             m.training = training
-    return pools
+    return sizes
+
+
+def stored_pools(net: nn.Module, resolution: int) -> list[int]:
+    """The factor each lean side module's conv really stores its input with, at this resolution.
+
+    ``model.pool`` is a request: small maps are stored with less or no pooling
+    (``edgetl.models.lean.effective_pool``). Empty for a network without lean side modules.
+    """
+    side = getattr(net, "side", None)
+    if side is None or not all(isinstance(b, LeanSideModule) for b in side.blocks):
+        return []
+    return [b.conv1.pool_for(hw) for b, hw in zip(side.blocks, side_conv_sizes(net, resolution))]
 
 
 def leanify_network(
