@@ -102,6 +102,26 @@ def test_each_lean_layer_against_meter(name):
     check(net, RES, 2, mode="full")
 
 
+@pytest.mark.parametrize("out_channels,res,act_dtype,batch,kernel", [
+    (45, 13, torch.bfloat16, 1, 3),  # 7605 mask bits (padded to 7608)
+    (48, 13, torch.bfloat16, 1, 3),  # 8112 bits
+    (45, 13, torch.float32, 1, 3),
+    (48, 13, torch.float32, 2, 1),  # sample by sample, grad_input by W^T @ g
+])
+def test_mask_pack_and_unpack_against_meter(out_channels, res, act_dtype, batch, kernel):
+    """A layer whose ReLU6 mask is the step's peak: batch 1 packs and unpacks the whole
+    batch at once (in bf16 the packing is the peak, in fp32 the unpacking); a 1x1 conv
+    at batch 2 unpacks one sample at a time."""
+    torch.manual_seed(0)
+    frozen_conv = nn.Conv2d(CH, out_channels, kernel, padding=kernel // 2, bias=False).requires_grad_(False)
+    layer = FrozenConvBNAct(frozen_conv, nn.BatchNorm2d(out_channels).requires_grad_(False), True,
+                            act_dtype=act_dtype)
+    net = EdgeNet(nn.Sequential(nn.Sequential(nn.Conv2d(3, CH, 3, padding=1, bias=False), layer)),
+                  nn.Sequential(nn.Linear(out_channels, 3)), BackboneSpec(width=0.35, num_classes=3))
+    net.pool = LeanGlobalAvgPool(torch.float32)
+    check(net, res, batch, mode="full")
+
+
 def test_stock_global_pool_replaced_by_lean_one_keeps_nothing():
     stock = runtime_report(one_layer_net(nn.ReLU(), pool=nn.AdaptiveAvgPool2d(1)), mode="full",
                            resolution=RES, batch_size=2)
