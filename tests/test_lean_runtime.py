@@ -24,6 +24,7 @@ from edgetl.models.lean import (
     pack_mask,
     unpack_mask,
 )
+from edgetl.models.lean_side import LeanSideTail
 from edgetl.models.side import LeanOptions, build_network
 
 TINY = BackboneSpec(width=0.35, num_classes=10)
@@ -120,6 +121,32 @@ def test_mask_pack_and_unpack_against_meter(out_channels, res, act_dtype, batch,
                   nn.Sequential(nn.Linear(out_channels, 3)), BackboneSpec(width=0.35, num_classes=3))
     net.pool = LeanGlobalAvgPool(torch.float32)
     check(net, res, batch, mode="full")
+
+
+class _Tail(nn.Module):
+    """A side module's bn1 -> ReLU -> conv2 -> bn2 alone (the parameters registered here)."""
+
+    def __init__(self, mid: int, out: int):
+        super().__init__()
+        self.bn1, self.conv2, self.bn2 = nn.BatchNorm2d(mid), nn.Conv2d(mid, out, 1, bias=False), nn.BatchNorm2d(out)
+        self.tail = LeanSideTail(self.bn1, self.conv2, self.bn2)
+
+    def forward(self, x):
+        return self.tail(x)
+
+
+@pytest.mark.parametrize("train_bn", [True, False])
+def test_side_tail_backward_against_meter(train_bn):
+    """A wide bn1 and a narrow conv2: the tail's backward (recomputed ReLU output, its
+    gradient, ReLU's backward in place) is the step's peak."""
+    torch.manual_seed(0)
+    tail = _Tail(32, 4)
+    if not train_bn:
+        always_eval(tail)
+    net = EdgeNet(nn.Sequential(nn.Sequential(nn.Conv2d(3, 32, 3, padding=1, bias=False), tail)),
+                  nn.Sequential(nn.Linear(4, 3)), BackboneSpec(width=0.35, num_classes=3))
+    net.pool = LeanGlobalAvgPool(torch.float32)
+    check(net, RES, 2, mode="full")
 
 
 def test_stock_global_pool_replaced_by_lean_one_keeps_nothing():

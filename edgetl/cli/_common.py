@@ -11,6 +11,17 @@ from edgetl.memory.report import MB, MIB
 from edgetl.units import parse_bytes
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows an option's default only when it has one: not for options whose
+    default is None (resolved later, e.g. from a recipe; their help says from where) and
+    not for flags that are off."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

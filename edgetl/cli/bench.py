@@ -7,13 +7,14 @@ import shlex
 import sys
 
 from edgetl.bench import METHODS, BenchResult, bench, caption, plot_bench, table_rows, to_markdown
-from edgetl.cli._common import positive_float, positive_int, print_table, writable_file
+from edgetl.cli._common import HelpFormatter, positive_float, positive_int, print_table, writable_file
 from edgetl.errors import ConfigError
 from edgetl.units import parse_bytes
 
 # --quick: a tiny backbone at 64 px, for a smoke run in well under a minute of work.
 QUICK = {"width": 0.35, "resolution": 64, "budget": "24MB", "steps": 2, "warmup": 1}
-DEFAULTS = {"width": 1.0, "resolution": 224, "budget": "256MB", "steps": 3, "warmup": 1}
+# timing on a shared CPU is noisy: fewer than about 10 interleaved rounds can flip a 10 % ratio
+DEFAULTS = {"width": 1.0, "resolution": 224, "budget": "256MB", "steps": 10, "warmup": 2}
 
 
 def method_list(text: str) -> list[str]:
@@ -43,11 +44,11 @@ def add_parser(sub) -> None:
             f"Methods: {', '.join(METHODS)}. "
             "--from PATH re-renders a saved JSON result without running anything."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--resolution", type=positive_int, help=f"input size in pixels (default {DEFAULTS['resolution']})")
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--num-classes", type=positive_int, default=102)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="images per training step")
+    p.add_argument("--num-classes", type=positive_int, default=102, help="classifier outputs (Flowers-102: 102)")
     p.add_argument("--width", type=positive_float, help=f"MobileNetV2 width multiplier (default {DEFAULTS['width']})")
     p.add_argument("--budget", help=f"memory budget for the largest-batch column, e.g. 256MB (default {DEFAULTS['budget']})")
     p.add_argument("--methods", type=method_list, metavar="A,B,...", help="comma-separated methods (default: all; plan only where edgetl.plan is installed)")
@@ -58,7 +59,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"tiny scale: width {QUICK['width']}, {QUICK['resolution']} px, budget {QUICK['budget']}, "
                         f"{QUICK['steps']} steps (explicit flags still win)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
     p.add_argument("--from", dest="source", metavar="PATH", help="render a saved JSON result instead of running")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown (for the README)")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="save the result as JSON")

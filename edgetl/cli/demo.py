@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgetl.cli._common import fmt_mb, print_table
+from edgetl.cli._common import HelpFormatter, fmt_mb, print_table
 
 STAGE_TITLES = {
     "pretrain": "pretrain the backbone on the source task (classes 0-4)",
@@ -30,11 +30,11 @@ def add_parser(sub) -> None:
             "storage (beside unpruned Rep-Net and full fine-tuning), export ONNX and verify it. "
             "A rerun reuses finished stages."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="small scale (about a minute; used by the tests)")
     p.add_argument("--data", metavar="PATH", help="Fashion-MNIST folder (default: the Debian package's)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
     p.add_argument("-o", "--out", type=Path, default=Path("runs/demo"), metavar="DIR", help="demo folder")
     p.set_defaults(run=run)
 

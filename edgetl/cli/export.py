@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgetl.cli._common import positive_int, writable_file
+from edgetl.cli._common import HelpFormatter, positive_int, writable_file
 from edgetl.export import FORMATS, export_run
 
 
@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
             "--format engine then builds a TensorRT engine (needs TensorRT and an NVIDIA GPU: run "
             "it on the Jetson). Labels and preprocessing go to a sidecar JSON beside each file."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--run", dest="run_dir", required=True, metavar="DIR", help="a fine-tuning run folder (model.json + best.pt/last.pt)")
     p.add_argument("--format", default="onnx", help=f"one of: {', '.join(FORMATS)}")

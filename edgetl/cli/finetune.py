@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from edgetl.cli._common import budget_type, fmt_mb, fmt_side_pools, positive_int, print_table
+from edgetl.cli._common import HelpFormatter, budget_type, fmt_mb, fmt_side_pools, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
 
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
             "with the breakdown and the largest batch that fits. Resumable with --resume."
         ),
         epilog="example: edgetl finetune --recipe fashion_mnist -o runs/fmnist --budget 256MB",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--recipe", required=True, metavar="NAME|PATH",
                    help="recipe YAML (bundled: cifar10, flowers102, pets, cub200, imagefolder, fashion_mnist)")
@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--frozen-weights", choices=("fp32", "fp16", "int8"), help="model.frozen_weights")
     p.add_argument("--set", dest="overrides", action="append", type=override, default=[],
                    metavar="KEY=VALUE", help="any recipe value, e.g. --set optim.lr_side=1e-3")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
     p.add_argument("--resume", action="store_true", help="continue the run in -o from its last checkpoint")
     p.add_argument("--no-measure", dest="measure", action="store_false",
                    help="skip the one-step memory measurement before training (CPU)")

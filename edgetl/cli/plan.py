@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from edgetl.cli._common import budget_type, fmt_mb, positive_int, print_table, writable_file
+from edgetl.cli._common import HelpFormatter, budget_type, fmt_mb, positive_int, print_table, writable_file
 from edgetl.errors import ConfigError
 
 
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
             "smallest budget that works."
         ),
         epilog="example: edgetl plan --budget 256MB --device orin-nano-8gb --verify -o plan.yaml",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--budget", type=budget_type, required=True, metavar="SIZE",
                    help="memory budget, e.g. 256MB, 1GiB (units B, kB/KB, MB, GB, KiB, MiB, GiB)")

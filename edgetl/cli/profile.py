@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgetl.cli._common import fmt_mb, fmt_side_pools, positive_float, positive_int, print_table, writable_file
+from edgetl.cli._common import HelpFormatter, fmt_mb, fmt_side_pools, positive_float, positive_int, print_table, writable_file
 from edgetl.memory.report import MemoryReport
 from edgetl.models.side import TRAIN_MODES, LeanOptions
 from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, RUNTIMES, plot_profile, profile
@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
             "really holds. --measure runs real training steps and reports the measured peak. "
             "Per-block figures are for one image; totals for the batch. MB = 10^6 bytes."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--mode", choices=TRAIN_MODES, default="repnet", help="what trains")
     p.add_argument("--accounting", choices=ACCOUNTINGS, default="paper")

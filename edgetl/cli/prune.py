@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgetl.cli._common import fmt_mb, positive_float, positive_int, print_table
+from edgetl.cli._common import HelpFormatter, fmt_mb, positive_float, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.prune import (
     IMPORTANCES,
@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
             "temporary memory is at most the target. Memory figures: Rep-Net fine-tuning, "
             "paper accounting, batch 8, 102 classes (as the paper's Table I); MB = 10^6 bytes."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--checkpoint", metavar="DIR",
                    help="input backbone folder (default: torchvision MobileNetV2, random init)")

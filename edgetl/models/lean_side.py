@@ -7,7 +7,7 @@ bn1.*, conv2.weight, bn2.*). What each part keeps for backward:
     conv1 (k x k, trainable)           its input average-pooled by ``pool`` (PooledConv2d;
                                        small maps by less or not at all: stored_pools)
     bn1 -> ReLU -> conv2 -> bn2        bn1's input (exact, fp32) + per-channel batch stats;
-                                       ReLU mask, conv2's input and bn2's input are
+                                       the ReLU output (conv2's input) and bn2's input are
                                        recomputed from it in backward (one extra 1x1 conv)
     bilinear resize                    nothing
 
@@ -102,10 +102,7 @@ class _SideTailFn(Function):
             mean1, invstd1 = rm1, torch.rsqrt(rv1 + eps1)
             mean2 = invstd2 = None
         # recompute what stock autograd would have stored: bn1 output, ReLU output, bn2 input
-        o1 = _bn_apply(y1, mean1, invstd1, g1, b1)
-        mask1 = o1 > 0
-        a1 = o1.clamp_(min=0)
-        del o1
+        a1 = _bn_apply(y1, mean1, invstd1, g1, b1).clamp_(min=0)
         y2 = F.conv2d(a1, w2)
         gy2, gg2, gb2 = torch.ops.aten.native_batch_norm_backward(
             gz, y2, g2, rm2, rv2, mean2, invstd2, ctx.batch, eps2, [True, need[4], need[5]]
@@ -113,9 +110,11 @@ class _SideTailFn(Function):
         del y2
         gw2 = conv2d_weight(a1, w2.shape, gy2) if need[3] else None
         ga1 = conv2d_input(a1.shape, w2, gy2)
-        del a1, gy2
-        go1 = ga1.mul_(mask1)
-        del mask1
+        del gy2
+        # ReLU's backward from its output, in place: no mask (``ga1 * bool_mask`` would
+        # also cast the mask to a hidden float copy inside the kernel on CPU)
+        go1 = torch.ops.aten.threshold_backward.grad_input(ga1, a1, 0, grad_input=ga1)
+        del a1
         gy1, gg1, gb1 = torch.ops.aten.native_batch_norm_backward(
             go1,
             y1,
@@ -165,8 +164,8 @@ class LeanSideTail(nn.Module):
         """Runtime accounting rule (edgetl.memory.runtime), mirroring ``_SideTailFn``.
 
         Forward: bn1's output (ReLU in place) and conv2's output coexist; bn2 runs in
-        place. Backward recomputes bn1's output (ReLU in place, plus a bool mask) and
-        conv2's output, then runs bn2's, conv2's and bn1's backward.
+        place. Backward recomputes bn1's output (ReLU in place) and conv2's output, then
+        runs bn2's, conv2's, the ReLU's (in place) and bn1's backward.
         """
         if not output_requires_grad:
             return LayerCost()
@@ -174,7 +173,6 @@ class LeanSideTail(nn.Module):
         e = bn1.weight.element_size()
         m, o = bn1.num_features * e, bn2.num_features * e
         y1, y2 = _numel(in_shape) * e, _numel(out_shape) * e
-        n1 = _numel(in_shape)  # bool mask bytes
         w2 = conv2.weight.numel() * e
         batch = bn1.training
         if batch:
@@ -193,10 +191,10 @@ class LeanSideTail(nn.Module):
         g1 = 2 * m if bn1.weight.requires_grad else 0
         gx = y1 if input_requires_grad else 0
         bwd = first + [
-            held + y1 + n1 + y2,  # conv2 recomputed from relu(bn1(y1))
-            held + y1 + n1 + 2 * y2 + g2,  # bn2 backward
-            held + y1 + n1 + y2 + g2 + 4 + gw2,  # conv2 grad_weight
-            held + y1 + n1 + y2 + g2 + gw2 + 4 + y1,  # conv2 grad_input
+            held + y1 + y2,  # conv2 recomputed from relu(bn1(y1))
+            held + y1 + 2 * y2 + g2,  # bn2 backward
+            held + y1 + y2 + g2 + 4 + gw2,  # conv2 grad_weight
+            held + y1 + y2 + g2 + gw2 + 4 + y1,  # conv2 grad_input
             held + y1 + g2 + gw2 + y1 + g1,  # bn1 backward
         ]
         return LayerCost(saves_input=True, saved_new_bytes=stats,
