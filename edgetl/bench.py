@@ -356,7 +356,7 @@ def bench(
         command: the command line that made this result, stored with it.
     """
     from edgetl.memory.meter import measure_training_peak
-    from edgetl.memory.runtime import runtime_report
+    from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
     from edgetl.profile import check_options, paper_report
 
     names = list(methods) if methods is not None else default_methods()
@@ -390,12 +390,16 @@ def bench(
             method, plan_note = planned_method(budget_bytes=budget_bytes, batch_size=batch_size,
                                                resolution=resolution, num_classes=num_classes, width=width)
         method_hidden = method.hidden if method.hidden is not None else (hidden if method.pruned else {})
-        build = lambda dev, m=method, h=method_hidden: build_method(  # noqa: E731
-            m, width=width, num_classes=num_classes, device=dev, hidden=h)
+        def build(dev, b: int, m=method, h=method_hidden) -> EdgeNet:
+            net = build_method(m, width=width, num_classes=num_classes, device=dev, hidden=h)
+            if m.lean is not None:  # as edgetl finetune runs it: whole-batch backward where the peak allows
+                fit_whole_batch_backward(net, resolution=resolution, batch_size=b)
+            return net
+
         log.info("%s: accounting", name)
 
         def measured(b: int, build=build) -> int:
-            return measure_training_peak(build(device), resolution=resolution, batch_size=b,
+            return measure_training_peak(build(device, b), resolution=resolution, batch_size=b,
                                          steps=measure_steps, lr=lr, seed=seed)
 
         if method.checkpoint:
@@ -409,7 +413,7 @@ def bench(
                 device="meta", hidden=method_hidden)
             paper_bytes = paper_report(stock_meta, mode=method.mode, resolution=resolution,
                                        batch_size=batch_size, frozen_bits=FROZEN_BITS).total_bytes
-            meta = build("meta")
+            meta = build("meta", batch_size)
 
             def accounted(b: int, meta=meta, mode=method.mode) -> int:
                 return runtime_report(meta, mode=mode, resolution=resolution, batch_size=b).total_bytes
@@ -432,7 +436,7 @@ def bench(
             verify = seen.get(largest)
         elif 1 <= largest and largest * resolution**2 <= verify_pixels:
             verify = measured(largest)
-        real = build(device)
+        real = build(device, batch_size)
         trainers[name] = _Trainer(real, resolution=resolution, batch_size=batch_size,
                                   num_classes=num_classes, device=device, lr=lr, seed=seed)
         result.rows.append(BenchRow(

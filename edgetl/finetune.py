@@ -78,12 +78,13 @@ def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "
 
 def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
     """Runtime accounting (DESIGN 2b) of one training step of ``net`` on the lean runtime."""
-    from edgetl.memory.runtime import runtime_report
+    from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
 
     meta = copy.deepcopy(net).to("meta")
     options = lean_options(recipe)
     if options is not None:
         make_lean(meta, options)
+        fit_whole_batch_backward(meta, resolution=recipe.data.resolution, batch_size=batch_size)
     report = runtime_report(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
                             batch_size=batch_size)
     describe_runtime(report, meta, options)
@@ -199,7 +200,11 @@ def finetune(
     predicted = preflight(net, recipe, budget_bytes)
     stock = copy.deepcopy(net)
     if options is not None:
+        from edgetl.memory.runtime import fit_whole_batch_backward
+
         make_lean(net, options)
+        # as predict_peak: whole-batch backward wherever it does not raise the peak
+        fit_whole_batch_backward(net, resolution=recipe.data.resolution, batch_size=recipe.train.batch_size)
     measured = None
     if measure and device.type == "cpu":
         from edgetl.memory.meter import measure_training_peak

@@ -11,7 +11,7 @@ from torch import nn
 
 from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.report import MB
-from edgetl.memory.runtime import runtime_report
+from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
 from edgetl.models.backbone import BackboneSpec, EdgeNet
 from edgetl.models.lean import (
     FrozenConvBNAct,
@@ -181,6 +181,59 @@ def test_lean_network_prediction_matches_measured(spec, lean, batch, mode, caplo
     with caplog.at_level(logging.WARNING, logger="edgetl.memory.runtime"):
         check(net, 64, batch, mode)
     assert not [r for r in caplog.records if "no runtime rule" in r.getMessage()]
+
+
+def _act_convs(net) -> dict[str, FrozenConvBNAct]:
+    return {n: m for n, m in net.named_modules() if isinstance(m, FrozenConvBNAct) and m.act}
+
+
+def _out_shapes(net, resolution: int, batch: int) -> dict[str, tuple]:
+    """Output shape of every lean conv with a ReLU6, by module name (one forward on meta)."""
+    meta = copy.deepcopy(net).to("meta")
+    shapes = {}
+    hooks = [m.register_forward_hook(lambda mod, a, out, n=n: shapes.__setitem__(n, tuple(out.shape)))
+             for n, m in _act_convs(meta).items()]
+    with torch.no_grad():
+        meta(torch.empty(batch, 3, resolution, resolution, device="meta",
+                         dtype=getattr(net, "input_dtype", torch.float32)))
+    for h in hooks:
+        h.remove()
+    return shapes
+
+
+@pytest.mark.parametrize("config,refused", [(CONFIGS[0], 0), (CONFIGS[3], 0), (CONFIGS[6], 1)],
+                         ids=["tiny-k1", "pruned-k2", "pruned-bf16-int8-bias"])
+def test_whole_batch_backward_where_the_peak_allows(config, refused):
+    """fit_whole_batch_backward moves layers to the whole-batch masked backward without
+    raising the predicted peak, and the meter agrees; each layer it leaves sample by sample
+    would raise the peak; gradients equal those of the network that runs every layer
+    sample by sample."""
+    spec, lean, batch, mode = config
+    torch.manual_seed(0)
+    net = build_network(spec, mode, lean=lean)
+    reference = copy.deepcopy(net)
+    before = runtime_report(net, mode=mode, resolution=64, batch_size=batch).total_bytes
+    fitted = fit_whole_batch_backward(net, resolution=64, batch_size=batch)
+    assert sum(fitted.values()) > 0
+    whole = copy.deepcopy(net)  # the meter's training steps below change net's weights
+    predicted, _ = check(net, 64, batch, mode)
+    assert predicted <= before
+    shapes = _out_shapes(net, 64, batch)
+    kept = [n for n, whole in fitted.items() if not whole]
+    assert len(kept) == refused, kept  # the bias config: the last 1x1 conv's backward is the peak
+    for name in kept:
+        probe = copy.deepcopy(net)
+        _act_convs(probe)[name].whole_batch_shapes = frozenset({shapes[name]})
+        assert runtime_report(probe, mode=mode, resolution=64, batch_size=batch).total_bytes > before, name
+
+    x = torch.randn(batch, 3, 64, 64, dtype=getattr(net, "input_dtype", torch.float32))
+    labels = torch.randint(0, spec.num_classes, (batch,))
+    for model in (whole, reference):
+        torch.manual_seed(1)  # the same dropout mask
+        nn.functional.cross_entropy(model.train()(x), labels).backward()
+    for (name, p), (_, q) in zip(whole.named_parameters(), reference.named_parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4, msg=name)
 
 
 def test_lean_network_is_far_below_stock():

@@ -378,6 +378,10 @@ class _Result:
     block_peak: dict[int, int] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)
     optimizer_peak_bytes: int = 0
+    # per leaf op: (module, the keyword arguments of its layer_cost call)
+    layer_args: dict[int, tuple[nn.Module, dict]] = field(default_factory=dict)
+    # per op whose backward ran: (total bytes at that moment, its backward temporaries)
+    backward_moments: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class _Memory:
@@ -475,10 +479,11 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
         if op.func == "identity":
             cost = LayerCost(inplace=True, grad_input=False)
         elif op.module is not None:
-            cost = layer_cost(op.module, in_shape=ins[0].shape, out_shape=out.shape,
-                              act_bytes=out.act_bytes, in_bytes=ins[0].act_bytes,
-                              input_requires_grad=ins[0].requires_grad,
-                              output_requires_grad=grad_fn)
+            args = dict(in_shape=ins[0].shape, out_shape=out.shape, act_bytes=out.act_bytes,
+                        in_bytes=ins[0].act_bytes, input_requires_grad=ins[0].requires_grad,
+                        output_requires_grad=grad_fn)
+            res.layer_args[i] = (op.module, args)
+            cost = layer_cost(op.module, **args)
             if cost.inplace and out.storage != ins[0].storage:
                 cost.inplace = False  # traced as a new tensor: trust the trace
         elif op.func in _ALIAS_FUNCS:
@@ -596,6 +601,7 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
             if cost.backward_temp_bytes:
                 mem.alloc(("btmp", i), cost.backward_temp_bytes)
             sample(f"backward {op.name}", op.block, False)
+            res.backward_moments[i] = (static + grads["bytes"] + mem.bytes, cost.backward_temp_bytes)
             if cost.backward_temp_bytes:
                 _drop(mem, ("btmp", i))
         for k in saved_by[i]:
@@ -621,6 +627,49 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
 def _drop(mem: _Memory, key) -> None:
     mem.refs[key] = 1
     mem.unref(key)
+
+
+# ----------------------------------------------------------------------------- whole-batch backward
+
+
+def fit_whole_batch_backward(net: EdgeNet, *, resolution: int, batch_size: int,
+                             optimizer: str = "adam") -> dict[str, bool]:
+    """Let each lean frozen conv run its masked backward on the whole batch where that
+    does not raise the predicted peak of a training step. Returns, for every conv that
+    would otherwise run sample by sample, whether it now runs on the whole batch.
+
+    Sample by sample (the default), a frozen conv's masked grad_output exists for one
+    sample at a time; on the whole batch it is faster (fewer, larger kernels) but holds
+    every sample's copy at once. A layer's backward temporaries live only during its own
+    backward, so each layer's choice moves only its own moment of the step: a layer may
+    switch when its moment, with the whole-batch temporaries, stays within the peak. (The
+    peak can even drop: the per-sample path allocates the whole grad_input up front.)
+    The choice is recorded per output shape (``FrozenConvBNAct.whole_batch_shapes``): a
+    batch of another size (the last, smaller batch of an epoch) runs sample by sample.
+    """
+    from edgetl.models.lean import FrozenConvBNAct, _mask_per_sample
+
+    res = _simulate(_flow(net, resolution, batch_size), net, batch_size, net.spec.num_classes, optimizer)
+    candidates: dict[tuple[FrozenConvBNAct, tuple], list[int]] = {}
+    for i, (module, args) in res.layer_args.items():
+        if isinstance(module, FrozenConvBNAct) and i in res.backward_moments:
+            shape = tuple(int(d) for d in args["out_shape"])
+            if _mask_per_sample(module, args["input_requires_grad"], shape):
+                candidates.setdefault((module, shape), []).append(i)
+    names = {m: n for n, m in net.named_modules()}
+    allowed: dict[str, bool] = {}
+    for (module, shape), calls in candidates.items():
+        before = module.whole_batch_shapes
+        module.whole_batch_shapes = before | {shape}
+        fits = all(
+            moment - temp + layer_cost(module, **res.layer_args[i][1]).backward_temp_bytes <= res.peak_bytes
+            for i in calls
+            for moment, temp in [res.backward_moments[i]]
+        )
+        if not fits:
+            module.whole_batch_shapes = before
+        allowed[names[module]] = fits
+    return allowed
 
 
 # ----------------------------------------------------------------------------- report

@@ -508,6 +508,10 @@ class FrozenConvBNAct(nn.Module):
         self.kernel_size = conv.kernel_size
         self.pointwise = conv.groups == 1 and _is_pointwise(conv.weight.shape, conv.stride, conv.padding, conv.dilation)
         self.act = bool(act)
+        # output shapes whose masked backward runs on the whole batch at once (faster; one
+        # masked copy of grad_output per sample more): set by
+        # edgetl.memory.runtime.fit_whole_batch_backward where the step's peak allows it
+        self.whole_batch_shapes: frozenset[tuple[int, ...]] = frozenset()
         self.bn_mode = bn_mode
         self.act_dtype = act_dtype
         weight = conv.weight.detach().float()
@@ -791,14 +795,16 @@ def _relu6_mask(y: torch.Tensor) -> torch.Tensor:
     for i in range(n):
         mask = y[i] > 0
         mask &= y[i] < 6
-        packed[i * step : (i + 1) * step] = _fold_bits_(mask.view(-1).view(torch.uint8))
+        packed[i * step : (i + 1) * step] = _fold_bits_(mask.reshape(-1).view(torch.uint8))
         del mask
     return packed
 
 
 def _mask_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
-    """Whether the masked backward runs sample by sample (each sample's mask whole bytes)."""
-    return m.act and needs_input_grad and _sample_aligned(out_shape)
+    """Whether the masked backward runs sample by sample: each sample's mask fills whole
+    bytes, and the whole batch was not allowed for this shape (``whole_batch_shapes``)."""
+    return (m.act and needs_input_grad and _sample_aligned(out_shape)
+            and tuple(int(d) for d in out_shape) not in m.whole_batch_shapes)
 
 
 def _per_sample(ctx) -> bool:
