@@ -331,3 +331,15 @@ def test_unpruned_lean_repnet_224_prediction_matches_measured():
     net = build_network(BackboneSpec(num_classes=102), "repnet", lean=LeanOptions())
     predicted, measured = check(net, 224, 8)
     assert measured < 100 * MB  # stock: 414.7 MB
+
+
+@pytest.mark.parametrize("spec,pool,whole,of", [(BackboneSpec(num_classes=102), 1, 31, 31), (PAPER, 2, 30, 31)],
+                         ids=["unpruned", "paper"])
+def test_whole_batch_backward_at_224(spec, pool, whole, of):
+    """The README's counts: convs that run their masked backward on the whole batch at
+    224 px, batch 8, and the predicted peak is unchanged (74.37 MB and 43.82 MB)."""
+    net = build_network(spec, "repnet", device="meta", lean=LeanOptions(pool=pool))
+    before = runtime_report(net, mode="repnet", resolution=224, batch_size=8).total_bytes
+    fitted = fit_whole_batch_backward(net, resolution=224, batch_size=8)
+    assert (sum(fitted.values()), len(fitted)) == (whole, of)
+    assert runtime_report(net, mode="repnet", resolution=224, batch_size=8).total_bytes == before
