@@ -814,7 +814,9 @@ def _per_sample(ctx) -> bool:
 def _per_sample_backward(ctx, gy):
     """Masked backward one sample at a time: only one sample's unpacked mask and masked
     grad_output exist at once (a whole-batch masked copy would coexist with grad_output
-    and grad_input: the peak of the lean backward)."""
+    and grad_input). The default; layers whose whole-batch backward stays within the
+    step's peak run ``_FrozenConvFn.backward``'s whole-batch path instead
+    (``edgetl.memory.runtime.fit_whole_batch_backward``)."""
     m = ctx.m
     act = m.act_dtype
     (packed,) = ctx.saved_tensors
