@@ -647,25 +647,26 @@ def fit_whole_batch_backward(net: EdgeNet, *, resolution: int, batch_size: int,
     The choice is recorded per output shape (``FrozenConvBNAct.whole_batch_shapes``): a
     batch of another size (the last, smaller batch of an epoch) runs sample by sample.
     """
-    from edgetl.models.lean import FrozenConvBNAct, _mask_per_sample
+    from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample
 
     res = _simulate(_flow(net, resolution, batch_size), net, batch_size, net.spec.num_classes, optimizer)
     candidates: dict[tuple[FrozenConvBNAct, tuple], list[int]] = {}
     for i, (module, args) in res.layer_args.items():
         if isinstance(module, FrozenConvBNAct) and i in res.backward_moments:
             shape = tuple(int(d) for d in args["out_shape"])
-            if _mask_per_sample(module, args["input_requires_grad"], shape):
+            if mask_backward_per_sample(module, args["input_requires_grad"], shape):
                 candidates.setdefault((module, shape), []).append(i)
+    def within_peak(i: int) -> bool:  # with the module's current whole_batch_shapes
+        module, args = res.layer_args[i]
+        moment, per_sample_temp = res.backward_moments[i]
+        return moment - per_sample_temp + layer_cost(module, **args).backward_temp_bytes <= res.peak_bytes
+
     names = {m: n for n, m in net.named_modules()}
     allowed: dict[str, bool] = {}
     for (module, shape), calls in candidates.items():
         before = module.whole_batch_shapes
         module.whole_batch_shapes = before | {shape}
-        fits = all(
-            moment - temp + layer_cost(module, **res.layer_args[i][1]).backward_temp_bytes <= res.peak_bytes
-            for i in calls
-            for moment, temp in [res.backward_moments[i]]
-        )
+        fits = all(within_peak(i) for i in calls)
         if not fits:
             module.whole_batch_shapes = before
         allowed[names[module]] = fits

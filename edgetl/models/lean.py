@@ -629,7 +629,7 @@ class FrozenConvBNAct(nn.Module):
         g = nout * a
         tab = 256 * 8 * a  # unpack_table
         bw: list[int] = [0]
-        if not batch and _mask_per_sample(self, input_requires_grad, out_shape):
+        if not batch and mask_backward_per_sample(self, input_requires_grad, out_shape):
             n = int(out_shape[0])
             gxa, po, pi = nin * a, nout // n, nin // n  # grad_input in the act dtype; one sample
             sc = c * a if self.bn_mode == "batch" else 0
@@ -800,7 +800,7 @@ def _relu6_mask(y: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _mask_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
+def mask_backward_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
     """Whether the masked backward runs sample by sample: each sample's mask fills whole
     bytes, and the whole batch was not allowed for this shape (``whole_batch_shapes``)."""
     return (m.act and needs_input_grad and _sample_aligned(out_shape)
@@ -808,7 +808,7 @@ def _mask_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) ->
 
 
 def _per_sample(ctx) -> bool:
-    return ctx.kind == "mask" and _mask_per_sample(ctx.m, ctx.needs_input_grad[0], ctx.out_shape)
+    return ctx.kind == "mask" and mask_backward_per_sample(ctx.m, ctx.needs_input_grad[0], ctx.out_shape)
 
 
 def _per_sample_backward(ctx, gy):
