@@ -28,7 +28,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``edgetl`` parser; ``only`` (a name in COMMANDS) registers just that stage, so
+    a command imports its own module and not every stage's (torch-pruning, onnx, ...)."""
     parser = OneLineParser(
         prog="edgetl",
         description="Fine-tune a pretrained vision model on an NVIDIA Jetson inside a hard memory budget.",
@@ -36,9 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgetl {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for name in COMMANDS:
+    for name in (only,) if only in COMMANDS else COMMANDS:
         importlib.import_module(f"edgetl.cli.{name}").add_parser(sub)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The stage named on the command line: its first argument that is not an option
+    (the global options take no value), if it names a stage."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS else None
 
 
 def fail(message: str) -> int:
@@ -48,7 +57,8 @@ def fail(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=_command_of(argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
