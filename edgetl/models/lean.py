@@ -96,14 +96,8 @@ def _fold_bits_(flat: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_mask(packed: torch.Tensor, shape) -> torch.Tensor:
-    """Inverse of ``pack_mask``: the packed bytes and the original shape in, a bool tensor out.
-
-    One byte-per-element buffer: the bits are shifted down and masked in place, then the
-    0/1 bytes are reinterpreted as bool.
-    """
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = torch.bitwise_right_shift(packed.unsqueeze(1), shifts).bitwise_and_(1)
-    return bits.view(torch.bool).reshape(-1)[: _numel(shape)].reshape(shape)
+    """Inverse of ``pack_mask``: the packed bytes and the original shape in, a bool tensor out."""
+    return unpack_as(packed, shape, unpack_table(torch.bool, packed.device))
 
 
 def unpack_table(dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
