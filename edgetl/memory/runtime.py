@@ -656,6 +656,7 @@ def fit_whole_batch_backward(net: EdgeNet, *, resolution: int, batch_size: int,
             shape = tuple(int(d) for d in args["out_shape"])
             if mask_backward_per_sample(module, args["input_requires_grad"], shape):
                 candidates.setdefault((module, shape), []).append(i)
+
     def within_peak(i: int) -> bool:  # with the module's current whole_batch_shapes
         module, args = res.layer_args[i]
         moment, per_sample_temp = res.backward_moments[i]
