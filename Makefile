@@ -38,3 +38,15 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The CUDA check (issue #15). Here: `make gpu-wheels` downloads the torch-pruning wheel into
+# .whl/ for a device call to carry; `make gpu-check DEVICE=cpu` runs the same driver at tiny
+# scale. On a GPU machine: `bash scripts/gpu_check.sh --device cuda --out DIR` (README, CUDA).
+DEVICE ?= cpu
+GPU_OUT ?= gpu-results
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	bash scripts/gpu_wheels.sh
+
+gpu-check: setup
+	PYTHON=$(PY) bash scripts/gpu_check.sh --device $(DEVICE) --out $(GPU_OUT) $(if $(filter cpu,$(DEVICE)),--quick,)

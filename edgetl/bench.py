@@ -7,6 +7,10 @@ Liu et al. ("An Evaluation of Memory Optimization Methods", shared/papers/003): 
 methods are compared at the same batch size in the same process, and steps are
 interleaved round-robin (one step of each method per round) so machine noise hits all
 methods alike; the reported figure is the median step time after warm-up.
+
+On CUDA the measured column is the caching allocator's allocated peak, and a reserved
+column (what the device loses, DESIGN 2d) stands beside it; the storage meter's tensor
+peak over the same steps is kept in the result too (``tensor_bytes``).
 """
 
 from __future__ import annotations
@@ -122,6 +126,8 @@ class BenchRow:
     memory_ratio: float | None = None  # measured / reference measured
     throughput_ratio: float | None = None  # images/s / reference images/s
     note: str = ""
+    reserved_bytes: int | None = None  # CUDA: max_memory_reserved over the measured steps
+    tensor_bytes: int | None = None  # CUDA: live tensor peak (storage meter) over the same steps
 
 
 @dataclass
@@ -355,7 +361,7 @@ def bench(
         seed: seeds the random batches.
         command: the command line that made this result, stored with it.
     """
-    from edgetl.memory.meter import measure_training_peak
+    from edgetl.memory.meter import measure_training_memory
     from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
     from edgetl.profile import check_options, paper_report
 
@@ -398,9 +404,12 @@ def bench(
 
         log.info("%s: accounting", name)
 
-        def measured(b: int, build=build) -> int:
-            return measure_training_peak(build(device, b), resolution=resolution, batch_size=b,
-                                         steps=measure_steps, lr=lr, seed=seed)
+        def measure(b: int, build=build):
+            return measure_training_memory(build(device, b), resolution=resolution, batch_size=b,
+                                           steps=measure_steps, lr=lr, seed=seed)
+
+        def measured(b: int) -> int:
+            return measure(b).peak_bytes
 
         if method.checkpoint:
             # Neither accounting models recomputation: the paper walk and the runtime
@@ -421,7 +430,8 @@ def bench(
             runtime_bytes = accounted(batch_size)
             note = plan_note
         log.info("%s: measuring the peak", name)
-        measured_bytes = measured(batch_size)
+        at_size = measure(batch_size)
+        measured_bytes = at_size.peak_bytes
         log.info("%s: largest batch in %.1f MB", name, budget_bytes / MB)
         if method.checkpoint:
             source, total_fn, at_batch = "measured", measured, measured_bytes
@@ -450,6 +460,8 @@ def bench(
             largest_batch=largest, largest_batch_source=source,
             largest_batch_bytes=seen.get(largest), next_batch_bytes=seen.get(largest + 1),
             largest_batch_measured_bytes=verify, note=note,
+            reserved_bytes=at_size.reserved_bytes,
+            tensor_bytes=at_size.tensor_bytes if at_size.allocated_bytes is not None else None,
         ))
     log.info("throughput: %d warm-up + %d rounds of %d methods", warmup, steps, len(trainers))
     times = interleaved_step_times(trainers, steps=steps, warmup=warmup)
@@ -482,15 +494,26 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def has_reserved(result: BenchResult) -> bool:
+    """Whether the result comes from a CUDA device (allocated and reserved columns)."""
+    return any(r.reserved_bytes is not None for r in result.rows)
+
+
 def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
-    """Headers and formatted cells (MB = 10^6 B) shared by the terminal and markdown tables."""
-    headers = ["method", "trainable params", "paper MB", "runtime MB", "measured MB", "memory vs Rep-Net",
+    """Headers and formatted cells (MB = 10^6 B) shared by the terminal and markdown tables.
+
+    On CUDA "measured" is split into the allocator's allocated and reserved peaks.
+    """
+    cuda = has_reserved(result)
+    measured = ["allocated MB", "reserved MB"] if cuda else ["measured MB"]
+    headers = ["method", "trainable params", "paper MB", "runtime MB", *measured, "memory vs Rep-Net",
                "images/s", "speed vs Rep-Net", f"largest batch in {result.budget_bytes / MB:g} MB"]
     rows = []
     for r in result.rows:
         batch = str(r.largest_batch) + (" (measured)" if r.largest_batch_source == "measured" else "")
+        cells = [_mb(r.measured_bytes), _mb(r.reserved_bytes)] if cuda else [_mb(r.measured_bytes)]
         rows.append([r.label, f"{r.trainable_params:,}", _mb(r.paper_bytes), _mb(r.runtime_bytes),
-                     _mb(r.measured_bytes), _ratio(r.memory_ratio), f"{r.images_per_s:.1f}",
+                     *cells, _ratio(r.memory_ratio), f"{r.images_per_s:.1f}",
                      _ratio(r.throughput_ratio), batch])
     return headers, rows
 
@@ -500,6 +523,13 @@ def caption(result: BenchResult) -> str:
             f"{result.num_classes} classes, Adam, {result.device} ({result.threads} thread"
             f"{'s' if result.threads != 1 else ''}, torch {result.torch_version}); throughput: median of "
             f"{result.steps} interleaved steps after {result.warmup} warm-up; MB = 10^6 bytes")
+
+
+def _measured_text(result: BenchResult) -> str:
+    if has_reserved(result):
+        return ("Allocated / reserved: the CUDA caching allocator's max_memory_allocated / "
+                "max_memory_reserved over real training steps (the CUDA context excluded).")
+    return "Measured: peak live tensor bytes over real training steps."
 
 
 def to_markdown(result: BenchResult) -> str:
@@ -512,8 +542,8 @@ def to_markdown(result: BenchResult) -> str:
     lines.append(caption(result) + ".")
     lines.append("Paper accounting: the TinyTL/Rep-Net profiler (4 B activations, 8-bit frozen weights, "
                  "stock modules: it models neither pooling, bf16 nor the lean layers). Runtime accounting: "
-                 "edgetl's model of what its runtime holds. Measured: peak live tensor bytes over real "
-                 "training steps. Largest batch by runtime accounting (\"measured\": by the meter).")
+                 "edgetl's model of what its runtime holds. " + _measured_text(result)
+                 + " Largest batch by runtime accounting (\"measured\": by the meter).")
     notes = [f"{r.label}: {r.note}" for r in result.rows if r.note]
     if notes:
         lines.append("Notes: " + "; ".join(notes) + ".")
@@ -536,11 +566,16 @@ def plot_bench(result: BenchResult, path: str | Path) -> None:
     idx = list(range(len(rows)))
     labels = [r.label.replace(", ", ",\n").replace(" + ", "\n+ ") for r in rows]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5.5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
-    ax.bar(idx, [r.measured_bytes / MB for r in rows], color="#337ab7", label="measured peak")
+    ax.bar(idx, [r.measured_bytes / MB for r in rows], color="#337ab7",
+           label="allocated peak (CUDA)" if has_reserved(result) else "measured peak")
     pi = [i for i, r in enumerate(rows) if r.paper_bytes is not None]
     ri = [i for i, r in enumerate(rows) if r.runtime_bytes is not None]
     ax.plot(pi, [rows[i].paper_bytes / MB for i in pi], "o", color="#d9534f", label="paper accounting")
     ax.plot(ri, [rows[i].runtime_bytes / MB for i in ri], "x", color="k", ms=9, label="runtime accounting")
+    si = [i for i, r in enumerate(rows) if r.reserved_bytes is not None]
+    if si:
+        ax.plot(si, [rows[i].reserved_bytes / MB for i in si], "_", color="#f0ad4e", ms=22, mew=3,
+                label="CUDA reserved")
     for i, r in enumerate(rows):
         ax.annotate(f"{r.measured_bytes / MB:.0f}", (i, r.measured_bytes / MB), ha="center",
                     xytext=(0, 3), textcoords="offset points", fontsize=8)

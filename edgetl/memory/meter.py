@@ -8,13 +8,21 @@ nothing extra. Tensors that exist before the meter starts (params, buffers, the 
 batch) are registered explicitly. The peak is sampled after every op, when the op's
 inputs and outputs are both alive; allocations internal to one kernel (scratch space
 that never becomes a tensor) are not seen, by definition of "live tensor storage".
-On CUDA, the caching allocator's ``max_memory_allocated`` is used instead.
+
+On CUDA (DESIGN 2d) the device loses more than live tensor bytes: ``measure_training_memory``
+reports the caching allocator's ``max_memory_allocated`` (blocks rounded to 512 B, library
+workspaces) and ``max_memory_reserved`` (whole segments, cached free blocks) beside the
+storage meter's tensor peak, run over the same steps; ``measure_training_peak`` returns the
+allocated peak there. With ``record_trace`` the meter also keeps the order of allocations
+and frees, which ``edgetl.memory.cuda.replay_trace`` turns into the allocator's figures.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +45,15 @@ class StorageMeter(TorchDispatchMode):
     are updated after every op; ``reset_peak`` restarts the peak at the current value.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, record_trace: bool = False) -> None:
         super().__init__()
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._finalizers: dict[int, weakref.finalize] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
+        # ("alloc", key, nbytes) / ("free", key) / ("op", aten op name) / ("reset",), in order;
+        # a key is unique for the life of its storage (ids are reused only after a free)
+        self.trace: list[tuple] | None = [] if record_trace else None
 
     def register(self, *tensors) -> None:
         """Count the storage of every tensor in ``tensors`` (nested containers allowed)."""
@@ -63,6 +74,8 @@ class StorageMeter(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
+        if self.trace is not None:
+            self.trace.append(("reset",))
 
     @property
     def live_storages(self) -> int:
@@ -79,11 +92,17 @@ class StorageMeter(TorchDispatchMode):
             self._sizes[key] = nbytes
             self.current_bytes += nbytes
             self._finalizers[key] = weakref.finalize(storage, self._release, key)
+            if self.trace is not None:
+                self.trace.append(("alloc", key, nbytes))
         elif old != nbytes:  # resized in place (out= ops, resize_)
             self._sizes[key] = nbytes
             self.current_bytes += nbytes - old
+            if self.trace is not None:
+                self.trace += [("free", key), ("alloc", key, nbytes)]
 
     def _release(self, key: int) -> None:
+        if key in self._sizes and self.trace is not None:
+            self.trace.append(("free", key))
         self.current_bytes -= self._sizes.pop(key, 0)
         self._finalizers.pop(key, None)
 
@@ -99,6 +118,8 @@ class StorageMeter(TorchDispatchMode):
                     self._track(t)
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
+        if self.trace is not None:
+            self.trace.append(("op", func._schema.name.split("::")[-1]))
         return out
 
     def close(self) -> None:
@@ -127,7 +148,37 @@ def _training_steps(net, opt, image, labels, steps: int) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def measure_training_peak(
+@dataclass
+class MeasuredMemory:
+    """Peaks over real training steps (bytes). CUDA fields are None on other devices.
+
+    Attributes:
+        device: where the steps ran.
+        tensor_bytes: peak of live tensor storage (the storage meter; DESIGN 2c), any device.
+        allocated_bytes: CUDA: ``max_memory_allocated`` over the steps less ``other_bytes``
+            (rounded blocks, unsplit large blocks, cuBLAS/cuDNN workspaces included).
+        reserved_bytes: CUDA: ``max_memory_reserved`` over the steps (what the device loses,
+            the CUDA context aside); it includes segments shared with ``other_bytes``.
+        other_bytes: CUDA: allocated bytes live before the steps that are neither the
+            network's nor the batch's (other tensors of this process), left out of
+            ``allocated_bytes``.
+        trace: the storage trace when asked for (``StorageMeter.trace``).
+    """
+
+    device: str
+    tensor_bytes: int
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    other_bytes: int = 0
+    trace: list[tuple] | None = field(default=None, repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the device loses to tensors: the allocated peak on CUDA, the tensor peak elsewhere."""
+        return self.allocated_bytes if self.allocated_bytes is not None else self.tensor_bytes
+
+
+def measure_training_memory(
     net: nn.Module,
     *,
     resolution: int,
@@ -137,8 +188,9 @@ def measure_training_peak(
     lr: float = 1e-3,
     device: torch.device | str | None = None,
     seed: int = 0,
-) -> int:
-    """Peak live bytes over ``steps`` real training steps of ``net``.
+    record_trace: bool = False,
+) -> MeasuredMemory:
+    """Peak memory over ``steps`` real training steps of ``net``: tensors, and on CUDA the allocator.
 
     Each step: forward on a random batch, cross-entropy on random labels, backward,
     optimizer step, ``zero_grad(set_to_none=True)``. Everything is included: params,
@@ -146,6 +198,10 @@ def measure_training_peak(
     temporaries. Only parameters with ``requires_grad`` go into the optimizer. The
     network is put in train mode and its weights change. The batch is built in
     ``net.input_dtype`` when the network has one (lean bf16/fp16 runtime), else fp32.
+
+    On CUDA the cuBLAS workspaces and the allocator's unused cached segments are released
+    first, so the figures do not depend on what ran before in the process; the storage
+    meter runs over the same steps.
 
     Args:
         net: an EdgeNet (or any image classifier) with trainability already set.
@@ -156,6 +212,7 @@ def measure_training_peak(
         lr: learning rate.
         device: where to run; default: the device of ``net``'s parameters.
         seed: seeds the random batch and labels.
+        record_trace: keep the storage trace (for ``edgetl.memory.cuda.replay_trace``).
     """
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
@@ -176,23 +233,54 @@ def measure_training_peak(
     for p in trainable:
         p.grad = None
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        _training_steps(net, opt, image, labels, steps)
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-
-    meter = StorageMeter()
+    meter = StorageMeter(record_trace=record_trace)
     meter.register_module(net)
     meter.register(image, labels)
+    cuda = device.type == "cuda"
+    other = 0
+    if cuda:
+        other = _prepare_cuda(device, net, image, labels)
     try:
         with meter:
             _training_steps(net, opt, image, labels, steps)
     finally:
         meter.close()
-    log.debug("measured peak %d bytes over %d steps", meter.peak_bytes, steps)
-    return meter.peak_bytes
+    result = MeasuredMemory(str(device), meter.peak_bytes, other_bytes=other, trace=meter.trace)
+    if cuda:
+        torch.cuda.synchronize(device)
+        result.allocated_bytes = int(torch.cuda.max_memory_allocated(device)) - other
+        result.reserved_bytes = int(torch.cuda.max_memory_reserved(device))
+    log.debug("measured %s over %d steps", result, steps)
+    return result
+
+
+def _prepare_cuda(device: torch.device, net: nn.Module, *tensors: torch.Tensor) -> int:
+    """Release what earlier work left cached, reset the peaks; returns the foreign allocated bytes."""
+    from edgetl.memory.cuda import round_block
+
+    gc.collect()
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:  # a workspace kept from earlier work would hide the one these steps need
+        clear()
+    torch.cuda.empty_cache()
+    storages: dict[int, int] = {}
+    for t in [*net.parameters(), *net.buffers(), *tensors]:
+        if t.device == device and t.layout == torch.strided:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    ours = sum(round_block(n) for n in storages.values())
+    torch.cuda.reset_peak_memory_stats(device)
+    return max(0, int(torch.cuda.memory_allocated(device)) - ours)
+
+
+def measure_training_peak(net: nn.Module, **kwargs) -> int:
+    """Peak bytes over real training steps: ``measure_training_memory(...).peak_bytes``.
+
+    Live tensor storage on CPU/meta; on CUDA the allocator's allocated peak (the reserved
+    peak is in ``measure_training_memory``).
+    """
+    return measure_training_memory(net, **kwargs).peak_bytes
 
 
 def _num_classes(net: nn.Module) -> int:

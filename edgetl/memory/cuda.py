@@ -1,0 +1,361 @@
+"""CUDA memory terms (DESIGN 2d): tensor sizes or an alloc/free trace in, what PyTorch's caching allocator reports out.
+
+Pure functions and a small model of ``c10/cuda/CUDACachingAllocator.cpp`` (its constants
+and its default policy: best fit, split, merge on free, segments never given back):
+
+* every block is rounded up to 512 B (``kMinBlockSize``); ``max_memory_allocated`` counts
+  the rounded block, and a large-pool block that is not split (the rest would be 1 MiB or
+  less) counts whole;
+* blocks up to 1 MiB come from the small pool, carved out of 2 MiB segments; larger ones
+  from the large pool: a request under 10 MiB opens a 20 MiB segment, a larger one a
+  segment rounded up to 2 MiB; freed blocks stay cached, so ``max_memory_reserved`` (what
+  the device loses) is the high-water mark of segments, fragmentation included;
+* with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` each pool is one segment that
+  grows by pages (2 MiB small, 20 MiB large), any block may be split, and reserved memory
+  is the mapped pages.
+
+How edgetl answers for ``device=cuda`` (issue #15):
+
+* allocation rounding and the allocator's packing are *replayed*: a training step's
+  storage trace (``edgetl.memory.meter.measure_training_memory(record_trace=True)``, one
+  real step on the CPU or on the device) is fed to :class:`CachingAllocatorModel`, which
+  gives the allocated and reserved peaks the device would report. ``reserved / allocated``
+  of that replay is the *measured allocator slack* a CUDA plan uses in place of an assumed
+  percentage (``allocator_slack``).
+* cuBLAS keeps one workspace per handle and stream through the same allocator, from the
+  first matrix product on, for the life of the process: 32 MiB on sm90 (H100/H200),
+  8 MiB + 128 KiB elsewhere (the Jetson Orin's sm87), or what ``CUBLAS_WORKSPACE_CONFIG``
+  says; cuBLASLt shares it by default (``cublas_workspace_bytes``). The replay inserts it at
+  the trace's first matrix product.
+* cuDNN convolution workspaces (the lean runtime's ``conv2d_input``/``conv2d_weight`` go
+  through cuDNN too) depend on the algorithm cuDNN's heuristics pick per shape, GPU and
+  cuDNN version: edgetl does not guess them. They are *measured* on the device: the CUDA
+  meter reports the allocated peak beside the replay of the same step's trace, and the
+  difference (``CudaMemory.unexplained_bytes``) is what the libraries took inside kernels;
+  a caller may pass measured per-step figures back as ``conv_workspace_bytes``.
+* ``expandable_segments:True`` is recommended, not set: a library never changes the
+  environment (STYLE), and the setting must be made before CUDA initialises. The GPU
+  check (scripts/gpu_check.py) measures both ways.
+
+The CUDA context (about 300 MB on a Jetson) is outside all of this (``edgetl doctor``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+MIN_BLOCK = 512  # kMinBlockSize: every block is a multiple of this
+SMALL_SIZE = 1 << 20  # kSmallSize: the largest small-pool block (1 MiB)
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment (2 MiB)
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: below this a large request opens a LARGE_BUFFER
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: 20 MiB segment for requests of 1-10 MiB
+ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments are rounded up to 2 MiB
+# expandable segments map physical memory in pages of these sizes per pool
+SMALL_PAGE = SMALL_BUFFER
+LARGE_PAGE = LARGE_BUFFER
+# cuBLAS workspace defaults (aten/src/ATen/cuda/CublasHandlePool.cpp)
+CUBLAS_WORKSPACE_SM90 = 4096 * 1024 * 8
+CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
+MATMUL_OPS = frozenset({"addmm", "mm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation",
+                        "addmv", "mv", "dot"})
+
+
+def round_block(nbytes: int) -> int:
+    """The block the allocator hands out for a request of ``nbytes`` (0 B allocates nothing)."""
+    if nbytes < 0:
+        raise ValueError(f"negative size {nbytes}")
+    if nbytes == 0:
+        return 0
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+def is_small(block_bytes: int) -> bool:
+    """Whether a (rounded) block comes from the small pool."""
+    return block_bytes <= SMALL_SIZE
+
+
+def segment_bytes(block_bytes: int) -> int:
+    """Size of the segment (one cudaMalloc) opened when no cached block fits ``block_bytes``."""
+    if block_bytes <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if block_bytes < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-block_bytes // ROUND_LARGE) * ROUND_LARGE
+
+
+def should_split(free_bytes: int, block_bytes: int, *, expandable: bool = False) -> bool:
+    """Whether a free block of ``free_bytes`` is split to serve ``block_bytes``.
+
+    Small pool (and any pool with expandable segments): when at least 512 B remain. Large
+    pool: only when more than 1 MiB remains, else the whole block is handed out (and counted
+    as allocated).
+    """
+    remaining = free_bytes - block_bytes
+    if is_small(block_bytes) or expandable:
+        return remaining >= MIN_BLOCK
+    return remaining > SMALL_SIZE
+
+
+def rounding_bytes(sizes: Iterable[int]) -> int:
+    """Bytes the 512-B rounding adds to tensors of these sizes, if all were live at once."""
+    return sum(round_block(s) - s for s in sizes)
+
+
+def cublas_workspace_bytes(capability: tuple[int, int], env: dict[str, str] | None = None) -> int:
+    """The cuBLAS workspace one handle and stream keep for the life of the process.
+
+    Args:
+        capability: the GPU's compute capability, e.g. (8, 7) for Jetson Orin, (9, 0) for H100.
+        env: environment to read ``CUBLAS_WORKSPACE_CONFIG`` from (default ``os.environ``);
+            ``:SIZE_KiB:COUNT`` pairs, summed.
+    """
+    env = os.environ if env is None else env
+    default = CUBLAS_WORKSPACE_SM90 if tuple(capability) == (9, 0) else CUBLAS_WORKSPACE_DEFAULT
+    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if not config:
+        return default
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if not pairs:
+        return default
+    return sum(int(size) * 1024 * int(count) for size, count in pairs)
+
+
+def expandable_segments_enabled(env: dict[str, str] | None = None) -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) turns expandable segments on."""
+    env = os.environ if env is None else env
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False
+
+
+# ----------------------------------------------------------------------------- the allocator model
+
+
+@dataclass(eq=False)
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    small: bool
+    free: bool = True
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+    def key(self) -> tuple[int, int, int]:  # best fit: smallest size, then lowest address
+        return (self.size, self.segment, self.offset)
+
+
+@dataclass
+class AllocatorPeaks:
+    """What the allocator's statistics would say after a replay (bytes)."""
+
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    requested_peak_bytes: int  # sum of the sizes asked for (no rounding), at its own peak
+    segments: int
+    expandable: bool
+
+    @property
+    def slack(self) -> float:
+        """reserved / allocated: the allocator slack a plan applies on CUDA."""
+        return self.reserved_peak_bytes / self.allocated_peak_bytes if self.allocated_peak_bytes else 1.0
+
+
+class CachingAllocatorModel:
+    """One device, one stream: PyTorch's caching allocator with its default settings.
+
+    ``malloc(key, nbytes)`` and ``free(key)``; ``allocated``/``reserved`` and their peaks
+    follow the allocator's ``allocated_bytes``/``reserved_bytes`` statistics. Segment
+    addresses are unknown: ties in best fit go to the older segment, then the lower offset.
+    Not modelled: ``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection
+    thresholds, several streams, giving segments back (``empty_cache``, or on OOM).
+    """
+
+    def __init__(self, *, expandable: bool = False) -> None:
+        self.expandable = expandable
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # per pool, sorted keys
+        self._by_key: dict[tuple[int, int, int], _Block] = {}
+        self._live: dict[object, tuple[_Block | None, int]] = {}  # key -> (block, requested bytes)
+        self._segments: list[int] = []  # bytes per segment (expandable: mapped bytes)
+        self._pool_segment: dict[bool, int] = {}  # expandable: pool -> its one segment
+        self._tail: dict[int, _Block] = {}  # expandable: segment -> its last block
+        self.allocated = self.reserved = self.requested = 0
+        self.allocated_peak = self.reserved_peak = self.requested_peak = 0
+
+    def _insert(self, b: _Block) -> None:
+        k = b.key()
+        bisect.insort(self._free[b.small], k)
+        self._by_key[k] = b
+
+    def _remove(self, b: _Block) -> None:
+        k = b.key()
+        lst = self._free[b.small]
+        del lst[bisect.bisect_left(lst, k)]
+        del self._by_key[k]
+
+    def _new_segment(self, size: int, small: bool) -> _Block:
+        self._segments.append(size)
+        self.reserved += size
+        return _Block(len(self._segments) - 1, 0, size, small)
+
+    def _expand(self, small: bool, size: int) -> _Block:
+        """Expandable segments: map pages at the pool segment's end until a free block of ``size`` ends it."""
+        page = SMALL_PAGE if small else LARGE_PAGE
+        seg = self._pool_segment.get(small)
+        if seg is None:
+            self._segments.append(0)
+            seg = self._pool_segment[small] = len(self._segments) - 1
+        tail = self._tail.get(seg)
+        have = tail.size if tail is not None and tail.free else 0
+        grow = -(-(size - have) // page) * page
+        self._segments[seg] += grow
+        self.reserved += grow
+        if tail is not None and tail.free:
+            self._remove(tail)
+            tail.size += grow
+            return tail
+        b = _Block(seg, 0 if tail is None else tail.offset + tail.size, grow, small, prev=tail)
+        if tail is not None:
+            tail.next = b
+        self._tail[seg] = b
+        return b
+
+    def malloc(self, key: object, nbytes: int) -> None:
+        if key in self._live:
+            raise ValueError(f"{key!r} allocated twice")
+        size = round_block(nbytes)
+        if size == 0:
+            self._live[key] = (None, 0)
+            return
+        small = is_small(size)
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (size, -1, -1))
+        if i < len(lst):
+            block = self._by_key[lst[i]]
+            self._remove(block)
+        elif self.expandable:
+            block = self._expand(small, size)
+        else:
+            block = self._new_segment(segment_bytes(size), small)
+        if should_split(block.size, size, expandable=self.expandable):
+            rest = _Block(block.segment, block.offset + size, block.size - size, small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            if self._tail.get(block.segment) is block:
+                self._tail[block.segment] = rest
+            block.next = rest
+            block.size = size
+            self._insert(rest)
+        block.free = False
+        self._live[key] = (block, nbytes)
+        self.allocated += block.size
+        self.requested += nbytes
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.requested_peak = max(self.requested_peak, self.requested)
+
+    def free(self, key: object) -> None:
+        block, nbytes = self._live.pop(key)
+        if block is None:
+            return
+        self.allocated -= block.size
+        self.requested -= nbytes
+        block.free = True
+        prev, nxt = block.prev, block.next
+        if nxt is not None and nxt.free:  # merge with free neighbours of the same segment
+            self._remove(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+            if self._tail.get(block.segment) is nxt:
+                self._tail[block.segment] = block
+        if prev is not None and prev.free:
+            self._remove(prev)
+            prev.size += block.size
+            prev.next = block.next
+            if block.next is not None:
+                block.next.prev = prev
+            if self._tail.get(block.segment) is block:
+                self._tail[block.segment] = prev
+            block = prev
+        self._insert(block)
+
+    @property
+    def live_blocks(self) -> int:
+        return sum(1 for b, _ in self._live.values() if b is not None)
+
+    def reset_peaks(self) -> None:
+        """As ``torch.cuda.reset_peak_memory_stats``: peaks restart at the current values."""
+        self.allocated_peak, self.reserved_peak, self.requested_peak = self.allocated, self.reserved, self.requested
+
+    def peaks(self) -> AllocatorPeaks:
+        return AllocatorPeaks(self.allocated_peak, self.reserved_peak, self.requested_peak,
+                              len(self._segments), self.expandable)
+
+
+@dataclass
+class TraceReplay:
+    """A storage trace replayed through the allocator model, with the library workspaces added."""
+
+    peaks: AllocatorPeaks
+    tensor_peak_bytes: int  # the trace's own peak of live storage bytes (no rounding)
+    cublas_workspace_bytes: int  # inserted at the first matrix product (0 if none ran)
+    conv_workspace_bytes: int  # per convolution, as given (measured on a device), else 0
+    notes: list[str] = field(default_factory=list)
+
+
+def replay_trace(events: Iterable[tuple], *, expandable: bool = False, cublas_workspace: int = 0,
+                 conv_workspace_bytes: int = 0) -> TraceReplay:
+    """Feed a storage trace to :class:`CachingAllocatorModel`.
+
+    Args:
+        events: ``("alloc", key, nbytes)``, ``("free", key)``, ``("op", name)`` (an aten op
+            ran; a matrix product's first occurrence allocates the cuBLAS workspace, every
+            convolution holds ``conv_workspace_bytes`` just after its outputs exist) and
+            ``("reset",)`` (peaks restart, as after ``reset_peak_memory_stats``), in order.
+        expandable: model ``expandable_segments:True``.
+        cublas_workspace: bytes of the cuBLAS workspace (``cublas_workspace_bytes``).
+        conv_workspace_bytes: one convolution's workspace (a measured figure; 0 = unmodelled).
+    """
+    model = CachingAllocatorModel(expandable=expandable)
+    live = peak = 0
+    sizes: dict[object, int] = {}
+    workspace_done = False
+    n_conv = 0
+    for ev in events:
+        kind = ev[0]
+        if kind == "alloc":
+            _, key, nbytes = ev
+            model.malloc(key, nbytes)
+            sizes[key] = nbytes
+            live += nbytes
+            peak = max(peak, live)
+        elif kind == "free":
+            model.free(ev[1])
+            live -= sizes.pop(ev[1])
+        elif kind == "op":
+            name = ev[1]
+            if name in MATMUL_OPS and cublas_workspace and not workspace_done:
+                model.malloc(("cublas", "workspace"), cublas_workspace)
+                workspace_done = True
+            if conv_workspace_bytes and name.startswith("convolution"):
+                n_conv += 1
+                model.malloc(("conv", "workspace", n_conv), conv_workspace_bytes)
+                model.free(("conv", "workspace", n_conv))
+        elif kind == "reset":
+            model.reset_peaks()
+            peak = live
+        else:
+            raise ValueError(f"unknown trace event {ev!r}")
+    notes = []
+    if cublas_workspace and not workspace_done:
+        notes.append("no matrix product in the trace: no cuBLAS workspace")
+    return TraceReplay(model.peaks(), peak, cublas_workspace if workspace_done else 0, conv_workspace_bytes, notes)

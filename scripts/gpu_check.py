@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""The GPU check (issue #15): a device in, one folder of results out (CUDA tests, bench, facts).
+
+One command for a bare GPU machine (no virtual environment, no network): it runs the
+tests marked ``cuda`` and ``edgetl bench`` (stock Rep-Net, lean Rep-Net, the paper's
+configuration, the streamed rows where edgetl has them; allocated and reserved peaks,
+images/s, largest batch in the budget), on CUDA once more with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, and writes into ``--out``:
+
+    summary.json        device and library facts, each part's exit code, time and test counts
+    pytest.log          the test run's output (failures in full)
+    bench.json / .csv / .png / .md    the bench result (the .md is the README table)
+    bench-expandable.json             CUDA only: the same bench with expandable segments
+
+Seven files at most, so a device call brings every one back. ``--device cpu`` with
+``--quick`` runs the same code here in seconds (``tests/test_gpu_check.py``), so the
+check cannot rot between GPU sessions. ``scripts/gpu_check.sh`` installs the carried
+torch-pruning wheel and sets PYTHONPATH first. Exit code: 0 when every part passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# stock vs lean vs the paper's configuration (pruned 0.3/0.78/0.46/0.46, k=2), and its half version
+BENCH_METHODS = ["repnet-stock", "repnet-lean", "repnet-pruned-pool2", "repnet-pruned-pool2-bf16-int8"]
+FULL = {"resolution": 224, "width": 1.0, "budget": "256MB", "steps": 20, "warmup": 3, "verify_images": 64}
+QUICK = {"resolution": 64, "width": 0.35, "budget": "24MB", "steps": 1, "warmup": 0, "verify_images": 0}
+
+
+def bench_methods() -> list[str]:
+    """The bench rows: the fixed ones, then every streamed method edgetl defines."""
+    from edgetl.bench import METHODS
+
+    return [m for m in BENCH_METHODS if m in METHODS] + [m for m in METHODS if "stream" in m
+                                                         and m not in BENCH_METHODS]
+
+
+def facts(device: str) -> dict:
+    """Versions and the device, as this process sees them."""
+    import torch
+
+    info = {
+        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "device": device, "cuda_available": torch.cuda.is_available(), "threads": torch.get_num_threads(),
+        "env": {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG", "PYTHONPATH")},
+    }
+    for mod in ("torchvision", "torch_pruning", "onnx", "onnxruntime", "yaml", "matplotlib", "numpy"):
+        try:
+            info[mod] = getattr(__import__(mod), "__version__", "?")
+        except ImportError as exc:
+            info[mod] = f"missing: {exc}"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.device(device))
+        info["gpu"] = {"name": p.name, "capability": [p.major, p.minor], "memory_bytes": p.total_memory,
+                       "multiprocessors": p.multi_processor_count,
+                       "integrated": bool(getattr(p, "is_integrated", False))}
+    return info
+
+
+def run_part(name: str, argv: list[str], *, log_path: Path | None, timeout_s: float,
+             env: dict[str, str] | None = None) -> dict:
+    """Run one part in a child process (a crash or hang there cannot take the summary down)."""
+    start = time.perf_counter()
+    print(f"== {name}: {' '.join(argv)}", flush=True)
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, **(env or {})})
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        rc, out = 124, text(exc.stdout) + text(exc.stderr) + f"\n{name}: timed out after {timeout_s:.0f} s\n"
+    seconds = round(time.perf_counter() - start, 1)
+    if log_path is not None:
+        log_path.write_text(out)
+    tail = out[-3000:]
+    print(tail, flush=True)
+    return {"argv": argv, "rc": rc, "seconds": seconds, "tail": tail[-1500:]}
+
+
+def junit_counts(path: Path) -> dict:
+    """Tests, failures, errors, skips (with reasons) from a pytest junit XML file."""
+    if not path.exists():
+        return {"error": "no junit file"}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    reasons: dict[str, int] = {}
+    failed = []
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        for child in case:
+            if child.tag == "skipped":
+                reason = child.get("message", "")
+                reasons[reason] = reasons.get(reason, 0) + 1
+            elif child.tag in ("failure", "error"):
+                failed.append({"test": name, "message": (child.get("message") or "")[:500]})
+    counts["skip_reasons"] = reasons
+    counts["failed"] = failed
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    ap.add_argument("--out", required=True, help="results folder (created)")
+    ap.add_argument("--quick", action="store_true", help="tiny bench: width 0.35, 64 px, one timed round")
+    ap.add_argument("--tests", default="tests", help="pytest paths for the cuda-marked tests (space-separated)")
+    ap.add_argument("--no-tests", action="store_true", help="skip the test run")
+    ap.add_argument("--no-bench", action="store_true", help="skip the bench")
+    ap.add_argument("--test-timeout", type=float, default=300, help="seconds for the test run")
+    ap.add_argument("--bench-timeout", type=float, default=150, help="seconds for each bench run")
+    ap.add_argument("--deadline", type=float, default=540,
+                    help="seconds for everything (a device command is killed at 600): later parts get what is left")
+    args = ap.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+    started = time.perf_counter()
+    summary: dict = {"command": [sys.executable, *sys.argv], "facts": facts(args.device), "parts": {}}
+    cuda = args.device.startswith("cuda")
+    if cuda and not summary["facts"]["cuda_available"]:
+        summary["error"] = "--device cuda but torch sees no CUDA device"
+    py = sys.executable
+
+    def budget(own: float) -> float:  # what a part may take, so summary.json is always written
+        return max(5.0, min(own, args.deadline - (time.perf_counter() - started)))
+
+    if not args.no_tests:
+        junit = out / "junit.xml"
+        part = run_part("tests", [py, "-m", "pytest", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
+                                  f"--junitxml={junit}", *args.tests.split()],
+                        log_path=out / "pytest.log", timeout_s=budget(args.test_timeout))
+        part["counts"] = junit_counts(junit)
+        junit.unlink(missing_ok=True)  # its figures are in summary.json: fewer files to bring back
+        summary["parts"]["tests"] = part
+
+    if not args.no_bench:
+        scale = QUICK if args.quick else FULL
+        methods = ",".join(bench_methods())
+        common = [py, "-m", "edgetl", "bench", "--device", args.device, "--methods", methods,
+                  "--resolution", str(scale["resolution"]), "--width", str(scale["width"]),
+                  "--budget", scale["budget"], "--steps", str(scale["steps"]), "--warmup", str(scale["warmup"]),
+                  "--verify-images", str(scale["verify_images"])]
+        files = ["--json", str(out / "bench.json"), "--csv", str(out / "bench.csv"), "--plot", str(out / "bench.png")]
+        part = run_part("bench", common + files, log_path=None, timeout_s=budget(args.bench_timeout))
+        if part["rc"] == 0:
+            md = subprocess.run([py, "-m", "edgetl", "bench", "--from", str(out / "bench.json"), "--markdown"],
+                                cwd=ROOT, capture_output=True, text=True)
+            (out / "bench.md").write_text(md.stdout + md.stderr)
+        summary["parts"]["bench"] = part
+        if cuda:
+            summary["parts"]["bench-expandable"] = run_part(
+                "bench with expandable segments", common + ["--json", str(out / "bench-expandable.json")],
+                log_path=None, timeout_s=budget(args.bench_timeout),
+                env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    ok = "error" not in summary and all(p["rc"] == 0 for p in summary["parts"].values())
+    summary["ok"] = ok
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"gpu check {'passed' if ok else 'FAILED'} in {summary['seconds']} s; results in {out}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
