@@ -9,11 +9,12 @@ images/s, largest batch in the budget), on CUDA once more with
 
     summary.json        device and library facts, each part's exit code, time and test counts
     pytest.log          the test run's output (failures in full)
+    cuda-figures.json   what the cuda tests measured (allocated, reserved, accounting, errors), pass or fail
     bench.json / .csv / .png / .md    the bench result (the .md is the README table)
     bench-expandable.json             CUDA only: the same bench with expandable segments
 
-Seven files at most, so a device call brings every one back. ``--device cpu`` with
-``--quick`` runs the same code here in seconds (``tests/test_gpu_check.py``), so the
+Eight files at most, so a device call brings every one back. ``--device cpu`` with
+``--quick`` runs the same code here in seconds (``tests/test_cuda.py``), so the
 check cannot rot between GPU sessions. ``scripts/gpu_check.sh`` installs the carried
 torch-pruning wheel and sets PYTHONPATH first. Exit code: 0 when every part passed.
 """
@@ -120,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", default="tests", help="pytest paths for the cuda-marked tests (space-separated)")
     ap.add_argument("--no-tests", action="store_true", help="skip the test run")
     ap.add_argument("--no-bench", action="store_true", help="skip the bench")
+    ap.add_argument("--methods", help="bench methods, comma-separated (default: " + ",".join(BENCH_METHODS)
+                    + " and the streamed ones)")
+    ap.add_argument("--batch-size", type=int, default=8, help="bench batch size")
+    ap.add_argument("--budget", help="bench budget for the largest-batch column (default 256MB, --quick 24MB)")
     ap.add_argument("--test-timeout", type=float, default=300, help="seconds for the test run")
     ap.add_argument("--bench-timeout", type=float, default=150, help="seconds for each bench run")
     ap.add_argument("--deadline", type=float, default=540,
@@ -143,24 +148,26 @@ def main(argv: list[str] | None = None) -> int:
         junit = out / "junit.xml"
         part = run_part("tests", [py, "-m", "pytest", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
                                   f"--junitxml={junit}", *args.tests.split()],
-                        log_path=out / "pytest.log", timeout_s=budget(args.test_timeout))
+                        log_path=out / "pytest.log", timeout_s=budget(args.test_timeout),
+                        env={"EDGETL_CUDA_FIGURES": str(out / "cuda-figures.json")})
         part["counts"] = junit_counts(junit)
         junit.unlink(missing_ok=True)  # its figures are in summary.json: fewer files to bring back
         summary["parts"]["tests"] = part
 
     if not args.no_bench:
         scale = QUICK if args.quick else FULL
-        methods = ",".join(bench_methods())
+        methods = args.methods or ",".join(bench_methods())
         common = [py, "-m", "edgetl", "bench", "--device", args.device, "--methods", methods,
                   "--resolution", str(scale["resolution"]), "--width", str(scale["width"]),
-                  "--budget", scale["budget"], "--steps", str(scale["steps"]), "--warmup", str(scale["warmup"]),
+                  "--batch-size", str(args.batch_size), "--budget", args.budget or scale["budget"],
+                  "--steps", str(scale["steps"]), "--warmup", str(scale["warmup"]),
                   "--verify-images", str(scale["verify_images"])]
         files = ["--json", str(out / "bench.json"), "--csv", str(out / "bench.csv"), "--plot", str(out / "bench.png")]
         part = run_part("bench", common + files, log_path=None, timeout_s=budget(args.bench_timeout))
         if part["rc"] == 0:
-            md = subprocess.run([py, "-m", "edgetl", "bench", "--from", str(out / "bench.json"), "--markdown"],
-                                cwd=ROOT, capture_output=True, text=True)
-            (out / "bench.md").write_text(md.stdout + md.stderr)
+            from edgetl.bench import BenchResult, to_markdown
+
+            (out / "bench.md").write_text(to_markdown(BenchResult.load_json(out / "bench.json")))
         summary["parts"]["bench"] = part
         if cuda:
             summary["parts"]["bench-expandable"] = run_part(

@@ -210,3 +210,32 @@ def test_bad_input():
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--methods", "nope"])
     assert exc.value.code == 2
+
+
+def test_cuda_result_shows_allocated_and_reserved(tmp_path):
+    """A CUDA result (reserved figures present) splits "measured" into allocated and reserved."""
+    from edgetl.bench import BenchRow, table_rows
+
+    def row(name, allocated, reserved):
+        return BenchRow(method=name, label=METHODS[name].label, mode="repnet", runtime="lean", lean=None,
+                        hidden={}, trainable_params=1, paper_bytes=None, runtime_bytes=allocated - 10**6,
+                        measured_bytes=allocated, images_per_s=10.0, step_seconds=[0.8], largest_batch=3,
+                        largest_batch_source="runtime", largest_batch_bytes=None, next_batch_bytes=None,
+                        largest_batch_measured_bytes=None, reserved_bytes=reserved, tensor_bytes=allocated - 5)
+    result = BenchResult(resolution=224, batch_size=8, num_classes=102, width=1.0, budget_bytes=256 * 10**6,
+                         steps=1, warmup=0, optimizer="adam", device="cuda:0", threads=1, torch_version="x",
+                         reference=REFERENCE, rows=[row(REFERENCE, 414_690_000, 436_207_616),
+                                                    row("repnet-lean", 82_000_000, 104_857_600)])
+    headers, rows = table_rows(result)
+    assert headers[4:6] == ["allocated MB", "reserved MB"]
+    assert rows[1][4:6] == ["82.0", "104.9"]
+    md = to_markdown(result)
+    assert "max_memory_reserved" in md and "| 414.7 | 436.2 |" in md
+    result.save_json(tmp_path / "r.json")
+    assert BenchResult.load_json(tmp_path / "r.json") == result
+    plot_bench(result, tmp_path / "r.png")
+    # an older JSON (no reserved/tensor fields) still loads, as a CPU result
+    old = result.to_dict()
+    for r in old["rows"]:
+        del r["reserved_bytes"], r["tensor_bytes"]
+    assert table_rows(BenchResult.from_dict(old))[0][4] == "measured MB"

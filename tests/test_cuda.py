@@ -1,0 +1,487 @@
+"""CUDA (issue #15): the allocator model's terms checked here; the lean runtime, the meter and the
+training loops checked on a real GPU (marker ``cuda``, skipped without one, with the reason).
+
+On a GPU machine: ``bash scripts/gpu_check.sh --device cuda --out DIR`` (README, "CUDA") runs
+the ``cuda`` tests and writes the figures they measured to ``$EDGETL_CUDA_FIGURES`` (JSON),
+passing or not, so a failure still tells by how much.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edgetl.memory.cuda import (
+    CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_SM90, LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE,
+    CachingAllocatorModel, cublas_workspace_bytes, expandable_segments_enabled, replay_trace, round_block,
+    rounding_bytes, segment_bytes, should_split,
+)
+from edgetl.memory.meter import measure_training_memory
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+HAVE_CUDA = torch.cuda.is_available()
+CUDA_REASON = "needs a CUDA GPU (issue #15: run scripts/gpu_check.sh on a GPU machine, README 'CUDA')"
+
+
+def cuda(fn):
+    """Marker ``cuda`` + skip with the reason where torch sees no CUDA device."""
+    return pytest.mark.cuda(pytest.mark.skipif(not HAVE_CUDA, reason=CUDA_REASON)(fn))
+
+
+# ============================================================================ allocator terms (any machine)
+
+
+def test_block_rounding_and_segment_sizes():
+    """c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize 512, kSmallSize 1 MiB, kSmallBuffer 2 MiB,
+    kMinLargeAlloc 10 MiB, kLargeBuffer 20 MiB, kRoundLarge 2 MiB."""
+    assert [round_block(n) for n in (0, 1, 511, 512, 513, 1000, 1024)] == [0, 512, 512, 512, 1024, 1024, 1024]
+    assert round_block(3 * 224 * 224 * 8 * 4) == 4816896  # the 224 px batch of 8: already a multiple of 512
+    assert rounding_bytes([1, 512, 513, 4]) == 511 + 0 + 511 + 508
+    assert segment_bytes(512) == segment_bytes(SMALL_SIZE) == SMALL_BUFFER
+    assert segment_bytes(SMALL_SIZE + 512) == segment_bytes(10 * MiB - 512) == LARGE_BUFFER
+    assert segment_bytes(10 * MiB) == 10 * MiB
+    assert segment_bytes(10 * MiB + 512) == 12 * MiB
+    # small pool splits down to 512 B; large pool only when more than 1 MiB would remain
+    assert should_split(SMALL_BUFFER, 1024) and should_split(1536, 1024) and not should_split(1024, 1024)
+    assert should_split(LARGE_BUFFER, 3 * MiB) and not should_split(4 * MiB, 3 * MiB)
+    assert not should_split(4 * MiB, 3 * MiB + 512) and should_split(4 * MiB, 3 * MiB, expandable=True)
+
+
+def test_small_blocks_pack_into_2mib_segments():
+    m = CachingAllocatorModel()
+    for i in range(4):
+        m.malloc(i, 500_000)  # 500,224 B blocks: four fit one 2 MiB segment
+    assert (m.allocated, m.reserved) == (4 * 500_224, SMALL_BUFFER)
+    m.malloc(4, 500_000)  # 5 * 500,224 > 2 MiB: a second segment
+    assert (m.allocated, m.reserved) == (5 * 500_224, 2 * SMALL_BUFFER)
+    m.free(1)
+    m.malloc(5, 400_000)  # best fit: the freed 500,224 B hole, split (100,224 B stays free)
+    assert m.reserved == 2 * SMALL_BUFFER and m.allocated == 4 * 500_224 + round_block(400_000)
+    assert m.allocated_peak == 5 * 500_224
+    assert m.peaks().segments == 2
+
+
+def test_large_blocks_share_a_20mib_segment_and_unsplit_rests_count_as_allocated():
+    m = CachingAllocatorModel()
+    m.malloc("a", 3 * MiB)
+    m.malloc("b", 3 * MiB)  # from the rest of the same 20 MiB segment
+    assert (m.allocated, m.reserved) == (6 * MiB, LARGE_BUFFER)
+    m.free("a")  # a 3 MiB hole before b
+    m.malloc("c", 2 * MiB + 512 * 1024)  # the hole fits; 0.5 MiB would remain: not split
+    assert m.allocated == 6 * MiB  # c counts the whole 3 MiB block
+    assert m.requested == 3 * MiB + 2 * MiB + 512 * 1024
+    m.malloc("d", 19 * MiB)  # >= 10 MiB: its own segment, rounded to 2 MiB (20 MiB); rest 1 MiB: whole
+    assert (m.allocated, m.reserved) == (26 * MiB, 2 * LARGE_BUFFER)
+
+
+def test_fragmentation_reserves_beyond_allocated_and_merging_repairs_it():
+    m = CachingAllocatorModel()
+    for k in "abc":
+        m.malloc(k, 6 * MiB)  # 18 MiB of one 20 MiB segment; 2 MiB rest stays a free block
+    m.free("a")
+    m.free("c")  # merges with the 2 MiB rest: free 6 MiB at 0 and 8 MiB at 12 MiB
+    m.malloc("d", 12 * MiB)  # neither hole fits: a new 12 MiB segment
+    assert (m.allocated, m.reserved) == (18 * MiB, 32 * MiB)
+    m.free("b")  # the first segment is whole again (6 + 6 + 8)
+    m.free("d")
+    m.malloc("e", 20 * MiB)  # fits the merged first segment exactly: nothing new
+    assert (m.allocated, m.reserved, m.reserved_peak) == (20 * MiB, 32 * MiB, 32 * MiB)
+
+
+def test_expandable_segments_grow_by_pages():
+    m = CachingAllocatorModel(expandable=True)
+    m.malloc("a", 6 * MiB)
+    assert m.reserved == LARGE_BUFFER  # one 20 MiB page of the large pool's segment
+    m.malloc("b", 6 * MiB)
+    m.malloc("c", 6 * MiB)
+    m.free("a")
+    m.free("c")
+    m.malloc("d", 12 * MiB)  # the 8 MiB free tail is extended by one more page
+    assert (m.allocated, m.reserved) == (18 * MiB, 2 * LARGE_BUFFER)
+    m.malloc("s", 1000)  # the small pool has its own segment, in 2 MiB pages
+    assert m.reserved == 2 * LARGE_BUFFER + SMALL_BUFFER
+    assert m.allocated == 18 * MiB + 1024
+    m.malloc("x", 3 * MiB + 100)  # any block is split with expandable segments: exactly rounded
+    assert m.allocated == 18 * MiB + 1024 + round_block(3 * MiB + 100)
+
+
+def test_cublas_workspace_and_allocator_settings():
+    """aten/src/ATen/cuda/CublasHandlePool.cpp: 32 MiB on sm90, 4096 KiB * 2 + 16 KiB * 8 elsewhere."""
+    assert cublas_workspace_bytes((9, 0), env={}) == CUBLAS_WORKSPACE_SM90 == 32 * MiB
+    assert cublas_workspace_bytes((8, 7), env={}) == CUBLAS_WORKSPACE_DEFAULT == 8 * MiB + 128 * 1024
+    assert cublas_workspace_bytes((8, 7), env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 32 * MiB
+    assert cublas_workspace_bytes((9, 0), env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 128 * 1024
+    assert cublas_workspace_bytes((9, 0), env={"CUBLAS_WORKSPACE_CONFIG": "junk"}) == 32 * MiB
+    assert expandable_segments_enabled({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"})
+    assert not expandable_segments_enabled({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert not expandable_segments_enabled({})
+
+
+def test_replay_of_a_real_training_trace():
+    """The CPU meter's trace, replayed: unrounded peak = the meter's peak to the byte; rounding and
+    packing only add; the cuBLAS workspace appears once, at the first matrix product."""
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import LeanOptions, build_network
+
+    torch.manual_seed(0)
+    net = build_network(BackboneSpec(width=0.35, num_classes=5), "repnet", lean=LeanOptions(pool=2))
+    got = measure_training_memory(net, resolution=64, batch_size=4, steps=2, record_trace=True)
+    assert got.allocated_bytes is None and got.reserved_bytes is None and got.peak_bytes == got.tensor_bytes
+    kinds = {ev[0] for ev in got.trace}
+    assert kinds == {"alloc", "free", "op"}
+    plain = replay_trace(got.trace)
+    assert plain.tensor_peak_bytes == plain.peaks.requested_peak_bytes == got.tensor_bytes
+    allocs = [ev[2] for ev in got.trace if ev[0] == "alloc"]
+    assert got.tensor_bytes <= plain.peaks.allocated_peak_bytes
+    assert plain.peaks.allocated_peak_bytes <= got.tensor_bytes + (MIN_BLOCK - 1) * len(allocs) + SMALL_SIZE * 4
+    assert plain.peaks.reserved_peak_bytes >= plain.peaks.allocated_peak_bytes
+    assert plain.peaks.reserved_peak_bytes % SMALL_BUFFER == 0
+    ws = replay_trace(got.trace, cublas_workspace=CUBLAS_WORKSPACE_DEFAULT)
+    assert ws.cublas_workspace_bytes == CUBLAS_WORKSPACE_DEFAULT
+    assert ws.peaks.allocated_peak_bytes >= plain.peaks.allocated_peak_bytes + CUBLAS_WORKSPACE_DEFAULT
+    # expandable segments split every block: allocated is then the live rounded sizes exactly
+    live, rounded, peak = {}, 0, 0
+    for ev in got.trace:
+        if ev[0] == "alloc":
+            live[ev[1]] = round_block(ev[2])
+            rounded += live[ev[1]]
+            peak = max(peak, rounded)
+        elif ev[0] == "free":
+            rounded -= live.pop(ev[1])
+    expandable = replay_trace(got.trace, expandable=True)
+    assert expandable.peaks.allocated_peak_bytes == peak <= plain.peaks.allocated_peak_bytes
+
+
+# ============================================================================ the entry point, on CPU
+
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def test_gpu_check_runs_on_cpu(tmp_path):
+    """scripts/gpu_check.sh end to end at tiny scale: the same driver a GPU session launches."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--out", str(out), "--quick",
+         "--tests", "tests/test_cuda.py", "--methods", "repnet-pruned-pool2", "--batch-size", "2",
+         "--budget", "1MB"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench.csv", "bench.json", "bench.md", "bench.png", "pytest.log", "summary.json"]
+    assert all(SAFE_NAME.match(f) and (out / f).stat().st_size < 16 * MiB for f in files)  # device rules
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and summary["facts"]["torch"] == torch.__version__
+    tests = summary["parts"]["tests"]["counts"]
+    cuda_tests = sum(1 for name, fn in globals().items() if name.startswith("test_")
+                     and any(m.name == "cuda" for m in getattr(fn, "pytestmark", [])))
+    assert cuda_tests >= 7
+    assert (tests["passed"], tests["failures"], tests["errors"]) == (0, 0, 0)
+    assert tests["skipped"] >= cuda_tests  # parametrized ones count once per case
+    assert tests["skip_reasons"] and all(CUDA_REASON in r for r in tests["skip_reasons"])
+    from edgetl.bench import BenchResult
+    from edgetl.memory.runtime import runtime_report
+
+    result = BenchResult.load_json(out / "bench.json")
+    (row,) = result.rows
+    assert (row.method, result.device, result.batch_size, result.resolution) == ("repnet-pruned-pool2", "cpu", 2, 64)
+    assert row.reserved_bytes is None and row.tensor_bytes is None  # CPU: one measured column
+    assert row.largest_batch == 0  # 1 MB fits not even one image
+    # the measured peak agrees with an independent runtime accounting of the same network
+    from edgetl.bench import METHODS, build_method, pruned_hidden
+
+    meta = build_method(METHODS["repnet-pruned-pool2"], width=0.35, num_classes=102, device="meta",
+                        hidden=pruned_hidden(0.35, 102))
+    accounted = runtime_report(meta, mode="repnet", resolution=64, batch_size=2).total_bytes
+    assert abs(row.measured_bytes / accounted - 1) <= 0.05
+    md = (out / "bench.md").read_text()
+    assert "| measured MB |" in md and f"| {row.measured_bytes / 1e6:.1f} |" in md
+
+
+# ============================================================================ on the GPU
+
+
+@pytest.fixture(scope="session")
+def figures():
+    """Figures measured by the CUDA tests; written to $EDGETL_CUDA_FIGURES at the end, pass or fail."""
+    data: dict = {}
+    yield data
+    path = os.environ.get("EDGETL_CUDA_FIGURES")
+    if path and data:
+        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _capability() -> tuple[int, int]:
+    p = torch.cuda.get_device_properties(0)
+    return (p.major, p.minor)
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _stock_with_statistics(width=0.35, num_classes=5, res=64):
+    """A stock Rep-Net with non-trivial BN statistics and side BNs whose gamma is not 0."""
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import build_network
+
+    torch.manual_seed(0)
+    net = build_network(BackboneSpec(width=width, num_classes=num_classes), "repnet")
+    net.train()
+    with torch.no_grad():
+        for _ in range(2):
+            net(torch.randn(8, 3, res, res) * 1.5 + 0.3)
+        for m in net.side.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+    return net
+
+
+LEAN_CASES = {
+    # name: (lean options, forward tol, grad tol) as relative L2 errors, CUDA vs CPU
+    "fp32": (dict(pool=1), 1e-4, 1e-3),
+    "fp32-pool2": (dict(pool=2), 1e-4, 1e-3),
+    "bn-batch": (dict(pool=1, bn="batch"), 1e-4, 1e-3),
+    "int8-frozen": (dict(pool=2, frozen_weights="int8"), 1e-4, 1e-3),
+    "fp16-frozen": (dict(pool=2, frozen_weights="fp16"), 1e-3, 1e-2),
+    "bf16": (dict(pool=2, precision="bf16"), 3e-2, 8e-2),
+    "fp16": (dict(pool=2, precision="fp16"), 5e-3, 3e-2),
+    "bf16-int8": (dict(pool=2, precision="bf16", frozen_weights="int8"), 3e-2, 8e-2),
+}
+
+
+@cuda
+@pytest.mark.parametrize("case", list(LEAN_CASES))
+def test_lean_layers_on_cuda_equal_cpu(case, figures):
+    """Every lean leaf's forward output and every trainable gradient: CUDA vs CPU, same weights.
+
+    The CPU reference runs in the same activation dtype where the CPU has that convolution,
+    else in fp32 (then the tolerance covers the half-precision rounding as well).
+    """
+    from edgetl.models.lean import check_act_dtype
+    from edgetl.models.side import LeanOptions, make_lean
+
+    opts, fwd_tol, grad_tol = LEAN_CASES[case]
+    stock = _stock_with_statistics()
+    ref_opts = dict(opts)
+    if opts.get("precision") in ("bf16", "fp16"):
+        try:
+            check_act_dtype(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[opts["precision"]]), "cpu")
+        except Exception:  # noqa: BLE001 - CapabilityError: this CPU lacks the dtype, compare with fp32
+            ref_opts["precision"] = "fp32"
+    cpu = make_lean(copy.deepcopy(stock), LeanOptions(**ref_opts))
+    gpu = make_lean(copy.deepcopy(stock), LeanOptions(**opts)).to("cuda")
+    torch.manual_seed(1)
+    x = torch.randn(8, 3, 64, 64) * 1.2
+    y = torch.randint(0, 5, (8,))
+    results = {}
+    for tag, net, dev in (("cpu", cpu, "cpu"), ("cuda", gpu, "cuda")):
+        outs: dict[str, torch.Tensor] = {}
+        hooks = [m.register_forward_hook(lambda m, a, o, n=n: outs.__setitem__(n, o.detach().float().cpu()))
+                 for n, m in net.named_modules() if not list(m.children()) and n]
+        net.train()
+        logits = net(x.to(dev, getattr(net, "input_dtype", torch.float32)))
+        F.cross_entropy(logits.float(), y.to(dev)).backward()
+        for h in hooks:
+            h.remove()
+        grads = {n: p.grad.detach().float().cpu() for n, p in net.named_parameters() if p.requires_grad}
+        results[tag] = (outs, grads)
+    (outs_c, grads_c), (outs_g, grads_g) = results["cpu"], results["cuda"]
+    assert outs_c.keys() == outs_g.keys() and len(outs_c) > 30
+    fwd = {n: _relerr(outs_g[n], outs_c[n]) for n in outs_c if outs_c[n].norm() > 0}
+    grad = {n: _relerr(grads_g[n], grads_c[n]) for n in grads_c if grads_c[n].norm() > 0}
+    figures.setdefault("lean_cuda_vs_cpu", {})[case] = {
+        "reference": ref_opts, "forward_max_relerr": max(fwd.values()), "grad_max_relerr": max(grad.values()),
+        "worst_forward": max(fwd, key=fwd.get), "worst_grad": max(grad, key=grad.get)}
+    assert len(grad) >= 10  # side convs, side BNs, classifier
+    bad_fwd = {n: e for n, e in fwd.items() if e > fwd_tol}
+    bad_grad = {n: e for n, e in grad.items() if e > grad_tol}
+    assert not bad_fwd, bad_fwd
+    assert not bad_grad, bad_grad
+
+
+@cuda
+def test_bit_masks_pack_and_unpack_the_same_on_cuda():
+    from edgetl.models.lean import pack_mask, unpack_mask
+
+    torch.manual_seed(0)
+    for shape in ((8, 16, 7, 7), (3, 5, 9, 11), (1, 1, 1, 13)):
+        mask = torch.rand(shape) > 0.4
+        packed_cpu = pack_mask(mask)
+        packed_gpu = pack_mask(mask.cuda())
+        assert packed_gpu.device.type == "cuda" and torch.equal(packed_gpu.cpu(), packed_cpu)
+        assert torch.equal(unpack_mask(packed_gpu, shape).cpu(), mask)
+
+
+@cuda
+def test_cuda_meter_reports_allocated_and_reserved(figures):
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import LeanOptions, build_network
+
+    torch.manual_seed(0)
+    net = build_network(BackboneSpec(width=0.35, num_classes=5), "repnet", device="cuda",
+                        lean=LeanOptions(pool=2))
+    got = measure_training_memory(net, resolution=64, batch_size=8, steps=2, record_trace=True)
+    ws = cublas_workspace_bytes(_capability())
+    replay = replay_trace(got.trace, cublas_workspace=ws)
+    figures["meter_64px"] = {"tensor": got.tensor_bytes, "allocated": got.allocated_bytes,
+                             "reserved": got.reserved_bytes, "other": got.other_bytes,
+                             "replay_allocated": replay.peaks.allocated_peak_bytes,
+                             "replay_reserved": replay.peaks.reserved_peak_bytes, "cublas_workspace": ws}
+    assert got.peak_bytes == got.allocated_bytes
+    assert got.tensor_bytes <= got.allocated_bytes <= got.reserved_bytes
+    assert got.reserved_bytes % SMALL_BUFFER == 0
+    # what the libraries take inside kernels (cuDNN workspaces) is the rest: reported, bounded
+    assert got.allocated_bytes >= replay.peaks.allocated_peak_bytes - ws  # workspace may be reused
+    assert got.allocated_bytes <= 4 * replay.peaks.allocated_peak_bytes
+
+
+def _accounting_configs():
+    from edgetl.bench import PAPER_PRUNING  # noqa: F401 - the paper's ratios, via pruned_hidden
+    from edgetl.models.side import LeanOptions
+
+    lean = LeanOptions
+    return {
+        "stock": (None, False),
+        "stock-pruned": (None, True),
+        "lean-fp32": (lean(pool=1), False),
+        "lean-pruned-k2": (lean(pool=2), True),  # the paper's configuration
+        "lean-bf16": (lean(pool=2, precision="bf16"), False),
+        "lean-pruned-bf16-int8": (lean(pool=2, precision="bf16", frozen_weights="int8"), True),
+        "lean-pruned-fp16-frozen16": (lean(pool=2, precision="fp16", frozen_weights="fp16"), True),
+    }
+
+
+@cuda
+@pytest.mark.parametrize("config", list(_accounting_configs()))
+def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
+    """Measured allocated peak within 5 % of runtime accounting + the cuBLAS workspace (224 px, batch 8)."""
+    from edgetl.bench import pruned_hidden
+    from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import build_network
+
+    lean, pruned = _accounting_configs()[config]
+    spec = BackboneSpec(width=1.0, num_classes=102, hidden=pruned_hidden(1.0, 102) if pruned else {})
+    torch.manual_seed(0)
+    net = build_network(spec, "repnet", device="cuda", lean=lean)
+    if lean is not None:
+        fit_whole_batch_backward(net, resolution=224, batch_size=8)
+    runtime = runtime_report(net, mode="repnet", resolution=224, batch_size=8).total_bytes
+    ws = cublas_workspace_bytes(_capability())
+    got = measure_training_memory(net, resolution=224, batch_size=8, steps=2, record_trace=True)
+    replay = replay_trace(got.trace, cublas_workspace=ws)
+    predicted = runtime + ws
+    figures.setdefault("accounting_224px", {})[config] = {
+        "runtime": runtime, "cublas_workspace": ws, "predicted": predicted, "tensor": got.tensor_bytes,
+        "allocated": got.allocated_bytes, "reserved": got.reserved_bytes, "other": got.other_bytes,
+        "replay_allocated": replay.peaks.allocated_peak_bytes, "replay_reserved": replay.peaks.reserved_peak_bytes,
+        "allocated_vs_predicted": got.allocated_bytes / predicted - 1,
+        "tensor_vs_runtime": got.tensor_bytes / runtime - 1,
+        "unexplained": got.allocated_bytes - replay.peaks.allocated_peak_bytes,
+    }
+    assert abs(got.tensor_bytes / runtime - 1) <= 0.05, figures["accounting_224px"][config]
+    assert abs(got.allocated_bytes / predicted - 1) <= 0.05, figures["accounting_224px"][config]
+    assert got.reserved_bytes >= got.allocated_bytes
+
+
+def _color_data(root: Path) -> Path:
+    from tests.conftest import make_color_folder
+
+    return make_color_folder(root, n_train=24, n_val=8, size=64)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].is_floating_point())
+
+
+@cuda
+def test_finetune_one_epoch_and_resume_on_cuda_then_export(tmp_path, figures):
+    """Lean Rep-Net (k=2) one epoch on CUDA; killed mid-epoch and resumed it ends where an
+    uninterrupted run ends (as close as two uninterrupted runs are: CUDA's bilinear backward
+    adds with atomics); the run exports to ONNX with onnxruntime matching PyTorch."""
+    from edgetl.export import export_run
+    from edgetl.finetune import finetune
+    from edgetl.recipe import load_recipe
+
+    data = _color_data(tmp_path / "data")
+    recipe = load_recipe("imagefolder", {
+        "data.root": str(data), "data.resolution": 64, "model.width": 0.35, "model.pool": 2,
+        "train.epochs": 1, "train.batch_size": 8, "train.workers": 0, "train.checkpoint_every": 4})
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    finetune(recipe=recipe, out_dir=tmp_path / "a", device="cuda", measure=False)
+    finetune(recipe=recipe, out_dir=tmp_path / "b", device="cuda", measure=False)
+
+    class Killed(Exception):
+        pass
+
+    def kill(info):
+        if info["global_step"] == 6:  # 9 steps an epoch; the last checkpoint was at step 4
+            raise Killed
+
+    with pytest.raises(Killed):
+        finetune(recipe=recipe, out_dir=tmp_path / "k", device="cuda", measure=False, on_step=kill)
+    finetune(recipe=recipe, out_dir=tmp_path / "k", device="cuda", measure=False, resume=True)
+    a, b, k = (_weights(tmp_path / r / "model.pt") for r in "abk")
+    rerun, resumed = _max_diff(a, b), _max_diff(a, k)
+    figures["finetune_resume"] = {"rerun_max_abs_diff": rerun, "resume_max_abs_diff": resumed}
+    assert resumed <= max(10 * rerun, 0.0), (resumed, rerun)
+    result = export_run(tmp_path / "a")
+    figures["export_parity"] = result.parity_max_abs_diff
+    assert result.max_abs_diff < 1e-4, result.parity_max_abs_diff
+
+
+@cuda
+def test_retrain_with_autocast_and_gradscaler(tmp_path, figures):
+    """``edgetl retrain`` on CUDA in fp16 autocast with a GradScaler: finite loss, fp32 weights
+    that moved, the scaler's state in the checkpoint, and a resume that picks it up."""
+    from edgetl import train as T
+    from edgetl.recipe import RECIPE_DIR, load_recipe
+    from edgetl.retrain import retrain
+
+    data = _color_data(tmp_path / "data")
+    recipe = load_recipe(RECIPE_DIR / "imagenet_retrain.yaml", {
+        "data.preset": "imagefolder", "data.root": str(data), "data.resolution": 64, "model.width": 0.35,
+        "model.precision": "fp16", "train.epochs": 2, "train.batch_size": 8, "train.workers": 0,
+        "train.checkpoint_every": 2, "optim.lr": 0.01, "optim.warmup_epochs": 0, "distill": None})
+    result = retrain(recipe=recipe, out_dir=tmp_path / "r", device="cuda")
+    losses = [r["train_loss"] for r in result.history]
+    ckpt = T.load_checkpoint(tmp_path / "r" / "last.pt")
+    figures["retrain_fp16"] = {"losses": losses, "scale": ckpt["scaler"] and ckpt["scaler"].get("scale")}
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0
+    weights = ckpt["model"]
+    assert all(v.dtype in (torch.float32, torch.int64) for v in weights.values())
+    assert all(torch.isfinite(v.float()).all() for v in weights.values())
+    assert losses[-1] < losses[0] * 1.5  # trains, does not diverge
+
+
+@cuda
+def test_bench_on_cuda_reports_allocated_and_reserved(tmp_path):
+    from edgetl.bench import bench, table_rows
+
+    result = bench(resolution=64, width=0.35, num_classes=10, batch_size=8, budget_bytes=64 * 10**6,
+                   methods=["repnet-stock", "repnet-pruned-pool2"], steps=2, warmup=1, device="cuda",
+                   verify_images=0)
+    for row in result.rows:
+        assert row.tensor_bytes <= row.measured_bytes <= row.reserved_bytes
+    headers, _ = table_rows(result)
+    assert "allocated MB" in headers and "reserved MB" in headers
