@@ -4,14 +4,17 @@
 One command for a bare GPU machine (no virtual environment, no network): it runs the
 tests marked ``cuda`` and ``edgetl bench`` (stock Rep-Net, lean Rep-Net, the paper's
 configuration, the streamed rows where edgetl has them; allocated and reserved peaks,
-images/s, largest batch in the budget), on CUDA once more with
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, and writes into ``--out``:
+images/s, largest batch in the budget), and the allocator check: each bench method's
+training step measured (tensor, allocated and reserved peaks) beside the runtime accounting
+and the allocator model's replay of the same step (``edgetl.memory.cuda``), with PyTorch's
+default allocator and, on CUDA, once more with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``. It writes into ``--out``:
 
     summary.json        device and library facts, each part's exit code, time and test counts
     pytest.log          the test run's output (failures in full)
     cuda-figures.json   what the cuda tests measured (allocated, reserved, accounting, errors), pass or fail
     bench.json / .csv / .png / .md    the bench result (the .md is the README table)
-    bench-expandable.json             CUDA only: the same bench with expandable segments
+    allocator.json      per method: runtime accounting, measured and replayed allocated/reserved peaks
 
 Eight files at most, so a device call brings every one back. ``--device cpu`` with
 ``--quick`` runs the same code here in seconds (``tests/test_cuda.py``), so the
@@ -113,10 +116,54 @@ def junit_counts(path: Path) -> dict:
     return counts
 
 
+def allocator_rows(*, device: str, methods: list[str], resolution: int, width: float, batch_size: int,
+                   num_classes: int = 102) -> dict:
+    """Each method's step: runtime accounting, measured peaks and the allocator model's replay."""
+    import torch
+
+    from edgetl.bench import METHODS, build_method, pruned_hidden
+    from edgetl.memory.cuda import cublas_workspace_bytes, expandable_segments_enabled, replay_trace
+    from edgetl.memory.meter import measure_training_memory
+    from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        p = torch.cuda.get_device_properties(torch.device(device))
+        capability = (p.major, p.minor)
+    else:
+        capability = (8, 7)  # no device: predict for the Jetson Orin
+    expandable = expandable_segments_enabled()
+    workspace = cublas_workspace_bytes(capability)
+    rows = []
+    for name in methods:
+        method = METHODS[name]
+        if method.planned or method.checkpoint:
+            continue  # the plan row needs the budget search; recomputation has no accounting
+        torch.manual_seed(0)
+        net = build_method(method, width=width, num_classes=num_classes, device=device,
+                           hidden=pruned_hidden(width, num_classes) if method.pruned else {})
+        if method.lean is not None:
+            fit_whole_batch_backward(net, resolution=resolution, batch_size=batch_size)
+        runtime = runtime_report(net, mode=method.mode, resolution=resolution, batch_size=batch_size).total_bytes
+        got = measure_training_memory(net, resolution=resolution, batch_size=batch_size, steps=2, record_trace=True)
+        replay = replay_trace(got.trace, expandable=expandable, cublas_workspace=workspace)
+        rows.append({
+            "method": name, "runtime_bytes": runtime, "tensor_bytes": got.tensor_bytes,
+            "allocated_bytes": got.allocated_bytes, "reserved_bytes": got.reserved_bytes, "other_bytes": got.other_bytes,
+            "replay_allocated_bytes": replay.peaks.allocated_peak_bytes,
+            "replay_reserved_bytes": replay.peaks.reserved_peak_bytes, "replay_segments": replay.peaks.segments,
+            "predicted_allocated_bytes": runtime + workspace, "trace_events": len(got.trace),
+        })
+        del net, got
+    return {"device": device, "capability": list(capability), "expandable": expandable,
+            "cublas_workspace_bytes": workspace, "resolution": resolution, "width": width,
+            "batch_size": batch_size, "num_classes": num_classes, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    ap.add_argument("--out", required=True, help="results folder (created)")
+    ap.add_argument("--out", default="gpu-results", help="results folder (created)")
     ap.add_argument("--quick", action="store_true", help="tiny bench: width 0.35, 64 px, one timed round")
     ap.add_argument("--tests", default="tests", help="pytest paths for the cuda-marked tests (space-separated)")
     ap.add_argument("--no-tests", action="store_true", help="skip the test run")
@@ -125,11 +172,22 @@ def main(argv: list[str] | None = None) -> int:
                     + " and the streamed ones)")
     ap.add_argument("--batch-size", type=int, default=8, help="bench batch size")
     ap.add_argument("--budget", help="bench budget for the largest-batch column (default 256MB, --quick 24MB)")
-    ap.add_argument("--test-timeout", type=float, default=300, help="seconds for the test run")
-    ap.add_argument("--bench-timeout", type=float, default=150, help="seconds for each bench run")
-    ap.add_argument("--deadline", type=float, default=540,
+    ap.add_argument("--no-allocator", action="store_true", help="skip the allocator check")
+    ap.add_argument("--test-timeout", type=float, default=240, help="seconds for the test run")
+    ap.add_argument("--bench-timeout", type=float, default=200, help="seconds for the bench")
+    ap.add_argument("--allocator-timeout", type=float, default=45, help="seconds for each allocator run")
+    ap.add_argument("--allocator-json", help=argparse.SUPPRESS)  # a child process: measure, write, exit
+    ap.add_argument("--deadline", type=float, default=550,
                     help="seconds for everything (a device command is killed at 600): later parts get what is left")
     args = ap.parse_args(argv)
+    scale = QUICK if args.quick else FULL
+    methods = args.methods or ",".join(bench_methods())
+    if args.allocator_json:
+        sys.path.insert(0, str(ROOT))
+        data = allocator_rows(device=args.device, methods=methods.split(","), resolution=scale["resolution"],
+                              width=scale["width"], batch_size=args.batch_size)
+        Path(args.allocator_json).write_text(json.dumps(data, indent=2) + "\n")
+        return 0
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
         summary["parts"]["tests"] = part
 
     if not args.no_bench:
-        scale = QUICK if args.quick else FULL
-        methods = args.methods or ",".join(bench_methods())
         common = [py, "-m", "edgetl", "bench", "--device", args.device, "--methods", methods,
                   "--resolution", str(scale["resolution"]), "--width", str(scale["width"]),
                   "--batch-size", str(args.batch_size), "--budget", args.budget or scale["budget"],
@@ -169,11 +225,22 @@ def main(argv: list[str] | None = None) -> int:
 
             (out / "bench.md").write_text(to_markdown(BenchResult.load_json(out / "bench.json")))
         summary["parts"]["bench"] = part
-        if cuda:
-            summary["parts"]["bench-expandable"] = run_part(
-                "bench with expandable segments", common + ["--json", str(out / "bench-expandable.json")],
-                log_path=None, timeout_s=budget(args.bench_timeout),
-                env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+    if not args.no_allocator:
+        # a fresh process each: the allocator setting is read once, when CUDA starts
+        settings = {"default": "", "expandable": "expandable_segments:True"} if cuda else {"default": ""}
+        merged = {}
+        for key, conf in settings.items():
+            tmp = out / f".allocator-{key}.json"
+            argv_ = [py, str(Path(__file__).resolve()), "--device", args.device, "--methods", methods,
+                     "--batch-size", str(args.batch_size), "--allocator-json", str(tmp)] + (["--quick"] if args.quick else [])
+            part = run_part(f"allocator ({key})", argv_, log_path=None, timeout_s=budget(args.allocator_timeout),
+                            env={"PYTORCH_CUDA_ALLOC_CONF": conf})
+            summary["parts"][f"allocator-{key}"] = part
+            if part["rc"] == 0:
+                merged[key] = json.loads(tmp.read_text())
+            tmp.unlink(missing_ok=True)
+        (out / "allocator.json").write_text(json.dumps(merged, indent=2) + "\n")
 
     summary["seconds"] = round(time.perf_counter() - started, 1)
     ok = "error" not in summary and all(p["rc"] == 0 for p in summary["parts"].values())

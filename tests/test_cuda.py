@@ -179,7 +179,8 @@ def test_gpu_check_runs_on_cpu(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench.csv", "bench.json", "bench.md", "bench.png", "pytest.log", "summary.json"]
+    assert files == ["allocator.json", "bench.csv", "bench.json", "bench.md", "bench.png", "pytest.log",
+                     "summary.json"]
     assert all(SAFE_NAME.match(f) and (out / f).stat().st_size < 16 * MiB for f in files)  # device rules
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["facts"]["torch"] == torch.__version__
@@ -207,6 +208,16 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert abs(row.measured_bytes / accounted - 1) <= 0.05
     md = (out / "bench.md").read_text()
     assert "| measured MB |" in md and f"| {row.measured_bytes / 1e6:.1f} |" in md
+    # the allocator check: on CPU a prediction for the Jetson Orin (sm87) from the step's trace
+    alloc = json.loads((out / "allocator.json").read_text())
+    assert list(alloc) == ["default"]  # expandable segments only where CUDA can start with them
+    d = alloc["default"]
+    assert (d["capability"], d["cublas_workspace_bytes"], d["expandable"]) == ([8, 7], CUBLAS_WORKSPACE_DEFAULT, False)
+    (a,) = d["rows"]
+    assert a["runtime_bytes"] == accounted and a["allocated_bytes"] is None
+    assert a["tensor_bytes"] == row.measured_bytes  # the same step measured twice, to the byte
+    assert a["predicted_allocated_bytes"] == accounted + CUBLAS_WORKSPACE_DEFAULT
+    assert a["tensor_bytes"] + CUBLAS_WORKSPACE_DEFAULT <= a["replay_allocated_bytes"] <= a["replay_reserved_bytes"]
 
 
 # ============================================================================ on the GPU
