@@ -527,3 +527,26 @@ def test_bench_on_cuda_reports_allocated_and_reserved(tmp_path):
         assert row.tensor_bytes <= row.measured_bytes <= row.reserved_bytes
     headers, _ = table_rows(result)
     assert "allocated MB" in headers and "reserved MB" in headers
+
+
+def test_cuda_report_answers_the_runtime_accounting_for_a_jetson():
+    """Runtime accounting + cuBLAS workspace; with a trace, the replayed allocated and reserved peaks."""
+    from edgetl.memory.cuda import JETSON_ORIN, cuda_report
+    from edgetl.memory.runtime import runtime_report
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import LeanOptions, build_network
+
+    torch.manual_seed(0)
+    net = build_network(BackboneSpec(width=0.35, num_classes=5), "repnet", lean=LeanOptions(pool=2))
+    runtime = runtime_report(net, mode="repnet", resolution=64, batch_size=4).total_bytes
+    plain = cuda_report(net, mode="repnet", resolution=64, batch_size=4, trace=False, env={})
+    assert (plain.runtime_bytes, plain.allocated_bytes) == (runtime, runtime + CUBLAS_WORKSPACE_DEFAULT)
+    assert plain.reserved_bytes is None and plain.slack is None and plain.capability == JETSON_ORIN
+    traced = cuda_report(net, mode="repnet", resolution=64, batch_size=4, env={})
+    assert runtime + CUBLAS_WORKSPACE_DEFAULT <= traced.allocated_bytes <= traced.reserved_bytes
+    assert traced.allocated_bytes - plain.allocated_bytes < 2 * MiB  # rounding and packing: small here
+    assert traced.reserved_bytes % SMALL_BUFFER == 0 and traced.slack >= 1
+    grown = cuda_report(net, mode="repnet", resolution=64, batch_size=4, capability=(9, 0),
+                        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert grown.expandable and grown.cublas_workspace_bytes == CUBLAS_WORKSPACE_SM90
+    assert grown.allocated_bytes >= runtime + CUBLAS_WORKSPACE_SM90
