@@ -16,6 +16,10 @@ default allocator and, on CUDA, once more with
     bench.json / .csv / .png / .md    the bench result (the .md is the README table)
     allocator.json      per method: runtime accounting, measured and replayed allocated/reserved peaks
 
+On CUDA, summary.json also holds the CUDA-graph check (issue #15, item 5): the whole
+training step captured once and replayed, against eager steps: exact or not, and both
+median step times.
+
 Eight files at most, so a device call brings every one back. ``--device cpu`` with
 ``--quick`` runs the same code here in seconds (``tests/test_cuda.py``), so the
 check cannot rot between GPU sessions. ``scripts/gpu_check.sh`` installs the carried
@@ -25,6 +29,7 @@ torch-pruning wheel and sets PYTHONPATH first. Exit code: 0 when every part pass
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -160,6 +165,99 @@ def allocator_rows(*, device: str, methods: list[str], resolution: int, width: f
             "batch_size": batch_size, "num_classes": num_classes, "rows": rows}
 
 
+def graph_rows(*, device: str, methods: list[str], resolution: int, width: float, batch_size: int,
+               steps: int = 20, num_classes: int = 102) -> dict:
+    """Issue #15, item 5: the whole training step captured as one CUDA graph, against eager.
+
+    Per method: two copies of the network from the same weights, each with Adam
+    (capturable, as a graph needs); one runs eager, the other is warmed up eagerly on a side
+    stream, captured once (forward, loss, backward, optimizer step) and replayed. Both see
+    the same fixed batch for the same number of steps; the result says whether the weights
+    end equal and the median step time of each. A capture that fails is reported, not raised.
+    """
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    from edgetl.bench import METHODS, build_method, pruned_hidden
+    from edgetl.memory.runtime import fit_whole_batch_backward
+
+    dev = torch.device(device)
+    rows = []
+    for name in methods:
+        method = METHODS[name]
+        if method.planned or method.checkpoint:
+            continue
+        torch.manual_seed(0)
+        net = build_method(method, width=width, num_classes=num_classes, device=dev,
+                           hidden=pruned_hidden(width, num_classes) if method.pruned else {})
+        if method.lean is not None:
+            fit_whole_batch_backward(net, resolution=resolution, batch_size=batch_size)
+        for m in net.modules():  # dropout draws random masks: eager and replay would differ
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(batch_size, 3, resolution, resolution, generator=gen).to(
+            dev, getattr(net, "input_dtype", torch.float32))
+        y = torch.randint(0, num_classes, (batch_size,), generator=gen).to(dev)
+        nets = {"eager": net.train(), "graph": copy.deepcopy(net).train()}
+        opts = {k: torch.optim.Adam([p for p in n.parameters() if p.requires_grad], lr=1e-3, capturable=True)
+                for k, n in nets.items()}
+
+        def step(k):
+            loss = F.cross_entropy(nets[k](x), y)
+            loss.backward()
+            opts[k].step()
+            return loss
+
+        row: dict = {"method": name}
+        times: dict[str, list[float]] = {"eager": [], "graph": []}
+        warm = 3
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(warm):
+                    opts["graph"].zero_grad(set_to_none=True)
+                    step("graph")
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            opts["graph"].zero_grad(set_to_none=True)
+            with torch.cuda.graph(graph):
+                step("graph")
+        except Exception as exc:  # noqa: BLE001 - the finding is the message
+            row["capture_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            rows.append(row)
+            continue
+        for _ in range(warm):  # as the graph's copy (capturing records the step, it does not run it)
+            opts["eager"].zero_grad(set_to_none=True)
+            step("eager")
+        for _ in range(steps):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            opts["eager"].zero_grad(set_to_none=True)
+            step("eager")
+            torch.cuda.synchronize(dev)
+            t1 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize(dev)
+            t2 = time.perf_counter()
+            times["eager"].append(t1 - t0)
+            times["graph"].append(t2 - t1)
+        diffs = [float((a.float() - b.float()).abs().max()) for a, b in
+                 zip(nets["eager"].state_dict().values(), nets["graph"].state_dict().values())
+                 if a.is_floating_point()]
+        row.update({
+            "eager_step_s": statistics.median(times["eager"]), "graph_step_s": statistics.median(times["graph"]),
+            "speedup": statistics.median(times["eager"]) / statistics.median(times["graph"]),
+            "max_abs_weight_diff": max(diffs), "exact": max(diffs) == 0.0,
+        })
+        rows.append(row)
+    return {"device": device, "resolution": resolution, "width": width, "batch_size": batch_size,
+            "steps": steps, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
@@ -174,9 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", help="bench budget for the largest-batch column (default 256MB, --quick 24MB)")
     ap.add_argument("--no-allocator", action="store_true", help="skip the allocator check")
     ap.add_argument("--test-timeout", type=float, default=240, help="seconds for the test run")
-    ap.add_argument("--bench-timeout", type=float, default=200, help="seconds for the bench")
-    ap.add_argument("--allocator-timeout", type=float, default=45, help="seconds for each allocator run")
+    ap.add_argument("--bench-timeout", type=float, default=180, help="seconds for the bench")
+    ap.add_argument("--allocator-timeout", type=float, default=40, help="seconds for each allocator run")
     ap.add_argument("--allocator-json", help=argparse.SUPPRESS)  # a child process: measure, write, exit
+    ap.add_argument("--graphs-json", help=argparse.SUPPRESS)  # a child process: CUDA graph check, write, exit
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA graph check (CUDA only)")
+    ap.add_argument("--graphs-timeout", type=float, default=50, help="seconds for the CUDA graph check")
     ap.add_argument("--deadline", type=float, default=550,
                     help="seconds for everything (a device command is killed at 600): later parts get what is left")
     args = ap.parse_args(argv)
@@ -187,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         data = allocator_rows(device=args.device, methods=methods.split(","), resolution=scale["resolution"],
                               width=scale["width"], batch_size=args.batch_size)
         Path(args.allocator_json).write_text(json.dumps(data, indent=2) + "\n")
+        return 0
+    if args.graphs_json:
+        sys.path.insert(0, str(ROOT))
+        data = graph_rows(device=args.device, methods=methods.split(","), resolution=scale["resolution"],
+                          width=scale["width"], batch_size=args.batch_size)
+        Path(args.graphs_json).write_text(json.dumps(data, indent=2) + "\n")
         return 0
 
     out = Path(args.out)
@@ -241,6 +348,17 @@ def main(argv: list[str] | None = None) -> int:
                 merged[key] = json.loads(tmp.read_text())
             tmp.unlink(missing_ok=True)
         (out / "allocator.json").write_text(json.dumps(merged, indent=2) + "\n")
+
+    if cuda and not args.no_graphs:  # results go into summary.json: the device returns 8 files at most
+        tmp = out / ".graphs.json"
+        part = run_part("CUDA graph of the whole step", [
+            py, str(Path(__file__).resolve()), "--device", args.device, "--methods", methods,
+            "--batch-size", str(args.batch_size), "--graphs-json", str(tmp)] + (["--quick"] if args.quick else []),
+            log_path=None, timeout_s=budget(args.graphs_timeout))
+        if part["rc"] == 0:
+            summary["graphs"] = json.loads(tmp.read_text())
+        tmp.unlink(missing_ok=True)
+        summary["parts"]["graphs"] = part
 
     summary["seconds"] = round(time.perf_counter() - started, 1)
     ok = "error" not in summary and all(p["rc"] == 0 for p in summary["parts"].values())
