@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 
+from edgetl.cli import COMMANDS
 from edgetl.bench import METHODS, BenchResult, bench, caption, plot_bench, table_rows, to_markdown
 from edgetl.cli._common import HelpFormatter, positive_float, positive_int, print_table, writable_file
 from edgetl.errors import ConfigError
@@ -35,7 +36,7 @@ def nonnegative_int(text: str) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="the paper's Table I, measured: memory and speed of every fine-tuning method",
+        help=COMMANDS["bench"],
         description=(
             "Benchmark fine-tuning methods side by side on MobileNetV2: paper accounting, runtime "
             "accounting and measured peak memory at --batch-size, training throughput (median step "
@@ -81,6 +82,8 @@ def _command(args, pick) -> str:
     parts = ["edgetl", "bench", "--resolution", pick("resolution"), "--batch-size", args.batch_size,
              "--num-classes", args.num_classes, "--width", f"{pick('width'):g}", "--budget", pick("budget"),
              "--steps", pick("steps"), "--warmup", pick("warmup")]
+    if args.device != "cpu":
+        parts += ["--device", args.device]
     if args.methods is not None:
         parts += ["--methods", ",".join(args.methods)]
     for flag in ("json", "csv", "plot"):
