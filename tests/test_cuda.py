@@ -285,9 +285,11 @@ LEAN_CASES = {
     "bn-batch": (dict(pool=1, bn="batch"), 1e-4, 1e-3),
     "int8-frozen": (dict(pool=2, frozen_weights="int8"), 1e-4, 1e-3),
     "fp16-frozen": (dict(pool=2, frozen_weights="fp16"), 1e-3, 1e-2),
-    "bf16": (dict(pool=2, precision="bf16"), 3e-2, 8e-2),
-    "fp16": (dict(pool=2, precision="fp16"), 5e-3, 3e-2),
-    "bf16-int8": (dict(pool=2, precision="bf16", frozen_weights="int8"), 3e-2, 8e-2),
+    # half precision: two implementations round differently and a ReLU6 mask bit can flip at
+    # 0 or 6; a wrong kernel or layout gives errors of order 1, far above these
+    "bf16": (dict(pool=2, precision="bf16"), 5e-2, 1e-1),
+    "fp16": (dict(pool=2, precision="fp16"), 2e-2, 5e-2),
+    "bf16-int8": (dict(pool=2, precision="bf16", frozen_weights="int8"), 5e-2, 1e-1),
 }
 
 
@@ -385,7 +387,6 @@ def test_cuda_meter_reports_allocated_and_reserved(figures):
 
 
 def _accounting_configs():
-    from edgetl.bench import PAPER_PRUNING  # noqa: F401 - the paper's ratios, via pruned_hidden
     from edgetl.models.side import LeanOptions
 
     lean = LeanOptions
