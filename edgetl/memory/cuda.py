@@ -33,9 +33,14 @@ How edgetl answers for ``device=cuda`` (issue #15):
   meter reports the allocated peak beside the replay of the same step's trace, and the
   difference (``CudaMemory.unexplained_bytes``) is what the libraries took inside kernels;
   a caller may pass measured per-step figures back as ``conv_workspace_bytes``.
-* ``expandable_segments:True`` is recommended, not set: a library never changes the
-  environment (STYLE), and the setting must be made before CUDA initialises. The GPU
-  check (scripts/gpu_check.py) measures both ways.
+* ``expandable_segments:True``: edgetl neither sets it (a library never changes the
+  environment, STYLE; and it must be set before CUDA starts) nor, yet, recommends it: the
+  model's replay of one 224 px step at batch 8 for a Jetson (sm87) gives mixed results
+  (paper configuration: reserved 86.0 -> 65.0 MB; lean fp32: 121.6 -> 130.0 MB), it is
+  untried on a Jetson (it needs CUDA's virtual memory management), and the GPU check
+  (scripts/gpu_check.py) measures both ways. The replay assumes memory to spare: a device
+  that runs short frees cached segments and retries before failing, so reserved-on-a-roomy
+  device is an upper figure of what a step needs, allocated a lower one.
 
 The CUDA context (about 300 MB on a Jetson) is outside all of this (``edgetl doctor``).
 """
