@@ -11,14 +11,25 @@ DESIGN 3 transforms; a training sample's augmentation is seeded by (seed, epoch,
 index), so the data a step sees does not depend on worker count or on where a run was
 resumed. ``ResumableSampler`` (a DistributedSampler) yields ``(index, epoch)`` keys and
 can start part-way through an epoch.
+
+Bad image files: ``check_images`` reads every file's header (and, for JPEG, PNG and WebP,
+its end) before training, in well under a millisecond a file, so a truncated or foreign
+file is found before a run folder exists. ``data.on_bad_image`` says what happens to one:
+"error" stops with a one-line DataError naming the file, "skip" leaves it out (logged
+once, counted). A file that passes the check but fails to decode while training raises
+``BadImageError``, one line even when a DataLoader worker re-raises it; under "skip" its
+sample is dropped from the batch (``Batch.skipped`` names it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import logging
 import math
+import os
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
-from edgetl.errors import ConfigError, DataError
+from edgetl.errors import ConfigError, DataError, ResourceError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,7 @@ FASHION_MNIST_FILES = {
     "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
 SPLITS = ("train", "val")
+BAD_IMAGE_POLICIES = ("error", "skip")
 
 
 # --- transforms (DESIGN 3) -------------------------------------------------------------
@@ -74,6 +86,124 @@ def eval_transform(resolution: int):
     ])
 
 
+# --- bad images ------------------------------------------------------------------------
+
+
+class BadImageError(DataError):
+    """An image file that cannot be read or decoded; the message names the file and the fault.
+
+    A DataLoader worker's exception comes back to the main process rebuilt as
+    ``type(text)``, where text is "Caught ... Original Traceback ..." ending in this
+    class's own line; the constructor keeps only that line, so the user sees one line.
+    """
+
+    def __init__(self, message: str):
+        marker = f"{__name__}.{type(self).__qualname__}: "
+        if message.startswith("Caught ") and marker in message:
+            message = message.rsplit(marker, 1)[1].strip().splitlines()[0]
+        super().__init__(message)
+
+
+def bad_image_error(path, fault: str) -> BadImageError:
+    exc = BadImageError(f"cannot read image {path}: {fault}; fix or remove it, or set data.on_bad_image: skip")
+    exc.path, exc.fault = str(path), fault
+    return exc
+
+
+def image_fault(exc: BaseException) -> str:
+    """What is wrong with a file, in a few words, from the exception reading it raised."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image file Pillow can read"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, OSError) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+_PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+# bytes per pixel of raw-coded rows (PPM/PGM/TGA...) when the format does not give a stride
+_RAW_BYTES = {"L": 1, "P": 1, "LA": 2, "I;16": 2, "I;16B": 2, "RGB": 3, "BGR": 3, "RGBA": 4, "RGBX": 4, "CMYK": 4}
+
+
+def _end_looks_whole(f, img: Image.Image, size: int) -> bool:
+    """Whether the file's last bytes are what its format ends with (a cheap truncation test).
+
+    JPEG ends with the EOI marker, PNG with its IEND chunk, WebP is as long as its RIFF
+    header says, a raw-coded image (BMP, PPM, ...) holds its rows. Other formats: True
+    (their header was read). False is a suspicion only: the caller decodes to confirm.
+    """
+    fmt = img.format
+    if fmt == "JPEG":
+        f.seek(max(0, size - 64))
+        return f.read().rstrip(b"\x00\r\n\t ").endswith(b"\xff\xd9")
+    if fmt == "PNG":
+        f.seek(max(0, size - len(_PNG_END)))
+        return f.read() == _PNG_END
+    if fmt == "WEBP":
+        f.seek(4)
+        return int.from_bytes(f.read(4), "little") + 8 <= size
+    tile = getattr(img, "tile", None) or []
+    if len(tile) == 1 and tile[0][0] == "raw":
+        _, (x0, y0, x1, y1), offset, args = tile[0]
+        rawmode, stride = (args, 0) if isinstance(args, str) else (args[0], args[1] if len(args) > 1 else 0)
+        if not stride:
+            if rawmode == "1":
+                stride = -(-(x1 - x0) // 8)
+            elif rawmode in _RAW_BYTES:
+                stride = (x1 - x0) * _RAW_BYTES[rawmode]
+        if stride > 0:
+            return offset + stride * (y1 - y0) <= size
+    return True
+
+
+def check_image_file(path: str | Path) -> str | None:
+    """None if the image file looks whole, else what is wrong with it.
+
+    Reads the header (format, size) and the end of the file (``_end_looks_whole``); only a
+    file whose end looks wrong is decoded in full, so a good file costs one open and two
+    small reads.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return "the file is empty"
+            with Image.open(f) as img:
+                width, height = img.size
+                if width < 1 or height < 1:
+                    return f"its header says {width}x{height} pixels"
+                if _end_looks_whole(f, img, size):
+                    return None
+        with Image.open(path) as img:
+            img.load()
+        return None
+    except MemoryError:
+        raise
+    except Exception as exc:  # Pillow raises many types for damaged files
+        return image_fault(exc)
+
+
+@dataclass
+class ImageCheck:
+    """What ``check_images`` found.
+
+    Attributes:
+        checked: image files checked (both splits).
+        seconds: wall time of the check.
+        bad: (split, path, what is wrong) for each bad file.
+        policy: data.on_bad_image: "error" or "skip" (skipped files are left out).
+    """
+
+    checked: int
+    seconds: float
+    bad: list[tuple[str, str, str]]
+    policy: str
+
+
 # --- base datasets ---------------------------------------------------------------------
 
 
@@ -82,6 +212,10 @@ class LabeledDataset(Dataset):
 
     classes: list[str]
     targets: list[int]
+
+    def image_paths(self) -> list[Path] | None:
+        """The image file of each sample, or None where samples are not files (arrays)."""
+        return None
 
 
 class FileListDataset(LabeledDataset):
@@ -95,13 +229,18 @@ class FileListDataset(LabeledDataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def image_paths(self) -> list[Path]:
+        return [Path(p) for p, _ in self.samples]
+
     def __getitem__(self, index: int):
         path, label = self.samples[index]
         try:
             with Image.open(path) as img:
                 return img.convert("RGB"), label
-        except OSError as exc:
-            raise DataError(f"cannot read image {path}: {exc}") from None
+        except MemoryError:
+            raise
+        except Exception as exc:  # Pillow raises many types for damaged files
+            raise bad_image_error(path, image_fault(exc)) from None
 
 
 class ArrayDataset(LabeledDataset):
@@ -120,19 +259,34 @@ class ArrayDataset(LabeledDataset):
 
 
 class TorchvisionDataset(LabeledDataset):
-    """A torchvision dataset (built without transforms) with classes and targets exposed."""
+    """A torchvision dataset (built without transforms) with classes and targets exposed.
 
-    def __init__(self, dataset, targets: list[int], classes: list[str]):
+    ``files``: the image file of each sample where the dataset reads files (Flowers102,
+    OxfordIIITPet), so bad files are checked and named like an ImageFolder's.
+    """
+
+    def __init__(self, dataset, targets: list[int], classes: list[str], files: list | None = None):
         self.dataset = dataset
         self.targets = [int(t) for t in targets]
         self.classes = list(classes)
+        self.files = [Path(f) for f in files] if files is not None else None
+
+    def image_paths(self) -> list[Path] | None:
+        return self.files
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        img, _ = self.dataset[index]
-        return img.convert("RGB"), self.targets[index]
+        try:
+            img, _ = self.dataset[index]
+            return img.convert("RGB"), self.targets[index]
+        except MemoryError:
+            raise
+        except Exception as exc:
+            if self.files is None:
+                raise
+            raise bad_image_error(self.files[index], image_fault(exc)) from None
 
 
 class SubsetDataset(LabeledDataset):
@@ -148,9 +302,21 @@ class SubsetDataset(LabeledDataset):
     def __len__(self) -> int:
         return len(self.indices)
 
+    def image_paths(self) -> list[Path] | None:
+        paths = self.base.image_paths()
+        return None if paths is None else [paths[i] for i in self.indices]
+
     def __getitem__(self, index: int):
         img, label = self.base[self.indices[index]]
         return img, self.label_map[label]
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Stands for a sample whose image could not be read, under data.on_bad_image: skip."""
+
+    path: str
+    reason: str
 
 
 class TransformedDataset(Dataset):
@@ -158,29 +324,174 @@ class TransformedDataset(Dataset):
 
     torchvision's random transforms draw from torch's global generator; seeding it per
     sample (inside ``fork_rng``, so the caller's generator is untouched) makes the
-    augmentation a function of (seed, epoch, index) only.
+    augmentation a function of (seed, epoch, index) only. With ``skip_bad`` a sample whose
+    image cannot be read comes back as ``Skipped`` (``collate`` drops it) instead of raising.
     """
 
-    def __init__(self, base: LabeledDataset, transform, seed: int = 0):
+    def __init__(self, base: LabeledDataset, transform, seed: int = 0, skip_bad: bool = False):
         self.base = base
         self.transform = transform
         self.seed = int(seed)
+        self.skip_bad = bool(skip_bad)
         self.classes = base.classes
         self.targets = base.targets
 
     def __len__(self) -> int:
         return len(self.base)
 
+    def _load(self, index: int):
+        try:
+            return self.base[index]
+        except BadImageError as exc:
+            if not self.skip_bad:
+                raise
+            return Skipped(getattr(exc, "path", f"sample {index}"), getattr(exc, "fault", str(exc))), None
+
     def __getitem__(self, key):
         if isinstance(key, tuple):
             index, epoch = key
-            img, label = self.base[index]
+            img, label = self._load(index)
+            if isinstance(img, Skipped):
+                return img
             sample_seed = (self.seed * 1_000_003 + epoch) * 10_000_019 + index
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(sample_seed % (2**63))
                 return self.transform(img), label
-        img, label = self.base[key]
+        img, label = self._load(key)
+        if isinstance(img, Skipped):
+            return img
         return self.transform(img), label
+
+
+class Batch(tuple):
+    """``(images, labels)`` plus ``skipped``: the Skipped samples left out of this batch.
+
+    Unpacks like the usual pair. ``images`` and ``labels`` are None when every sample of
+    the batch was skipped.
+    """
+
+    skipped: tuple[Skipped, ...]
+
+    def __new__(cls, images, labels, skipped=()):
+        batch = super().__new__(cls, (images, labels))
+        batch.skipped = tuple(skipped)
+        return batch
+
+    def __reduce__(self):
+        return (Batch, (self[0], self[1], self.skipped))
+
+    def pin_memory(self):  # DataLoader(pin_memory=True) calls this on custom batch types
+        images, labels = self
+        if images is None:
+            return self
+        return Batch(images.pin_memory(), labels.pin_memory(), self.skipped)
+
+
+def collate(samples: list) -> Batch:
+    """default_collate of the readable samples; the Skipped ones are named in ``Batch.skipped``."""
+    skipped = [s for s in samples if isinstance(s, Skipped)]
+    kept = [s for s in samples if not isinstance(s, Skipped)]
+    if not kept:
+        return Batch(None, None, skipped)
+    images, labels = default_collate(kept)
+    return Batch(images, labels, skipped)
+
+
+def worker_error(exc: BaseException) -> ResourceError | None:
+    """A DataLoader worker's death (killed for memory, out of shared memory) as one line; else None."""
+    text = str(exc)
+    if not (isinstance(exc, RuntimeError) and text.startswith("DataLoader worker")):
+        return None
+    return ResourceError(
+        f"a data-loading worker died ({text.splitlines()[0].rstrip('. ')}): usually out of memory or "
+        "out of shared memory (/dev/shm); lower train.workers (0 loads in the main process) or give "
+        "the container more (docker run --shm-size)"
+    )
+
+
+@contextlib.contextmanager
+def loader_errors():
+    """Iterate a loader inside this: a worker's death becomes ``worker_error``'s one line."""
+    try:
+        yield
+    except RuntimeError as exc:
+        error = worker_error(exc)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _map_io(fn, items: list) -> list:
+    """``[fn(x) for x in items]`` on a few threads: the check mostly waits for the disk (a cold
+    cache, an SD card), and threads overlap those waits."""
+    if len(items) < 64:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
+        return list(pool.map(fn, items, chunksize=64))
+
+
+def drop_samples(dataset: LabeledDataset, bad: set[int]) -> LabeledDataset:
+    """``dataset`` without the samples at ``bad`` (labels unchanged)."""
+    keep = [i for i in range(len(dataset)) if i not in bad]
+    identity = {c: c for c in range(len(dataset.classes))}
+    return SubsetDataset(dataset, keep, identity, list(dataset.classes))
+
+
+def check_images(splits: "DataSplits", policy: str = "error") -> "DataSplits":
+    """Check every image file of both splits (``check_image_file``) before any training.
+
+    Args:
+        splits: from ``build_datasets``.
+        policy: "error" raises a one-line DataError naming the first bad file (all of them
+            are logged at INFO); "skip" logs each bad file once (WARNING) and leaves it out.
+
+    Returns:
+        The splits (without the bad files under "skip") with ``image_check`` set.
+    """
+    if policy not in BAD_IMAGE_POLICIES:
+        raise ConfigError(f"data.on_bad_image: {policy!r} is not allowed; allowed: {', '.join(BAD_IMAGE_POLICIES)}")
+    t0 = time.perf_counter()
+    checked = 0
+    bad: list[tuple[str, str, str]] = []
+    kept = {}
+    for name in SPLITS:
+        ds: TransformedDataset = getattr(splits, name)
+        paths = ds.base.image_paths()
+        if paths is None:
+            kept[name] = ds
+            continue
+        bad_here = set()
+        for i, (path, fault) in enumerate(zip(paths, _map_io(check_image_file, paths))):
+            if fault is not None:
+                bad.append((name, str(path), fault))
+                bad_here.add(i)
+        checked += len(paths)
+        if bad_here and policy == "skip":
+            base = drop_samples(ds.base, bad_here)
+            if len(base) == 0:
+                raise DataError(f"every image of the {name} split is unreadable (first: {bad[-1][1]}: {bad[-1][2]})")
+            ds = TransformedDataset(base, ds.transform, seed=ds.seed, skip_bad=ds.skip_bad)
+        kept[name] = ds
+    seconds = time.perf_counter() - t0
+    for name, path, fault in bad:
+        if policy == "skip":
+            log.warning("skipping unreadable image %s: %s", path, fault)
+        else:
+            log.info("unreadable image (%s split) %s: %s", name, path, fault)
+    if bad and policy == "error":
+        _, path, fault = bad[0]
+        if len(bad) == 1:
+            raise DataError(f"image file {path} cannot be read: {fault}; fix or remove it, or set "
+                            "data.on_bad_image: skip")
+        raise DataError(
+            f"{len(bad)} of {checked} image files cannot be read, first {path}: {fault} (-v lists all); "
+            "fix or remove them, or set data.on_bad_image: skip"
+        )
+    log.info("checked %d image files in %.2f s: %d bad", checked, seconds, len(bad))
+    return DataSplits(train=kept["train"], val=kept["val"], classes=splits.classes,
+                      image_check=ImageCheck(checked, seconds, bad, policy))
 
 
 # --- ImageFolder -----------------------------------------------------------------------
@@ -388,13 +699,14 @@ def _torchvision_preset(preset: str, root: str | Path | None, split: str, downlo
                 parts = [tvd.Flowers102(root, split=s, download=download) for s in ("train", "val")]
                 ds = torch.utils.data.ConcatDataset(parts)
                 targets = [t for p in parts for t in p._labels]
+                files = [f for p in parts for f in p._image_files]
             else:
                 ds = tvd.Flowers102(root, split="test", download=download)
-                targets = ds._labels
-            return TorchvisionDataset(ds, targets, [f"flower_{i:03d}" for i in range(102)])
+                targets, files = ds._labels, ds._image_files
+            return TorchvisionDataset(ds, targets, [f"flower_{i:03d}" for i in range(102)], files)
         if preset == "pets":
             ds = tvd.OxfordIIITPet(root, split="trainval" if train else "test", target_types="category", download=download)
-            return TorchvisionDataset(ds, ds._labels, ds.classes)
+            return TorchvisionDataset(ds, ds._labels, ds.classes, ds._images)
     except RuntimeError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DataError(
@@ -469,11 +781,13 @@ def select(
 
 @dataclass
 class DataSplits:
-    """Transformed train and val datasets and the class names (label order)."""
+    """Transformed train and val datasets, the class names (label order), and what
+    ``check_images`` found (None until it ran)."""
 
     train: TransformedDataset
     val: TransformedDataset
     classes: list[str]
+    image_check: ImageCheck | None = None
 
     @property
     def num_classes(self) -> int:
@@ -490,26 +804,37 @@ def build_datasets(
     max_val_samples: int | None = None,
     download: bool = False,
     seed: int = 0,
+    on_bad_image: str = "error",
+    check: bool = True,
 ) -> DataSplits:
-    """Train/val datasets of a preset with DESIGN 3 transforms, class subset and caps applied."""
+    """Train/val datasets of a preset with DESIGN 3 transforms, class subset and caps applied.
+
+    Args:
+        on_bad_image: "error" or "skip": what an unreadable image file does (``check_images``).
+        check: check every image file now (``check_images``); False leaves it to the caller.
+    """
+    if on_bad_image not in BAD_IMAGE_POLICIES:
+        raise ConfigError(f"data.on_bad_image: {on_bad_image!r} is not allowed; allowed: {', '.join(BAD_IMAGE_POLICIES)}")
     train = select(load_split(preset, root, "train", download), classes, max_samples, seed)
     val = select(load_split(preset, root, "val", download), classes, max_val_samples, seed)
     if len(train) == 0 or len(val) == 0:
         raise DataError(f"{preset} at {root}: no samples left after selecting classes {list(classes or [])}")
-    return DataSplits(
-        train=TransformedDataset(train, train_transform(resolution), seed=seed),
-        val=TransformedDataset(val, eval_transform(resolution), seed=seed),
+    skip = on_bad_image == "skip"
+    splits = DataSplits(
+        train=TransformedDataset(train, train_transform(resolution), seed=seed, skip_bad=skip),
+        val=TransformedDataset(val, eval_transform(resolution), seed=seed, skip_bad=skip),
         classes=list(train.classes),
     )
+    return check_images(splits, on_bad_image) if check else splits
 
 
-def datasets_from_recipe(recipe) -> DataSplits:
+def datasets_from_recipe(recipe, check: bool = True) -> DataSplits:
     """``build_datasets`` with a Recipe's data section and train.seed."""
     d = recipe.data
     return build_datasets(
         preset=d.preset, resolution=d.resolution, root=d.root, classes=d.classes,
         max_samples=d.max_samples, max_val_samples=d.max_val_samples, download=d.download,
-        seed=recipe.train.seed,
+        seed=recipe.train.seed, on_bad_image=d.on_bad_image, check=check,
     )
 
 
@@ -600,6 +925,7 @@ def build_loader(
         drop_last=drop_last,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
+        collate_fn=collate,
         # The loader's own seed draw must not consume the global generator (dropout uses it).
         generator=torch.Generator().manual_seed(seed),
     )

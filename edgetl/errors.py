@@ -19,3 +19,7 @@ class CapabilityError(EdgetlError):
 
 class BudgetError(EdgetlError):
     """A configuration does not fit the memory budget."""
+
+
+class ResourceError(EdgetlError):
+    """The machine lacks what a run needs: disk space, a writable file, memory for a data worker."""

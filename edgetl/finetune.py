@@ -7,6 +7,10 @@ anything is trained, the runtime accounting predicts the peak for the batch and 
 that would not fit ``budget_bytes`` is refused with the breakdown and the largest batch
 that fits.
 
+Before the run folder exists, every image file is checked (``edgetl.data.check_images``,
+``data.on_bad_image``), the resolution against the side network's minimum, and the disk
+against what the run will write (``edgetl.train.check_disk``).
+
 Run folder: ``recipe.yaml``, ``metrics.csv``/``metrics.jsonl``, ``last.pt``/``best.pt``
 (the training loop's resumable checkpoints, lean layout), and at the end ``model.json``
 + ``model.pt``: the best weights in the stock torchvision layout, which ``edgetl export``
@@ -20,18 +24,21 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from edgetl.errors import BudgetError, ConfigError
+from edgetl.errors import BudgetError, ConfigError, EdgetlError
 from edgetl.io import atomic_text_json, atomic_torch_save
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.models.backbone import BackboneSpec, EdgeNet, build_backbone, load_backbone
-from edgetl.models.side import LeanOptions, build_side_network, make_lean, set_trainable
+from edgetl.models.side import LeanOptions, build_side_network, check_resolution, make_lean, set_trainable
 from edgetl.profile import LEAN_MODES, describe_runtime
 from edgetl.recipe import Recipe
+
+if TYPE_CHECKING:
+    from edgetl.data import ImageCheck
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,7 @@ def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "
         net = build_backbone(BackboneSpec(width=m.width, num_classes=num_classes), device=device)
     if m.mode.startswith("repnet"):
         net.attach_side(build_side_network(net))
+        check_resolution(net, recipe.data.resolution, recipe.train.batch_size)
     set_trainable(net, m.mode)
     return net
 
@@ -161,6 +169,8 @@ class FinetuneResult:
     measured_peak_bytes: int | None
     history: list[dict] = field(default_factory=list)
     classes: list[str] = field(default_factory=list)
+    image_check: ImageCheck | None = None
+    skipped: dict[str, str] = field(default_factory=dict)  # images left out while training
 
 
 def finetune(
@@ -174,6 +184,7 @@ def finetune(
     on_step: Callable[[dict], None] | None = None,
     on_epoch: Callable[[dict], None] | None = None,
     on_preflight: Callable[[MemoryReport, int | None], None] | None = None,
+    on_images: Callable[[ImageCheck], None] | None = None,
 ) -> FinetuneResult:
     """Fine-tune per ``recipe`` into ``out_dir`` (resumable), within ``budget_bytes``.
 
@@ -187,17 +198,19 @@ def finetune(
             training (the measured peak shown beside the prediction).
         on_step, on_epoch: progress callbacks of edgetl.train.fit.
         on_preflight: called with the prediction and the measured peak before training.
+        on_images: called with what the check of every image file found, before training.
     """
-    from edgetl.data import datasets_from_recipe, loaders_from_recipe
-    from edgetl.train import fit, is_main_process, seed_everything, setup_distributed
+    from edgetl.data import check_images, datasets_from_recipe, loaders_from_recipe
+    from edgetl.train import fit, is_main_process, saved_file_bytes, seed_everything, setup_distributed
 
     device = setup_distributed(device)
     out_dir = Path(out_dir)
     options = lean_options(recipe)
-    splits = datasets_from_recipe(recipe)
+    splits = datasets_from_recipe(recipe, check=False)
     seed_everything(recipe.train.seed)
     net = build_model(recipe, splits.num_classes, device="cpu")
     predicted = preflight(net, recipe, budget_bytes)
+    splits = check_images(splits, recipe.data.on_bad_image)
     stock = copy.deepcopy(net)
     if options is not None:
         from edgetl.memory.runtime import fit_whole_batch_backward
@@ -215,6 +228,8 @@ def finetune(
         del probe
     if on_preflight is not None:
         on_preflight(predicted, measured)
+    if on_images is not None:
+        on_images(splits.image_check)
 
     train_loader, val_loader = loaders_from_recipe(recipe, splits, pin_memory=device.type == "cuda")
     # The lean layers run the backbone in the activation dtype themselves; autocast on top
@@ -223,11 +238,17 @@ def finetune(
     if options is not None and recipe.model.precision != "fp32":
         fit_recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, precision="fp32"))
     result = fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=fit_recipe,
-                 out_dir=out_dir, device=device, resume=resume, on_step=on_step, on_epoch=on_epoch)
+                 out_dir=out_dir, device=device, resume=resume, on_step=on_step, on_epoch=on_epoch,
+                 final_files={MODEL_WEIGHTS: saved_file_bytes(stock.state_dict())})
     if is_main_process():
-        _write_model(out_dir, net, stock, recipe, splits.classes, options, predicted.lean)
+        try:
+            _write_model(out_dir, net, stock, recipe, splits.classes, options, predicted.lean)
+        except EdgetlError as exc:
+            exc.args = (f"{exc}; training finished and {out_dir} keeps last.pt: fix the cause and add "
+                        f"--resume to write {MODEL_WEIGHTS} and {MODEL_JSON}",)
+            raise
     return FinetuneResult(out_dir, result.best_acc1, result.best_epoch, predicted, measured,
-                          result.history, splits.classes)
+                          result.history, splits.classes, splits.image_check, result.skipped)
 
 
 def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, classes: list[str],

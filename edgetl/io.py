@@ -1,4 +1,9 @@
-"""Atomic file writes: a path and content in, the file appearing whole (or not at all) out."""
+"""Atomic file writes: a path and content in, the file appearing whole (or not at all) out.
+
+A write that fails (full disk, read-only folder, file-size limit) raises a one-line
+ResourceError naming the file, about what it needed and what is free there; the
+temporary file is removed and an earlier version of the file stays as it was.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from edgetl.errors import ResourceError
+
+MB = 1_000_000
 
 
 def _umask() -> int:
@@ -33,10 +42,61 @@ def _tmp_beside(path: Path) -> Path:
     return Path(tmp)
 
 
+def existing_folder(path: str | Path) -> Path:
+    """``path`` itself if it is a folder, else its nearest ancestor that exists."""
+    path = Path(path).absolute()
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes free for this user on the filesystem that holds (or would hold) ``path``."""
+    return shutil.disk_usage(existing_folder(path)).free
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of tensor data torch.save writes for ``obj``: each storage once, whole."""
+    seen: dict[tuple, int] = {}
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[(storage.device.type, storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    return sum(seen.values())
+
+
+def write_error(path: Path, exc: BaseException, needed_bytes: int | None = None) -> ResourceError:
+    """A one-line ResourceError for a failed write of ``path``: the cause, what it needed, what is free."""
+    cause = exc if isinstance(exc, OSError) else exc.__context__
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror.lower()
+    else:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    free = free_bytes(path)
+    need = f"about {needed_bytes / MB:.1f} MB needed, " if needed_bytes else ""
+    return ResourceError(f"cannot write {path}: {reason} ({need}{free / MB:.1f} MB free in {existing_folder(path.parent)})")
+
+
+def _tmp_or_error(path: Path) -> Path:
+    try:
+        return _tmp_beside(path)
+    except OSError as exc:
+        raise write_error(path, exc) from None
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename."""
     path = Path(path)
-    tmp = _tmp_beside(path)
+    tmp = _tmp_or_error(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -44,6 +104,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             os.fsync(f.fileno())
         tmp.chmod(0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, exc, len(data)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -69,13 +132,25 @@ def atomic_text_json(path: str | Path, data) -> None:
 
 
 def atomic_torch_save(obj, path: str | Path) -> None:
-    """torch.save through a temporary file, so a killed run never leaves half a checkpoint."""
+    """torch.save through a temporary file, so a killed run never leaves half a checkpoint.
+
+    torch.save writes into a Python file object: a failing write then carries the OSError
+    (e.g. "no space left on device") as the context of torch's own error.
+    """
     path = Path(path)
-    tmp = _tmp_beside(path)
+    tmp = _tmp_or_error(path)
     try:
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
         tmp.chmod(0o666 & ~_umask())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, RuntimeError) and not isinstance(exc.__context__, OSError):
+            raise  # not a write failure
+        raise write_error(path, exc, tensor_bytes(obj)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -62,6 +62,8 @@ class DataConfig:
         max_samples: cap on training samples (class-balanced, fixed by train.seed).
         max_val_samples: cap on validation samples.
         download: let torchvision download the preset (never done unless asked).
+        on_bad_image: what an unreadable image file does: "error" stops before training
+            with its name; "skip" leaves it out (each logged once, counted in the summary).
     """
 
     preset: Preset
@@ -71,6 +73,7 @@ class DataConfig:
     max_samples: int | None = None
     max_val_samples: int | None = None
     download: bool = False
+    on_bad_image: Literal["error", "skip"] = "error"
 
     def check(self, where: str) -> None:
         if self.resolution < 32:

@@ -8,7 +8,14 @@ only) are plain dicts written atomically and loadable with ``weights_only=True``
 mid-epoch ``last.pt`` every ``train.checkpoint_every`` steps carries the step, the
 optimizer/scheduler/scaler states and every rank's RNG states, so a resumed run ends
 with exactly the weights an uninterrupted one would (the data order and augmentation
-are functions of seed, epoch and index: see edgetl.data).
+are functions of seed, epoch and index: see edgetl.data). ``best.pt`` holds the weights
+only (no optimizer state): nothing resumes from it.
+
+Failures: before the run folder is made, the disk is checked for everything the run will
+write (``disk_need``). At an epoch end ``last.pt`` is written before ``best.pt``, so a
+failed write leaves a resumable ``last.pt`` (``best.pt``, if it lags, is restored from it
+on resume). A run that fails before its first ``last.pt`` removes the files it wrote and
+the folder it made; one that fails later keeps them and its error says how to resume.
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from edgetl.errors import CapabilityError, ConfigError, DataError
-from edgetl.io import atomic_torch_save, atomic_write_text
+from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError, ResourceError
+from edgetl.io import MB, atomic_torch_save, atomic_write_text, existing_folder, free_bytes, tensor_bytes
 from edgetl.recipe import OptimConfig, Recipe
 
 log = logging.getLogger(__name__)
@@ -44,7 +51,12 @@ LAST, BEST = "last.pt", "best.pt"
 RECIPE_FILE = "recipe.yaml"
 METRICS_CSV, METRICS_JSONL = "metrics.csv", "metrics.jsonl"
 # Recipe keys that may change between a run and its resume without changing the result.
-RESUME_MAY_CHANGE = ("data.root", "data.download", "train.workers")
+RESUME_MAY_CHANGE = ("data.root", "data.download", "data.on_bad_image", "train.workers")
+# Upper bounds of what torch.save adds to the tensor data: zip headers, 64-byte alignment and
+# pickled key names per tensor (about 330 B measured), the pickle, recipe and RNG states.
+FILE_BYTES_PER_TENSOR = 512
+FILE_BYTES_FIXED = 64 * 1024
+METADATA_BYTES = 256 * 1024  # recipe.yaml, metrics.csv/jsonl
 
 
 # --- distributed helpers ---------------------------------------------------------------
@@ -259,6 +271,87 @@ def _recipe_differences(saved: dict, current: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in RESUME_MAY_CHANGE)
 
 
+def saved_file_bytes(tensors) -> int:
+    """Upper bound of the size of a torch.save file holding ``tensors`` (nested dicts/lists)."""
+    count = [0]
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            count[0] += 1
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(tensors)
+    return tensor_bytes(tensors) + FILE_BYTES_PER_TENSOR * count[0] + FILE_BYTES_FIXED
+
+
+def optimizer_state_shapes(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Empty (meta) tensors shaped like the state the optimizer will hold after its first step.
+
+    Adam/AdamW: two moments like each parameter and a scalar step; SGD: a momentum buffer when
+    momentum is on. Other optimizers are assumed to hold two moments (an upper bound for most).
+    """
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(optimizer, torch.optim.SGD):
+                moments, step = (1 if group.get("momentum") else 0), False
+            else:
+                moments, step = 2, True
+            out += [torch.empty_like(p, device="meta") for _ in range(moments)]
+            if step:
+                out.append(torch.empty((), dtype=torch.float32, device="meta"))
+    return out
+
+
+def _meta_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def checkpoint_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size: int = 1) -> int:
+    """Upper bound of the size of ``last.pt`` (optimizer given) or ``best.pt`` (weights only)."""
+    size = saved_file_bytes(unwrap(model).state_dict())
+    if optimizer is not None:
+        state = optimizer_state_shapes(optimizer)
+        rank_state = {"rng": rng_state(), "sums": torch.zeros(3, dtype=torch.float64)}
+        size += _meta_bytes(state) + FILE_BYTES_PER_TENSOR * len(state)
+        size += world_size * (saved_file_bytes(rank_state) - FILE_BYTES_FIXED)
+    return size
+
+
+def disk_need(out_dir: str | Path, files: dict[str, int]) -> tuple[int, int]:
+    """(bytes a run still needs on disk, bytes free there) for a run folder writing ``files``.
+
+    ``files`` maps file name to its size bound; the first two are last.pt and best.pt,
+    rewritten through a temporary copy while the old one still exists, the rest (the
+    stage's final artifacts) written once after them. Files already there (a resumed run)
+    count as written.
+    """
+    out_dir = Path(out_dir)
+    sizes = list(files.values())
+    peak = sum(sizes[:2]) + max([*sizes[:2], sum(sizes[2:])]) + METADATA_BYTES
+    present = sum((out_dir / name).stat().st_size for name in files if (out_dir / name).is_file())
+    return max(0, peak - present), free_bytes(out_dir)
+
+
+def check_disk(out_dir: str | Path, files: dict[str, int]) -> int:
+    """Refuse (ResourceError, one line) a run whose files would not fit the free disk space."""
+    need, free = disk_need(out_dir, files)
+    if need > free:
+        parts = ", ".join(f"{name} {size / MB:.1f}" for name, size in files.items())
+        raise ResourceError(
+            f"not enough disk space for run folder {out_dir}: it needs up to {need / MB:.1f} MB ({parts} MB, "
+            f"and a checkpoint is written beside the old one before replacing it), "
+            f"{free / MB:.1f} MB free in {existing_folder(out_dir)}"
+        )
+    log.info("disk: the run needs up to %.1f MB, %.1f MB free in %s", need / MB, free / MB, existing_folder(out_dir))
+    return need
+
+
 # --- metrics ---------------------------------------------------------------------------
 
 
@@ -284,14 +377,78 @@ def read_metrics(out_dir: str | Path) -> list[dict]:
 # --- the loop --------------------------------------------------------------------------
 
 
+def best_checkpoint(ckpt: dict) -> dict:
+    """best.pt from a last.pt dict: the weights and where they come from, no optimizer state."""
+    keys = ("format", "model", "epoch", "step_in_epoch", "global_step", "best_acc1", "best_epoch",
+            "world_size", "recipe")
+    return {k: ckpt[k] for k in keys}
+
+
+def _restore_best(out_dir: Path, ckpt: dict) -> None:
+    """Rewrite best.pt from last.pt when last.pt is the best epoch's end and best.pt lags.
+
+    (last.pt is written first; a failure between the two writes leaves best.pt behind.)
+    """
+    best_epoch = ckpt["best_epoch"]
+    if best_epoch is None:
+        return
+    path = out_dir / BEST
+    try:
+        held = load_checkpoint(path)["epoch"] if path.is_file() else None
+    except DataError:
+        held = None
+    if held == best_epoch:
+        return
+    if ckpt["epoch"] == best_epoch and ckpt["step_in_epoch"] == 0:
+        log.warning("%s lags %s (epoch %s, best %d): rewriting it from %s", BEST, LAST, held, best_epoch, LAST)
+        atomic_torch_save(best_checkpoint(ckpt), path)
+    else:
+        log.warning("%s does not hold the best epoch %d and %s cannot restore it", path, best_epoch, LAST)
+
+
+def _after_failure(exc: BaseException, out_dir: Path, created: list[Path], saved: tuple[int, int] | None):
+    """Clean up or explain after the loop failed; returns the exception to raise.
+
+    Before the first last.pt (``saved`` None) the files and folder this run made are removed:
+    nothing of it could be resumed. Later the folder stays and an EdgetlError's message says
+    from where ``--resume`` continues.
+    """
+    from edgetl.data import worker_error
+
+    exc = worker_error(exc) or exc
+    if not is_main_process():
+        return exc
+    if saved is None:
+        for path in created:
+            if path != out_dir:
+                path.unlink(missing_ok=True)
+        for name in (RECIPE_FILE, METRICS_CSV, METRICS_JSONL, LAST, BEST):
+            for tmp in out_dir.glob(f".{name}.*.tmp"):
+                tmp.unlink(missing_ok=True)
+        if out_dir in created:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        return exc
+    epoch, step = saved
+    where = f"after epoch {epoch}" if step == 0 else f"at epoch {epoch + 1} step {step}"
+    note = f"{out_dir} keeps {LAST} ({where}): add --resume to continue once that is fixed"
+    if isinstance(exc, EdgetlError):
+        exc.args = (f"{exc}; {note}",)
+    else:
+        log.warning(note)
+    return exc
+
+
 @dataclass
 class FitResult:
-    """What a run produced; ``history`` has one metrics dict per epoch (as metrics.jsonl)."""
+    """What a run produced; ``history`` has one metrics dict per epoch (as metrics.jsonl),
+    ``skipped`` maps each image the loaders left out (data.on_bad_image: skip) to its fault."""
 
     out_dir: Path
     best_acc1: float | None
     best_epoch: int | None
     history: list[dict] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def last_path(self) -> Path:
@@ -324,18 +481,36 @@ def _autocast(device: torch.device, precision: str):
     return (lambda: torch.autocast("cuda", dtype=dtype)), scaler
 
 
+def note_skipped(batch, skipped: dict[str, str] | None) -> None:
+    """Record (and log once) the unreadable images a batch left out (edgetl.data.Batch.skipped)."""
+    for sample in getattr(batch, "skipped", ()):
+        if skipped is not None and sample.path not in skipped:
+            skipped[sample.path] = sample.reason
+            log.warning("skipped unreadable image %s: %s", sample.path, sample.reason)
+
+
 def evaluate(
-    model: nn.Module, loader, device: torch.device | str, precision: str = "fp32"
+    model: nn.Module, loader, device: torch.device | str, precision: str = "fp32",
+    skipped: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """Top-1 accuracy (%) and mean cross-entropy (no smoothing) over the loader, summed over ranks."""
+    """Top-1 accuracy (%) and mean cross-entropy (no smoothing) over the loader, summed over ranks.
+
+    ``skipped`` collects path -> fault of images the loader left out (data.on_bad_image: skip).
+    """
+    from edgetl.data import loader_errors
+
     device = torch.device(device)
     autocast, _ = _autocast(device, precision)
     model = unwrap(model)
     was_training = model.training
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
-    with torch.no_grad(), autocast():
-        for images, labels in loader:
+    with torch.no_grad(), autocast(), loader_errors():
+        for batch in loader:
+            note_skipped(batch, skipped if skipped is not None else {})
+            images, labels = batch
+            if images is None:
+                continue
             images = images.to(device, dtype=input_dtype(model), non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             logits = model(images).float()
@@ -372,6 +547,7 @@ def fit(
     on_step: Callable[[dict], None] | None = None,
     on_epoch: Callable[[dict], None] | None = None,
     teacher: nn.Module | None = None,
+    final_files: dict[str, int] | None = None,
 ) -> FitResult:
     """Train ``model`` per ``recipe``, evaluating every epoch; write the run folder.
 
@@ -390,6 +566,8 @@ def fit(
             loss, lr} (the CLI draws progress from it; the library never prints).
         on_epoch: called after each epoch with that epoch's metrics row.
         teacher: distillation teacher (needs the recipe's distill section).
+        final_files: name -> size bound of what the caller writes into ``out_dir`` after
+            training (e.g. finetune's model.pt), for the disk check.
 
     Under torchrun call ``setup_distributed`` before building the loaders; the model is
     then wrapped in DDP and only rank 0 writes.
@@ -463,9 +641,20 @@ def fit(
             sums = [float(v) for v in states[rank]["sums"].tolist()]
         history = [r for r in read_metrics(out_dir) if r["epoch"] <= start_epoch]
         log.info("resuming %s at epoch %d step %d", out_dir, start_epoch + 1, start_step)
+        if is_main_process():
+            _restore_best(out_dir, ckpt)
+        del ckpt
+    created: list[Path] = []  # what this call made, removed if it fails before its first last.pt
     if is_main_process():
+        check_disk(out_dir, {LAST: checkpoint_bytes(model, optimizer, world),
+                             BEST: checkpoint_bytes(model, None), **(final_files or {})})
+        if not out_dir.exists():
+            created.append(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
+        created += [out_dir / n for n in (RECIPE_FILE, METRICS_CSV, METRICS_JSONL, BEST) if not (out_dir / n).exists()]
         atomic_write_text(out_dir / RECIPE_FILE, recipe.to_yaml())
+    saved = (start_epoch, start_step) if resume else None  # where the newest last.pt resumes
+    skipped: dict[str, str] = {}
 
     net = model
     if world > 1:
@@ -473,12 +662,14 @@ def fit(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
 
-    def save(path: Path, epoch: int, step: int) -> None:
+    def save(epoch: int, step: int, best: bool = False) -> None:
+        """last.pt, then (``best``) best.pt: weights only, as nothing resumes from it."""
+        nonlocal saved
         # Collective (gathers every rank's RNG state), so every rank calls it.
         state = _gather({"rng": rng_state(), "sums": torch.tensor(sums, dtype=torch.float64)})
         if not is_main_process():
             return
-        atomic_torch_save({
+        ckpt = {
             "format": CHECKPOINT_FORMAT,
             "model": unwrap(model).state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -492,7 +683,12 @@ def fit(
             "world_size": world,
             "rank_state": state,
             "recipe": recipe.to_dict(),
-        }, path)
+        }
+        atomic_torch_save(ckpt, last_path)
+        saved = (epoch, step)
+        created.clear()  # from here on the folder is a resumable run
+        if best:
+            atomic_torch_save(best_checkpoint(ckpt), out_dir / BEST)
 
     if rank_rng is not None:
         set_rng_state(rank_rng)
@@ -502,85 +698,100 @@ def fit(
 
     every = recipe.train.checkpoint_every
     distill = recipe.distill
-    for epoch in range(start_epoch, epochs):
-        first = start_step if epoch == start_epoch else 0
-        if epoch != start_epoch:
-            sums = [0.0, 0.0, 0.0]
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        if hasattr(sampler, "set_start"):
-            sampler.set_start(first * train_loader.batch_size)
-        batches = iter(train_loader)
-        if first and not hasattr(sampler, "set_start"):
-            log.warning("loader cannot start mid-epoch; skipping %d batches", first)
-            for _ in range(first):
-                next(batches)
-        _set_train_mode(net, recipe.model.bn)
-        t0, seen = time.perf_counter(), 0
-        for step, (images, labels) in enumerate(batches, start=first):
-            images = images.to(device, dtype=input_dtype(model), non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
-            with autocast():
-                logits = net(images)
-                loss = label_loss(logits, labels)
-                if distill is not None:
-                    with torch.no_grad():
-                        t_logits = teacher(images)
-                    loss = (1 - distill.weight) * loss + distill.weight * distill_loss(
-                        logits.float(), t_logits.float(), distill.temperature
-                    )
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
-            scheduler.step()
-            loss_value = loss.item()
-            n = labels.numel()
-            sums[0] += loss_value * n
-            sums[1] += (logits.detach().argmax(1) == labels).sum().item()
-            sums[2] += n
-            seen += n
-            if on_step is not None:
-                on_step({
-                    "epoch": epoch, "epochs": epochs, "step": step + 1, "steps": steps_per_epoch,
-                    "global_step": epoch * steps_per_epoch + step + 1, "loss": loss_value,
-                    "lr": optimizer.param_groups[0]["lr"],
-                })
-            if every and (step + 1) % every == 0 and step + 1 < steps_per_epoch:
-                save(last_path, epoch, step + 1)
+    try:
+        for epoch in range(start_epoch, epochs):
+            first = start_step if epoch == start_epoch else 0
+            if epoch != start_epoch:
+                sums = [0.0, 0.0, 0.0]
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            if hasattr(sampler, "set_start"):
+                sampler.set_start(first * train_loader.batch_size)
+            batches = iter(train_loader)
+            if first and not hasattr(sampler, "set_start"):
+                log.warning("loader cannot start mid-epoch; skipping %d batches", first)
+                for _ in range(first):
+                    next(batches)
+            _set_train_mode(net, recipe.model.bn)
+            t0, seen = time.perf_counter(), 0
+            for step, batch in enumerate(batches, start=first):
+                note_skipped(batch, skipped)
+                images, labels = batch
+                if images is None or len(labels) < min(2, train_loader.batch_size):
+                    # every image (or all but one: BatchNorm needs two) of this batch was unreadable
+                    log.warning("epoch %d step %d: too few readable images left; step skipped", epoch + 1, step + 1)
+                    scheduler.step()
+                    if every and (step + 1) % every == 0 and step + 1 < steps_per_epoch:
+                        save(epoch, step + 1)
+                    continue
+                images = images.to(device, dtype=input_dtype(model), non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                with autocast():
+                    logits = net(images)
+                    loss = label_loss(logits, labels)
+                    if distill is not None:
+                        with torch.no_grad():
+                            t_logits = teacher(images)
+                        loss = (1 - distill.weight) * loss + distill.weight * distill_loss(
+                            logits.float(), t_logits.float(), distill.temperature
+                        )
+                optimizer.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    optimizer.step()
+                scheduler.step()
+                loss_value = loss.item()
+                n = labels.numel()
+                sums[0] += loss_value * n
+                sums[1] += (logits.detach().argmax(1) == labels).sum().item()
+                sums[2] += n
+                seen += n
+                if on_step is not None:
+                    on_step({
+                        "epoch": epoch, "epochs": epochs, "step": step + 1, "steps": steps_per_epoch,
+                        "global_step": epoch * steps_per_epoch + step + 1, "loss": loss_value,
+                        "lr": optimizer.param_groups[0]["lr"],
+                    })
+                if every and (step + 1) % every == 0 and step + 1 < steps_per_epoch:
+                    save(epoch, step + 1)
 
-        loss_sum, correct, count = _all_reduce_sum(sums, device)
-        elapsed = time.perf_counter() - t0
-        row: dict[str, Any] = {
-            "epoch": epoch + 1,
-            "global_step": (epoch + 1) * steps_per_epoch,
-            "lr": optimizer.param_groups[0]["lr"],
-            "train_loss": loss_sum / max(count, 1),
-            "train_acc1": 100.0 * correct / max(count, 1),
-            "val_loss": None,
-            "val_acc1": None,
-            "epoch_time_s": elapsed,
-            "images_per_s": seen * world / elapsed if elapsed > 0 else None,
-        }
-        evaluated = (epoch + 1) % recipe.train.eval_every == 0 or epoch + 1 == epochs
-        improved = False
-        if evaluated:
-            metrics = evaluate(net, val_loader, device, recipe.model.precision)
-            row["val_loss"], row["val_acc1"] = metrics["loss"], metrics["acc1"]
-            if best_acc1 is None or metrics["acc1"] > best_acc1:
-                best_acc1, best_epoch, improved = metrics["acc1"], epoch + 1, True
-        history.append(row)
-        sums = [0.0, 0.0, 0.0]
-        if improved:
-            save(out_dir / BEST, epoch + 1, 0)
-        save(last_path, epoch + 1, 0)
-        if is_main_process():
-            _write_metrics(out_dir, history)
-            log.info("epoch %d/%d: %s", epoch + 1, epochs, row)
-        if on_epoch is not None:
-            on_epoch(row)
-    return FitResult(out_dir=out_dir, best_acc1=best_acc1, best_epoch=best_epoch, history=history)
+            loss_sum, correct, count = _all_reduce_sum(sums, device)
+            elapsed = time.perf_counter() - t0
+            row: dict[str, Any] = {
+                "epoch": epoch + 1,
+                "global_step": (epoch + 1) * steps_per_epoch,
+                "lr": optimizer.param_groups[0]["lr"],
+                "train_loss": loss_sum / max(count, 1),
+                "train_acc1": 100.0 * correct / max(count, 1),
+                "val_loss": None,
+                "val_acc1": None,
+                "epoch_time_s": elapsed,
+                "images_per_s": seen * world / elapsed if elapsed > 0 else None,
+            }
+            evaluated = (epoch + 1) % recipe.train.eval_every == 0 or epoch + 1 == epochs
+            improved = False
+            if evaluated:
+                metrics = evaluate(net, val_loader, device, recipe.model.precision, skipped)
+                row["val_loss"], row["val_acc1"] = metrics["loss"], metrics["acc1"]
+                if best_acc1 is None or metrics["acc1"] > best_acc1:
+                    best_acc1, best_epoch, improved = metrics["acc1"], epoch + 1, True
+            history.append(row)
+            sums = [0.0, 0.0, 0.0]
+            if is_main_process():
+                _write_metrics(out_dir, history)
+                log.info("epoch %d/%d: %s", epoch + 1, epochs, row)
+            save(epoch + 1, 0, best=improved)
+            if on_epoch is not None:
+                on_epoch(row)
+    except BaseException as exc:
+        failure = _after_failure(exc, out_dir, created, saved)
+        if failure is not exc:
+            raise failure from None
+        raise
+    return FitResult(out_dir=out_dir, best_acc1=best_acc1, best_epoch=best_epoch, history=history,
+                     skipped=skipped)
+

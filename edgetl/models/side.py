@@ -102,6 +102,48 @@ def build_side_network(net: EdgeNet, taps: tuple[int, ...] = TAPS) -> SideNetwor
     return SideNetwork(blocks, taps)
 
 
+def _side_map_sides(strides: list[int], resolution: int, taps: tuple[int, ...]) -> list[int]:
+    """The side of each side module's conv1 input map (after its 2x2 pool) at ``resolution``.
+
+    A MobileNetV2 stride-2 conv (3x3, padding 1) maps n pixels to ceil(n / 2), so the
+    input of a tap block at stride s is ceil(r / s); module 0 pools the image by 4 then 2.
+    """
+    sides = []
+    for j, tap in enumerate(taps):
+        n = resolution // IMAGE_POOL if j == 0 else -(-resolution // strides[tap - 1])
+        sides.append(n // 2)
+    return sides
+
+
+def min_resolution(net: EdgeNet, batch_size: int = 2, taps: tuple[int, ...] = TAPS) -> int:
+    """Smallest input side (pixels) at which the side network can train a batch of ``batch_size``.
+
+    Every side module pools its input 2x2, so each needs an input of at least 2x2; its BN
+    layers in training need more than one value per channel, which a batch of one gets only
+    from a map of at least 2x2 after the pool. MobileNetV2: 33 px (the last module's input is
+    at stride 32), 97 px at batch 1.
+    """
+    from edgetl.models.backbone import build_backbone
+
+    # from the spec: a lean network's layers are not nn.Conv2d, but its strides are the stock ones
+    strides = block_strides(build_backbone(net.spec, device="meta"))
+    need = 1 if batch_size >= 2 else 2
+    resolution = 1
+    while min(_side_map_sides(strides, resolution, taps)) < need:
+        resolution += 1
+    return resolution
+
+
+def check_resolution(net: EdgeNet, resolution: int, batch_size: int, where: str = "data.resolution") -> None:
+    """Raise a one-line ConfigError if the side network cannot train at ``resolution``."""
+    low = min_resolution(net, batch_size, getattr(net.side, "taps", TAPS))
+    if resolution < low:
+        at = " at batch size 1 (the smallest side map gives BatchNorm one value per channel)" if batch_size < 2 else ""
+        raise ConfigError(
+            f"{where}: {resolution} px is too small for the Rep-Net side network{at}; allowed: >= {low} px"
+        )
+
+
 TRAIN_MODES = ("full", "last", "bias", "bn+last", "repnet", "repnet+bias")
 
 
