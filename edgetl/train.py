@@ -698,6 +698,7 @@ def fit(
 
     every = recipe.train.checkpoint_every
     distill = recipe.distill
+    skipping = getattr(train_loader.dataset, "skip_bad", False)  # data.on_bad_image: skip
     try:
         for epoch in range(start_epoch, epochs):
             first = start_step if epoch == start_epoch else 0
@@ -717,8 +718,11 @@ def fit(
             for step, batch in enumerate(batches, start=first):
                 note_skipped(batch, skipped)
                 images, labels = batch
-                if images is None or len(labels) < min(2, train_loader.batch_size):
-                    # every image (or all but one: BatchNorm needs two) of this batch was unreadable
+                # every image (or all but one: BatchNorm needs two) of this batch was unreadable
+                too_few = images is None or len(labels) < min(2, train_loader.batch_size)
+                if world > 1 and skipping:  # every rank skips the step, or none (DDP all-reduces)
+                    too_few = _all_reduce_sum([float(too_few)], device)[0] > 0
+                if too_few:
                     log.warning("epoch %d step %d: too few readable images left; step skipped", epoch + 1, step + 1)
                     scheduler.step()
                     if every and (step + 1) % every == 0 and step + 1 < steps_per_epoch:

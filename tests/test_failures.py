@@ -104,12 +104,8 @@ def test_a_truncated_image_is_found_before_the_run_folder_exists(tmp_path, capsy
     assert not out.exists()
 
 
-def test_skip_leaves_the_file_out_and_counts_it(tmp_path, capsys, backbone):
-    data = colors(tmp_path / "d")
-    truncate(data / "train" / "c1" / "5.png")
-    out = tmp_path / "run"
-    assert exit_code(finetune_argv(data, out, backbone, "--set", "data.on_bad_image=skip")) == 0
-    printed = capsys.readouterr().out
+def test_skip_leaves_the_file_out_and_counts_it(finished_run):
+    out, printed, data = finished_run
     files = sum(1 for _ in data.rglob("*.png"))
     line = next(line for line in printed.splitlines() if line.startswith("images: "))
     seconds = float(line.split(" checked in ")[1].split(" s ")[0])
@@ -205,6 +201,20 @@ def test_a_failure_after_a_checkpoint_says_how_to_resume(tmp_path):
     assert [r["epoch"] for r in result.history] == [1, 2]
 
 
+def test_a_batch_left_with_one_readable_image_is_not_trained_on(tmp_path, caplog):
+    """BatchNorm needs two samples: under skip, a batch of two that loses one skips its step."""
+    data = colors(tmp_path / "d")
+    broken = data / "train" / "c2" / "3.png"
+    flip_png_data(broken)
+    rcp = small_recipe(data, **{"train.batch_size": 2, "data.on_bad_image": "skip"})
+    result = small_fit(rcp, tmp_path / "run")
+    assert result.skipped == {str(broken): "broken data stream when reading image file"}
+    assert sum("too few readable images left; step skipped" in m for m in caplog.messages) == 2  # once an epoch
+    assert sum("skipped unreadable image" in m for m in caplog.messages) == 1  # the file: once
+    adam_steps = T.load_checkpoint(result.last_path)["optimizer"]["state"][0]["step"]
+    assert int(adam_steps) == 2 * 24 // 2 - 2
+
+
 def test_a_full_disk_mid_run_keeps_the_previous_last_pt(tmp_path):
     """A real write failure: the process's file-size limit (RLIMIT_FSIZE) drops below last.pt's size
     after the step-2 checkpoint; the step-4 write fails with EFBIG."""
@@ -263,32 +273,43 @@ def small_disk(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, backbone) -> Path:
-    """One whole finetune run: its files' real sizes check the disk estimates."""
+def finished_run(tmp_path_factory, backbone) -> tuple[Path, str, Path]:
+    """One whole finetune run with one truncated image and data.on_bad_image: skip.
+
+    Returns (run folder, what the CLI printed, data folder); the files' real sizes check the
+    disk estimates.
+    """
+    import contextlib
+    import io
+
     root = tmp_path_factory.mktemp("finished")
-    out = root / "run"
-    assert exit_code(finetune_argv(colors(root / "d"), out, backbone)) == 0
-    return out
+    data = colors(root / "d")
+    truncate(data / "train" / "c1" / "5.png")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert exit_code(finetune_argv(data, root / "run", backbone, "--set", "data.on_bad_image=skip")) == 0
+    return root / "run", printed.getvalue(), data
 
 
-def test_checkpoint_sizes_are_close_upper_bounds(finished_run, backbone):
+def test_checkpoint_sizes_are_close_upper_bounds(finished_run):
     """last.pt, best.pt and model.pt as the disk check predicts them, against the files written."""
     from edgetl.finetune import build_model, lean_options
     from edgetl.models.side import make_lean
     from edgetl.recipe import load_recipe
 
-    rcp = load_recipe(finished_run / "recipe.yaml")
+    out = finished_run[0]
+    rcp = load_recipe(out / "recipe.yaml")
     stock = build_model(rcp, 3)
     net = make_lean(build_model(rcp, 3), lean_options(rcp))
     optimizer = T.build_optimizer(T.default_param_groups(net, rcp.optim), rcp.optim)
     predicted = {"last.pt": T.checkpoint_bytes(net, optimizer), "best.pt": T.checkpoint_bytes(net, None),
                  "model.pt": T.saved_file_bytes(stock.state_dict())}
     for name, bound in predicted.items():
-        real = (finished_run / name).stat().st_size
+        real = (out / name).stat().st_size
         assert real <= bound <= real * 1.1 + 128 * 1024, (name, real, bound)
-    best = torch.load(finished_run / "best.pt", weights_only=True)
+    best = torch.load(out / "best.pt", weights_only=True)
     assert "optimizer" not in best and "rank_state" not in best  # weights only: nothing resumes from it
-    last = torch.load(finished_run / "last.pt", weights_only=True)
+    last = torch.load(out / "last.pt", weights_only=True)
     assert all(torch.equal(best["model"][k], last["model"][k]) for k in best["model"])  # one epoch: the same
 
 
@@ -298,7 +319,7 @@ def test_finetune_refuses_a_disk_that_is_too_small(tmp_path, capsys, backbone, f
     text = error_line(capsys.readouterr().err)
     need = float(text.split("it needs up to ")[1].split(" MB")[0])
     free = float(text.split("), ")[1].split(" MB free")[0])
-    sizes = {n: (finished_run / n).stat().st_size for n in ("last.pt", "best.pt", "model.pt")}
+    sizes = {n: (finished_run[0] / n).stat().st_size for n in ("last.pt", "best.pt", "model.pt")}
     real_peak = sizes["last.pt"] + sizes["best.pt"] + max(sizes.values())
     assert real_peak / MB <= need <= real_peak / MB * 1.1 + 0.5
     assert free == pytest.approx(shutil.disk_usage(small_disk).free / MB, abs=0.051)
