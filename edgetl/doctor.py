@@ -15,9 +15,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgetl.units import MB
+
 log = logging.getLogger(__name__)
 
-MB = 10**6
 # CUDA context size measured on Jetson Orin with torch (DESIGN 2c); it shares the memory pool.
 CUDA_CONTEXT_BYTES = 300 * MB
 # Keep this share of MemAvailable free for the OS, the data loader and page cache churn.

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from edgetl.data import IMAGENET_MEAN, IMAGENET_STD
 from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError
 from edgetl.io import atomic_text_json, atomic_write_bytes, read_json
 from edgetl.models.backbone import BackboneSpec, EdgeNet
@@ -38,8 +39,6 @@ INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
 # The legacy TorchScript-based exporter stops at opset 20 (torch 2.14 docs).
 LEGACY_MAX_OPSET = 20
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 # Test-time resize of the reference recipe: shorter side to resolution / 0.875, centre crop.
 CROP_RATIO = 0.875
 PARITY_BATCHES = (1, 8)

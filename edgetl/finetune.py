@@ -32,7 +32,7 @@ from torch import nn
 from edgetl.errors import BudgetError, ConfigError, EdgetlError
 from edgetl.io import atomic_text_json, atomic_torch_save
 from edgetl.memory.report import MB, MemoryReport
-from edgetl.models.backbone import BackboneSpec, EdgeNet, build_backbone, load_backbone
+from edgetl.models.backbone import EdgeNet, describe_backbone
 from edgetl.models.side import LeanOptions, build_side_network, check_resolution, make_lean, set_trainable
 from edgetl.profile import LEAN_MODES, describe_runtime
 from edgetl.recipe import Recipe
@@ -61,22 +61,38 @@ def lean_options(recipe: Recipe) -> LeanOptions | None:
     return LeanOptions(pool=m.pool, bn=m.bn, frozen_weights=m.frozen_weights, precision=m.precision)
 
 
-def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "cpu") -> EdgeNet:
-    """The stock network to fine-tune: backbone (folder or stock), new classifier, side network.
+def backbone_ref(recipe: Recipe) -> str:
+    """What ``model.backbone`` names; none given: torchvision's ImageNet weights (width 1.0 only)."""
+    from edgetl.models.backbone import DEFAULT_WEIGHTS
 
-    The backbone folder's classifier is replaced by a new one with ``num_classes`` outputs.
-    Without a backbone folder the weights are random: edgetl never downloads weights.
-    """
     m = recipe.model
     if m.backbone is not None:
-        net = load_backbone(m.backbone, device=device)
-        spec = dataclasses.replace(net.spec, num_classes=num_classes)
-        old = net.classifier[-1]
-        net.classifier[-1] = nn.Linear(old.in_features, num_classes, device=old.weight.device)
-        net.spec = spec
-    else:
-        log.info("no model.backbone: fine-tuning a randomly initialised MobileNetV2 %s", m.width)
-        net = build_backbone(BackboneSpec(width=m.width, num_classes=num_classes), device=device)
+        return m.backbone
+    if m.width != 1.0:
+        raise ConfigError(f"no backbone given and model.width is {m.width}: the default {DEFAULT_WEIGHTS} "
+                          "is width 1.0; give --backbone DIR, or --backbone mobilenet_v2:random for a "
+                          "randomly initialised network of this width")
+    return DEFAULT_WEIGHTS
+
+
+def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "cpu") -> EdgeNet:
+    """The stock network to fine-tune: backbone, new classifier, side network.
+
+    The backbone is what ``backbone_ref`` names: a backbone folder, a torchvision weights
+    name (ImageNet by default; ``mobilenet_v2:random`` at ``model.width`` only when asked
+    for), or a torchvision state_dict file. Its classifier is replaced by a new one with
+    ``num_classes`` outputs.
+    """
+    from edgetl.models.backbone import open_backbone
+
+    m = recipe.model
+    ref = backbone_ref(recipe)
+    folder = Path(ref).is_dir()
+    net, found = open_backbone(ref, width=None if folder else m.width, seed=recipe.train.seed, device=device)
+    log.info("backbone: %s", found["source"])
+    old = net.classifier[-1]
+    net.classifier[-1] = nn.Linear(old.in_features, num_classes, device=old.weight.device)
+    net.spec = dataclasses.replace(net.spec, num_classes=num_classes)
     if m.mode.startswith("repnet"):
         net.attach_side(build_side_network(net))
         check_resolution(net, recipe.data.resolution, recipe.train.batch_size)
@@ -272,6 +288,7 @@ def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, cl
         "labels": list(classes),
         "recipe": recipe.to_dict(),
         "lean": lean,
+        "backbone_source": describe_backbone(backbone_ref(recipe)),
         "preprocessing": {"resolution": recipe.data.resolution,
                           "resize": int(round(recipe.data.resolution / 0.875))},
     })

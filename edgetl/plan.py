@@ -44,11 +44,11 @@ from typing import Callable
 import yaml
 
 from edgetl.errors import BudgetError, ConfigError, DataError
+from edgetl.units import MB
 from edgetl.models.backbone import BackboneSpec, build_backbone, hidden_channels, prunable_blocks
 
 log = logging.getLogger(__name__)
 
-MB = 10**6
 PLAN_FORMAT = "edgetl-plan/1"
 MODE = "repnet"
 OPTIMIZER = "adam"
@@ -542,9 +542,10 @@ def _resolve_spec(backbone, width: float, num_classes: int) -> BackboneSpec:
         return BackboneSpec(width=width, num_classes=num_classes)
     if isinstance(backbone, BackboneSpec):
         return dataclasses.replace(backbone, num_classes=num_classes, hidden=dict(backbone.hidden))
-    from edgetl.models.backbone import read_backbone_spec
+    from edgetl.models.backbone import backbone_spec
 
-    return dataclasses.replace(read_backbone_spec(backbone), num_classes=num_classes)
+    # a folder, or a weights name: only the architecture matters here (nothing is loaded)
+    return dataclasses.replace(backbone_spec(backbone, width=width), num_classes=num_classes)
 
 
 def plan(

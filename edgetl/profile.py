@@ -18,7 +18,7 @@ from edgetl.errors import ConfigError
 from edgetl.memory.paper import paper_blocks, param_bytes, sensitive
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.memory.trace import trace_network
-from edgetl.models.backbone import BackboneSpec, EdgeNet, read_backbone_spec
+from edgetl.models.backbone import BackboneSpec, EdgeNet, backbone_spec
 from edgetl.models.side import TRAIN_MODES, LeanOptions, build_network
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,12 @@ def check_options(*, mode: str, accounting: str, resolution: int, batch_size: in
 def resolve_spec(
     *, checkpoint: str | Path | None = None, num_classes: int = 1000, width: float = 1.0
 ) -> BackboneSpec:
-    """The backbone spec from a backbone folder, or a stock MobileNetV2 of ``width``.
+    """The backbone spec from a backbone folder or weights name, or a stock MobileNetV2 of ``width``.
 
     ``num_classes`` always wins: fine-tuning replaces the classifier.
     """
     if checkpoint is not None:
-        spec = read_backbone_spec(checkpoint)
+        spec = backbone_spec(checkpoint)  # a folder, or a weights name: the architecture only
         spec.num_classes = num_classes
         return spec
     return BackboneSpec(width=width, num_classes=num_classes)

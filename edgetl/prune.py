@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgetl.data import IMAGENET_MEAN, IMAGENET_STD
 from edgetl.errors import ConfigError, DataError
 from edgetl.models.backbone import (
     BackboneSpec,
@@ -40,8 +41,6 @@ IMPORTANCES = ("activation-l2", "weight-l2")
 PAPER_RATIOS = {1: 0.3, 2: 0.78, 3: 0.46, 4: 0.46}  # FMEC 2023, MobileNetV2 1.0 at 224 px
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_IMAGES = "train-images-idx3-ubyte.gz"
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 RATIO_STEP = 0.001  # --auto picks ratios on this grid: fine enough to hit every kept count up to 1000
 
 # Memory figures are for fine-tuning the pruned backbone with Rep-Net, as in the paper's
@@ -229,40 +228,27 @@ def load_input(*, checkpoint: str | Path | None = None, weights: str | Path | No
     """The network to prune, and a description of where it came from.
 
     Args:
-        checkpoint: a backbone folder (from ``save_backbone``).
+        checkpoint: a backbone folder (from ``save_backbone``) or a torchvision weights name
+            ("mobilenet_v2:IMAGENET1K_V1", "mobilenet_v2:random", ...; see
+            ``edgetl.models.backbone.open_backbone``).
         weights: a torchvision MobileNetV2 state_dict file (``weights_only=True``), for the
-            default backbone; nothing is ever downloaded.
-        width: width multiplier of the default backbone (not with ``checkpoint``).
+            default backbone.
+        width: width multiplier of the default backbone (not with a folder).
         seed: random init seed of the default backbone.
+
+    Without ``checkpoint`` and ``weights`` the input is MobileNetV2 with random weights.
     """
-    if checkpoint is not None:
-        if weights is not None or width is not None:
-            raise ConfigError("--weights and --width describe the default backbone; not with --checkpoint")
-        net = load_backbone(checkpoint)
-        return net, {"source": str(checkpoint), "arch": net.spec.arch, "width": net.spec.width}
-    width = 1.0 if width is None else width
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        net = build_backbone(BackboneSpec(width=width))
-    source = f"torchvision mobilenet_v2 width {width}, random init (seed {seed})"
-    if weights is not None:
-        path = Path(weights)
-        if not path.is_file():
-            raise DataError(f"weights file {path} does not exist")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for a damaged file
-            raise DataError(f"{path} is corrupted or not a state_dict: {str(exc).splitlines()[0]}") from None
-        if not isinstance(state, dict):
-            raise DataError(f"{path} does not hold a state_dict")
-        try:
-            net.load_state_dict(state)
-        except RuntimeError as exc:
-            raise DataError(f"{path} does not fit mobilenet_v2 width {width}: "
-                            f"{str(exc).splitlines()[1:2]}") from None
-        source = f"torchvision mobilenet_v2 width {width}, weights {path}"
-    net.eval()
-    return net, {"source": source, "arch": net.spec.arch, "width": net.spec.width}
+    from edgetl.models.backbone import RANDOM_WEIGHTS, WEIGHTS_ARCH, is_weights_name, open_backbone
+
+    if checkpoint is not None and weights is not None:
+        raise ConfigError("--weights is a state_dict for the default backbone; not with --checkpoint")
+    if checkpoint is not None and width is not None and not is_weights_name(checkpoint):
+        raise ConfigError("--weights and --width describe the default backbone; not with --checkpoint")
+    ref = checkpoint if checkpoint is not None else weights if weights is not None else f"{WEIGHTS_ARCH}:{RANDOM_WEIGHTS}"
+    if weights is not None and not Path(weights).is_file():
+        raise DataError(f"weights file {weights} does not exist")
+    net, found = open_backbone(ref, width=width, seed=seed)
+    return net.eval(), found
 
 
 # --------------------------------------------------------------------- calibration data

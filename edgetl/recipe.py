@@ -135,7 +135,8 @@ class OptimConfig:
         momentum: SGD momentum (required for sgd).
         nesterov: SGD Nesterov momentum.
         decay_norm_and_bias: apply weight decay to normalisation weights and biases too.
-        warmup_epochs: linear warmup length (may be fractional); 0 = none.
+        warmup_epochs: linear warmup length (may be fractional); 0 = none. A run shorter than
+            twice its warmup warms up for half its steps (edgetl.train.warmup_steps).
     """
 
     name: Literal["adam", "sgd"]
@@ -250,11 +251,6 @@ class Recipe:
         if self.model.mode.startswith("repnet") and self.optim.side_lr is None:
             raise ConfigError(
                 f"{where}: model.mode {self.model.mode!r} trains a side network; set optim.lr_side or optim.lr"
-            )
-        if self.optim.warmup_epochs >= self.train.epochs and self.optim.warmup_epochs > 0:
-            raise ConfigError(
-                f"{where}: optim.warmup_epochs ({self.optim.warmup_epochs}) must be shorter than "
-                f"train.epochs ({self.train.epochs})"
             )
 
     def to_dict(self) -> dict:

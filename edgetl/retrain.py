@@ -22,7 +22,7 @@ Lay ImageNet out as an ImageFolder: ``ROOT/train/<wnid>/*.JPEG`` and
 the usual ``valprep.sh``). Then, on one GPU (or, slowly, on a CPU)::
 
     edgetl retrain --backbone runs/pruned --data /data/imagenet \\
-        --recipe imagenet_retrain --no-distill -o runs/retrained
+        --recipe imagenet_retrain -o runs/retrained
 
 With distillation from the unpruned network (a backbone folder or a finished retrain
 run; temperature and weight come from the recipe's ``distill`` section)::
@@ -34,7 +34,7 @@ Pretraining the unpruned network from scratch, or starting from a local torchvis
 checkpoint file (``mobilenet_v2-b0353104.pth``, loaded with ``weights_only=True``)::
 
     edgetl retrain --backbone mobilenet_v2 --width 1.0 --data /data/imagenet \\
-        --no-distill --epochs 300 --lr 0.045 --batch-size 32 -o runs/mobilenet_v2_unpruned
+        --epochs 300 --lr 0.045 --batch-size 32 -o runs/mobilenet_v2_unpruned
     edgetl retrain --backbone mobilenet_v2 --weights mobilenet_v2-b0353104.pth ...
 
 On CUDA the loop uses autocast + GradScaler (``--precision auto`` = fp16 there, fp32 on
@@ -46,7 +46,7 @@ metrics are reduced over all processes, and only rank 0 logs and writes files. T
 size is per process, so scale the learning rate with the global batch (linear rule)::
 
     torchrun --nproc_per_node=8 -m edgetl retrain --backbone runs/pruned \\
-        --data /data/imagenet --no-distill --lr 0.16 -o runs/retrained
+        --data /data/imagenet --lr 0.16 -o runs/retrained
 
 Several machines: run the same torchrun command on every node with a shared rendezvous
 (one node's address, reachable from all; the data path must exist on every node, and the
@@ -55,7 +55,7 @@ it and every rank reads ``retrain.json`` on resume)::
 
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_id=retrain1 --rdzv_backend=c10d \\
         --rdzv_endpoint=node0.example:29400 -m edgetl retrain --backbone runs/pruned \\
-        --data /data/imagenet --no-distill --lr 0.32 -o /shared/runs/retrained
+        --data /data/imagenet --lr 0.32 -o /shared/runs/retrained
 
 Resuming: ``last.pt`` is written every ``train.checkpoint_every`` steps and at each
 epoch end; after a crash or a kill, run the same command with ``--resume`` (the recipe
@@ -155,17 +155,24 @@ def load_student(
     """The network to retrain, where it came from, and whether its head was replaced.
 
     Args:
-        backbone: a backbone folder (from ``edgetl prune`` or ``edgetl retrain``), or None /
-            "mobilenet_v2" for torchvision's MobileNetV2 (random init unless ``weights``).
+        backbone: a backbone folder (from ``edgetl prune`` or ``edgetl retrain``), a
+            torchvision weights name ("mobilenet_v2:IMAGENET1K_V1", "mobilenet_v2:random"), or
+            None / "mobilenet_v2" for torchvision's MobileNetV2 (random init unless ``weights``).
         weights: a local torchvision MobileNetV2 state_dict file (``weights_only=True``).
         width: width multiplier of the stock network.
         num_classes: classes of the training data; a classifier with another count is
             replaced by a new one (e.g. an ImageNet-pruned backbone retrained on 10 classes).
         seed: random init seed.
     """
+    from edgetl.models.backbone import is_weights_name
     from edgetl.prune import load_input
 
-    if backbone is not None and str(backbone) != STOCK:
+    if is_weights_name(backbone):
+        if weights is not None:
+            raise ConfigError(f"--weights is a state_dict file for --backbone mobilenet_v2; {backbone} names its own")
+        net, found = load_input(checkpoint=backbone, width=width, seed=seed)
+        source = {"backbone": str(backbone), **found, "description": found["source"]}
+    elif backbone is not None and str(backbone) != STOCK:
         if weights is not None:
             raise ConfigError("--weights is for --backbone mobilenet_v2; a backbone folder has its own weights")
         net, found = load_input(checkpoint=backbone)
@@ -181,7 +188,8 @@ def load_student(
                   "width": found["width"], "weights": str(weights) if weights is not None else None}
     # A random classifier is replaced too, but only a trained one is worth reporting.
     new_head = net.spec.num_classes != num_classes
-    trained = backbone is not None and str(backbone) != STOCK or weights is not None
+    trained = (backbone is not None and str(backbone) != STOCK and not str(backbone).endswith(":random")
+               or weights is not None)
     if new_head:
         log.info("new classifier: %d -> %d classes", net.spec.num_classes, num_classes)
         _set_num_classes(net, num_classes, seed)

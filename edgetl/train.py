@@ -223,10 +223,23 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Per-iteration schedule (stepped after every optimizer step)."""
     total = steps_per_epoch * epochs
-    warmup = int(round(optim.warmup_epochs * steps_per_epoch))
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, warmup, optim.schedule)
-    )
+    warmup = warmup_steps(optim, steps_per_epoch, epochs)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, optim.schedule))
+
+
+def warmup_steps(optim: OptimConfig, steps_per_epoch: int, epochs: int) -> int:
+    """Warmup length in steps; a run shorter than twice its warmup warms up for half its steps.
+
+    (A recipe's warmup is written for its full length, e.g. 1 of 10 epochs; a 1-epoch trial
+    run of it would otherwise be all warmup and never anneal.)
+    """
+    total = steps_per_epoch * epochs
+    wanted = int(round(optim.warmup_epochs * steps_per_epoch))
+    if wanted > total // 2:
+        log.warning("optim.warmup_epochs %g is too long for a %d-epoch run: warming up for %d of %d steps",
+                    optim.warmup_epochs, epochs, total // 2, total)
+        return total // 2
+    return wanted
 
 
 # --- checkpoints -----------------------------------------------------------------------

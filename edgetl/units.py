@@ -6,6 +6,8 @@ import re
 
 from edgetl.errors import ConfigError
 
+MB = 10**6  # every report's unit (MiB where a report says so)
+MIB = 2**20
 UNITS = {
     "B": 1,
     "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9,

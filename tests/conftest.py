@@ -32,6 +32,65 @@ def make_color_folder(root: Path, n_train: int, n_val: int = 8, size: int = 24, 
     return root
 
 
+def make_fmnist_folder(root: Path, classes: list[int], n_train: int, n_val: int) -> Path:
+    """An ImageFolder root/{train,val}/<name>/*.png of real Fashion-MNIST images (PNG, as a user's).
+
+    Training images come from the training split, validation images from the test split;
+    the first ``n`` of each class in file order, so the folder is the same on every machine.
+    """
+    import numpy as np
+    from PIL import Image
+
+    from edgetl.data import FASHION_MNIST_CLASSES, fashion_mnist
+
+    for split, n in (("train", n_train), ("val", n_val)):
+        ds = fashion_mnist(None, split)
+        targets = np.asarray(ds.targets)
+        for c in classes:
+            folder = root / split / FASHION_MNIST_CLASSES[c].replace("/", "-").replace(" ", "_")
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in np.flatnonzero(targets == c)[:n]:
+                Image.fromarray(ds.images[i]).save(folder / f"{i:05d}.png")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def offline_torch_cache(monkeypatch, tmp_path_factory):
+    """No test touches the network: an empty torch cache, and downloads forbidden (issue 18)."""
+    empty = tmp_path_factory.getbasetemp() / "torch_home_empty"
+    empty.mkdir(exist_ok=True)
+    monkeypatch.setenv("TORCH_HOME", str(empty))
+    monkeypatch.setenv("EDGETL_OFFLINE", "1")
+
+
+def place_imagenet_weights(torch_home: Path, name: str = "mobilenet_v2:IMAGENET1K_V1", seed: int = 0) -> dict:
+    """Put a seeded MobileNetV2 1.0 state_dict where torchvision's cache expects ``name``'s file.
+
+    Stands in for the downloaded ImageNet file (same name, same layout); returns the state_dict.
+    """
+    import os
+
+    import torch
+    from torchvision.models import mobilenet_v2
+
+    from edgetl.models.backbone import weights_file
+
+    old = os.environ.get("TORCH_HOME")
+    os.environ["TORCH_HOME"] = str(torch_home)
+    try:
+        path = weights_file(name)
+    finally:
+        if old is None:
+            del os.environ["TORCH_HOME"]
+        else:
+            os.environ["TORCH_HOME"] = old
+    torch.manual_seed(seed)
+    state = mobilenet_v2().state_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return state
+
+
 FMNIST_REASON = "Fashion-MNIST not installed (as root: apt-get install dataset-fashion-mnist; make test does it)"
 
 

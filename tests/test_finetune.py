@@ -133,7 +133,7 @@ def test_stock_state_dict_inverts_bn_folding():
 
 
 def test_preflight_refuses_over_budget_and_names_the_batch_that_fits(tmp_path):
-    recipe = load_recipe("fashion_mnist", {"train.batch_size": 32})
+    recipe = load_recipe("fashion_mnist", {"train.batch_size": 32, "model.backbone": "mobilenet_v2:random"})
     net = build_model(recipe, 5)
     at = {b: predict_peak(net, recipe, b).total_bytes for b in (8, 9, 32)}
     assert at[8] < at[9] < at[32]
@@ -155,7 +155,7 @@ def test_preflight_refuses_over_budget_and_names_the_batch_that_fits(tmp_path):
 def test_bad_input_exit_2_no_run_folder(tmp_path, capsys, make_args, needle):
     out = tmp_path / "run"
     args = make_args(tmp_path)
-    argv = ["finetune", "--recipe", "fashion_mnist", "-o", str(out), *args]
+    argv = ["finetune", "--recipe", "fashion_mnist", "--backbone", "mobilenet_v2:random", "-o", str(out), *args]
     if "--recipe" in args:
         argv = ["finetune", "-o", str(out), *args]
     assert exit_code(argv) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -192,13 +193,26 @@ def test_cli_parse_errors_are_one_line(argv, needle, capsys, tmp_path):
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
-def test_cli_plan_and_impossible(capsys, tmp_path):
+def test_cli_plan_and_impossible(capsys, tmp_path, monkeypatch):
     out = tmp_path / "plan.yaml"
     common = ["--resolution", str(RES), "--width", "0.35", "-o", str(out)]
     assert main(["plan", "--budget", "20MB", *common]) == 0
     text = capsys.readouterr().out
     assert f"saved to {out}" in text and "next: edgetl finetune --plan" in text
     assert load_plan(out).chosen.batch_size == 8
+    # only what was asked is written: --json alone writes no YAML, no flag writes nothing
+    only_json = tmp_path / "only" / "plan.json"
+    only_json.parent.mkdir()
+    assert main(["plan", "--budget", "20MB", "--resolution", str(RES), "--width", "0.35",
+                 "--json", str(only_json)]) == 0
+    assert sorted(p.name for p in only_json.parent.iterdir()) == ["plan.json"]
+    same = load_plan(out).to_dict()
+    assert {k: v for k, v in json.loads(only_json.read_text()).items() if k != "search"} == \
+        {k: v for k, v in same.items() if k != "search"}
+    monkeypatch.chdir(only_json.parent)
+    assert main(["plan", "--budget", "20MB", "--resolution", str(RES), "--width", "0.35"]) == 0
+    assert "not saved: add -o plan.yaml" in capsys.readouterr().out
+    assert sorted(p.name for p in only_json.parent.iterdir()) == ["plan.json"]
     assert main(["plan", "--budget", "3MB", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "smallest budget that works" in err[0]

@@ -18,12 +18,11 @@ from edgetl.models.backbone import (
     load_backbone,
     save_backbone,
 )
+from edgetl.data import IMAGENET_MEAN, IMAGENET_STD
 from edgetl.models.side import build_network
 from edgetl.profile import paper_report
 from edgetl.prune import (
     FASHION_MNIST_DIR,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     PAPER_RATIOS,
     activation_l2,
     auto_ratios,

@@ -70,7 +70,7 @@ def test_imagenet_retrain_recipe():
     r = load_recipe("imagenet_retrain")
     assert (r.optim.name, r.optim.momentum, r.optim.label_smoothing, r.optim.weight_decay) == ("sgd", 0.9, 0.1, 4e-5)
     assert r.optim.decay_norm_and_bias is False and r.optim.warmup_epochs > 0
-    assert r.train.batch_size == 256 and r.model.mode == "full" and r.distill is not None
+    assert r.train.batch_size == 256 and r.model.mode == "full" and r.distill is None  # opt-in: --distill-from
 
 
 def test_fashion_mnist_recipe_is_offline_and_small():
@@ -160,7 +160,7 @@ def test_cross_checks():
     with pytest.raises(ConfigError, match="label_smoothing"):
         Recipe.from_dict(data)
     data = minimal()
-    data["optim"]["warmup_epochs"] = 2
+    data["optim"]["warmup_epochs"] = -1
     with pytest.raises(ConfigError, match="warmup_epochs"):
         Recipe.from_dict(data)
 

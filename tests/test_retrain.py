@@ -287,6 +287,23 @@ def test_pretrain_from_scratch_and_from_weights_file(toy, tmp_path, capsys):
     torch.testing.assert_close(got.state_dict()[w], start.state_dict()[w], atol=1e-6, rtol=0)
 
 
+def test_defaults_run_to_the_end(tmp_path, capsys, caplog):
+    """The bundled recipe as a newcomer types it: one epoch, no distillation unless asked."""
+    data = make_folder(tmp_path / "data", n_train=4, n_val=2, size=16)
+    run = tmp_path / "run"
+    assert main(["retrain", "--backbone", "mobilenet_v2", "--data", str(data), "--epochs", "1",
+                 "-o", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"saved to {run}" in out
+    recipe = load_recipe(run / "recipe.yaml")
+    assert recipe.distill is None and recipe.optim.warmup_epochs == 1 and recipe.train.epochs == 1
+    # the 1-epoch warmup of a 10-epoch recipe, in a 1-epoch run of 1 step: warm up 0 steps, said once
+    assert caplog.text.count("too long for a 1-epoch run: warming up for 0 of 1 steps") == 1
+    info = read_backbone_info(run)
+    assert info["retrain"]["distill"] is None and info["retrain"]["epochs"] == 1
+    assert len(T.read_metrics(run)) == 1
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 

@@ -95,6 +95,24 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
     assert seen == pytest.approx(expected)
 
 
+def test_warmup_longer_than_half_the_run_is_clamped_and_said(caplog):
+    """A recipe's 1-epoch warmup in a 1-epoch trial run warms up for half of it, then anneals."""
+    rcp = recipe(Path("/x"), **{"optim.warmup_epochs": 1, "train.epochs": 1})
+    assert T.warmup_steps(rcp.optim, steps_per_epoch=10, epochs=1) == 5
+    assert "warming up for 5 of 10 steps" in caplog.text
+    assert T.warmup_steps(rcp.optim, steps_per_epoch=10, epochs=2) == 10  # half of 20: as written
+    p = nn.Parameter(torch.zeros(1))
+    opt = T.build_optimizer([{"params": [p], "lr": 0.1, "weight_decay": 0.0}], rcp.optim)
+    sched = T.build_scheduler(opt, rcp.optim, steps_per_epoch=10, epochs=1)
+    seen = []
+    for _ in range(10):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.1 * T.lr_factor(s, 10, 5, "cosine") for s in range(10)])
+    assert seen[4] == pytest.approx(0.1) and seen[-1] < 0.01
+
+
 def test_fit_learns_and_writes_run_folder(toy, tmp_path):
     rcp = recipe(toy)
     steps: list[dict] = []

@@ -15,8 +15,20 @@ import sys
 from edgetl import __version__
 from edgetl.errors import EdgetlError
 
-# Stage modules in pipeline order; each is edgetl/cli/<name>.py.
-COMMANDS = ("profile", "plan", "prune", "retrain", "finetune", "export", "bench", "doctor", "demo")
+# Stage modules in pipeline order (each is edgetl/cli/<name>.py) and their one-line help.
+# The listing (`edgetl --help`) is built from this table alone, so it imports no stage and
+# no torch; a command imports only its own stage.
+COMMANDS = {
+    "profile": "per-block temporary / cumulative-gradient memory of a fine-tuning configuration",
+    "plan": "choose pruning, pooling, precision and batch size to fit a memory budget",
+    "prune": "prune hidden channels of the memory-sensitive blocks (the FMEC 2023 method)",
+    "retrain": "retrain a pruned backbone on ImageNet (or pretrain one); torchrun for many GPUs",
+    "finetune": "fine-tune the side network (frozen, lean backbone) on your data within a memory budget",
+    "export": "export a fine-tuned run to ONNX or a TensorRT engine",
+    "bench": "the paper's Table I, measured: memory and speed of every fine-tuning method",
+    "doctor": "platform facts: Jetson / L4T, torch, CUDA, cuDNN, TensorRT, memory, a suggested budget",
+    "demo": "the whole pipeline on real offline data (Fashion-MNIST), with a final report",
+}
 
 EXIT_USAGE = 2
 
@@ -30,7 +42,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``edgetl`` parser; ``only`` (a name in COMMANDS) registers just that stage, so
-    a command imports its own module and not every stage's (torch-pruning, onnx, ...)."""
+    a command imports its own module and not every stage's (torch-pruning, onnx, ...);
+    without one, the stages are listed by name and help, and none is imported."""
     parser = OneLineParser(
         prog="edgetl",
         description="Fine-tune a pretrained vision model on an NVIDIA Jetson inside a hard memory budget.",
@@ -38,8 +51,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgetl {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for name in (only,) if only in COMMANDS else COMMANDS:
-        importlib.import_module(f"edgetl.cli.{name}").add_parser(sub)
+    if only in COMMANDS:
+        importlib.import_module(f"edgetl.cli.{only}").add_parser(sub)
+    else:  # the listing: names and help only
+        for name, text in COMMANDS.items():
+            sub.add_parser(name, help=text, add_help=False)
     return parser
 
 

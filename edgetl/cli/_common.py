@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from edgetl.errors import ConfigError
-from edgetl.memory.report import MB, MIB
+from edgetl.units import MB, MIB
 from edgetl.units import parse_bytes
 
 

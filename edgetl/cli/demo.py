@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, fmt_mb, print_table
 
 STAGE_TITLES = {
@@ -23,7 +24,7 @@ STAGE_TITLES = {
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="the whole pipeline on real offline data (Fashion-MNIST), with a final report",
+        help=COMMANDS["demo"],
         description=(
             "Pretrain a small MobileNetV2 on Fashion-MNIST classes 0-4, profile it, plan for a "
             "budget, prune, retrain, fine-tune the Rep-Net side network on classes 5-9 with pooled "

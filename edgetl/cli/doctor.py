@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 
+from edgetl.cli import COMMANDS
 from edgetl.doctor import MB, doctor
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "doctor",
-        help="platform facts: Jetson / L4T, torch, CUDA, cuDNN, TensorRT, memory, a suggested budget",
+        help=COMMANDS["doctor"],
         description=(
             "Report what this machine offers for fine-tuning: Jetson model and L4T release, "
             "library versions, GPU (integrated or not), available memory (/proc/meminfo "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, positive_int, writable_file
 from edgetl.export import FORMATS, export_run
 
@@ -12,7 +13,7 @@ from edgetl.export import FORMATS, export_run
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "export",
-        help="export a fine-tuned run to ONNX or a TensorRT engine",
+        help=COMMANDS["export"],
         description=(
             "Fold BatchNorm into the convs, export the run's model to ONNX with a dynamic batch "
             "axis, check it with onnx.checker and compare onnxruntime to PyTorch at batch 1 and 8. "

@@ -6,6 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
+from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, budget_type, fmt_mb, fmt_side_pools, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
@@ -23,7 +24,7 @@ def override(text: str):
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "finetune",
-        help="fine-tune the side network (frozen, lean backbone) on your data within a memory budget",
+        help=COMMANDS["finetune"],
         description=(
             "Fine-tune only the Rep-Net side network and the classifier on a frozen backbone, on "
             "edgetl's lean runtime (BN folded, frozen convs keep no input, 1-bit ReLU6 masks, "
@@ -36,7 +37,15 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--recipe", required=True, metavar="NAME|PATH",
                    help="recipe YAML (bundled: cifar10, flowers102, pets, cub200, imagefolder, fashion_mnist)")
-    p.add_argument("--backbone", metavar="DIR", help="backbone folder (edgetl prune / retrain output)")
+    backbone = p.add_mutually_exclusive_group()
+    backbone.add_argument("--backbone", metavar="DIR|NAME",
+                          help="backbone folder (edgetl prune / retrain output) or torchvision weights name "
+                               "(mobilenet_v2:IMAGENET1K_V1, mobilenet_v2:IMAGENET1K_V2, mobilenet_v2:random); "
+                               "default: mobilenet_v2:IMAGENET1K_V1 from the torch cache (downloaded once "
+                               "where online)")
+    backbone.add_argument("--weights", metavar="FILE",
+                          help="a local torchvision MobileNetV2 state_dict file (e.g. mobilenet_v2-b0353104.pth) "
+                               "instead of --backbone")
     p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
     p.add_argument("--plan", metavar="PLAN",
                    help="plan.yaml from edgetl plan: supplies --pool, --precision, --frozen-weights, "
@@ -62,7 +71,7 @@ def add_parser(sub) -> None:
 
 def apply_plan(args) -> None:
     """Fill flags the user did not give from ``--plan``; check the backbone is the planned one."""
-    from edgetl.models.backbone import read_backbone_spec
+    from edgetl.models.backbone import backbone_spec
     from edgetl.plan import load_plan
 
     plan = load_plan(args.plan)
@@ -72,7 +81,7 @@ def apply_plan(args) -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     want = plan.spec.hidden
-    have = read_backbone_spec(args.backbone).hidden if args.backbone else {}
+    have = backbone_spec(args.backbone).hidden if args.backbone else {}
     if have != want:
         hint = f"edgetl prune --plan {args.plan} -o pruned, then --backbone pruned" if c.kept else "the unpruned backbone"
         raise ConfigError(f"{args.plan} plans hidden channels {want or 'unpruned'}; the backbone has "
@@ -86,7 +95,7 @@ def recipe_from_args(args):
     if getattr(args, "plan", None) is not None:
         apply_plan(args)
     overrides = dict(args.overrides)
-    flags = {"model.backbone": args.backbone, "data.root": args.data,
+    flags = {"model.backbone": args.backbone if args.weights is None else args.weights, "data.root": args.data,
              "train.batch_size": args.batch_size, "train.epochs": args.epochs,
              "model.pool": args.pool, "model.precision": args.precision,
              "model.frozen_weights": args.frozen_weights}
@@ -126,8 +135,9 @@ def run(args) -> int:
 
     def on_preflight(report, measured):
         state["measured"] = measured
-        if recipe.model.backbone is None:
-            print("note: no --backbone: the backbone has random weights (edgetl never downloads weights)")
+        from edgetl.finetune import backbone_ref
+
+        print(f"backbone: {backbone_ref(recipe)}")
         print_preflight(report, measured, args.budget)
 
     def on_images(check):

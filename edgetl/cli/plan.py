@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, budget_type, fmt_mb, positive_int, print_table, writable_file
 from edgetl.errors import ConfigError
 
@@ -24,7 +25,7 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser(
         "plan",
-        help="choose pruning, pooling, precision and batch size to fit a memory budget",
+        help=COMMANDS["plan"],
         description=(
             "Choose, for Rep-Net fine-tuning on the lean runtime, the pruning of the sensitive "
             "blocks (channel granularity), the side pooling k (1, 2, 4), the activation precision, "
@@ -55,13 +56,14 @@ def add_parser(sub) -> None:
     p.add_argument("--num-classes", type=positive_int, default=102, help="classifier outputs")
     p.add_argument("--precision", choices=("fp32", "half", "bf16", "fp16"),
                    help="fix the activation precision (half = bf16); default: searched")
-    p.add_argument("--backbone", metavar="DIR", help="backbone folder (default: MobileNetV2 --width)")
+    p.add_argument("--backbone", metavar="DIR|NAME", help="backbone folder or weights name, e.g. mobilenet_v2:IMAGENET1K_V1 (default: MobileNetV2 --width)")
     p.add_argument("--width", type=float, default=1.0, help="width multiplier without --backbone")
     p.add_argument("--max-ratio", type=float, default=MAX_RATIO, help="most any block may be pruned")
     p.add_argument("--verify", action="store_true",
                    help="build the planned network (random weights) and measure real training steps")
-    p.add_argument("-o", "--output", type=writable_file, default=Path("plan.yaml"), metavar="PLAN",
-                   help="where to save the plan (YAML)")
+    p.add_argument("-o", "--output", type=writable_file, metavar="PLAN",
+                   help="save the plan as YAML here (what prune --plan and finetune --plan read); "
+                        "without -o or --json nothing is written")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="also save the plan as JSON")
     p.set_defaults(run=run)
 
@@ -127,7 +129,8 @@ def run(args) -> int:
     if args.verify:
         verify_plan(result)
     print_plan(result)
-    result.save(args.output)
+    if args.output is not None:
+        result.save(args.output)
     if args.json is not None:
         from edgetl.io import atomic_write_text
 
@@ -140,7 +143,10 @@ def run(args) -> int:
                   f"{fmt_mb(result.tensor_budget_bytes)} MB: the prediction is off by more than "
                   f"{VERIFY_TOLERANCE:.0%} or the measurement exceeds the budget")
             status = 1
-    print(f"saved to {args.output}" + (f" and {args.json}" if args.json else ""))
+    saved = [str(p) for p in (args.output, args.json) if p is not None]
+    print(f"saved to {' and '.join(saved)}" if saved else "not saved: add -o plan.yaml to keep it")
+    if args.output is None:
+        return status
     backbone = f" --backbone {args.backbone}" if args.backbone else ""
     if result.chosen.kept:
         source = f" --checkpoint {args.backbone}" if args.backbone else ""

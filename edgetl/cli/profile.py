@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, fmt_mb, fmt_side_pools, positive_float, positive_int, print_table, writable_file
 from edgetl.memory.report import MemoryReport
 from edgetl.models.side import TRAIN_MODES, LeanOptions
@@ -13,7 +14,7 @@ from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, RUNTIMES, plot_profile, pro
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "profile",
-        help="per-block temporary / cumulative-gradient memory of a fine-tuning configuration",
+        help=COMMANDS["profile"],
         description=(
             "Profile the activation memory of fine-tuning MobileNetV2. 'paper' accounting is the "
             "TinyTL/Rep-Net memory model the papers use; 'runtime' is what edgetl's runtime "
@@ -42,7 +43,7 @@ def add_parser(sub) -> None:
                       help="storage of frozen backbone weights")
     lean.add_argument("--bn", choices=("fold", "batch"), default="fold",
                       help="backbone BN folded into the convs, or batch statistics")
-    p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune)")
+    p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune) or a weights name (mobilenet_v2:IMAGENET1K_V1)")
     p.add_argument("--measure", action="store_true",
                    help="also run real training steps (forward, backward, Adam) and measure the peak")
     p.add_argument("--device", default="cpu", help="device for --measure")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, fmt_mb, positive_float, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.prune import (
@@ -46,7 +47,7 @@ def block_list(text: str) -> list[int]:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "prune",
-        help="prune hidden channels of the memory-sensitive blocks (the FMEC 2023 method)",
+        help=COMMANDS["prune"],
         description=(
             "Prune the hidden (expanded) channels of MobileNetV2 blocks with torch-pruning, "
             "keeping residual widths. Default blocks: the sensitive blocks of the Rep-Net "
@@ -56,8 +57,8 @@ def add_parser(sub) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--checkpoint", metavar="DIR",
-                   help="input backbone folder (default: torchvision MobileNetV2, random init)")
+    p.add_argument("--checkpoint", metavar="DIR|NAME",
+                   help="input backbone folder or torchvision weights name (mobilenet_v2:IMAGENET1K_V1, mobilenet_v2:IMAGENET1K_V2; default: MobileNetV2 with random init)")
     p.add_argument("--weights", metavar="FILE",
                    help="a local torchvision MobileNetV2 state_dict (.pth) for the default backbone")
     p.add_argument("--width", type=positive_float, default=None,

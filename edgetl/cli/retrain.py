@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from edgetl.cli import COMMANDS
 from edgetl.cli._common import positive_float, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.recipe import apply_overrides, load_recipe, parse_override
@@ -13,12 +14,14 @@ from edgetl.recipe import apply_overrides, load_recipe, parse_override
 EPILOG = """\
 examples:
   # one GPU (or, slowly, the CPU)
-  edgetl retrain --backbone runs/pruned --data /data/imagenet --no-distill -o runs/retrained
-  # distil from the unpruned network (temperature, weight: the recipe's distill section)
+  edgetl retrain --backbone runs/pruned --data /data/imagenet -o runs/retrained
+  # distil from the unpruned network (temperature 1.0, weight 0.5 unless --set distill.*=...)
   edgetl retrain --backbone runs/pruned --data /data/imagenet \\
       --distill-from runs/mobilenet_v2_unpruned -o runs/retrained
-  # pretrain from scratch, or start from a local torchvision checkpoint (never downloads)
-  edgetl retrain --backbone mobilenet_v2 --width 1.0 --data /data/imagenet --no-distill \\
+  # start from torchvision's ImageNet weights (torch cache; downloaded once where online)
+  edgetl retrain --backbone mobilenet_v2:IMAGENET1K_V1 --data /data/mine -o runs/mine
+  # pretrain from scratch, or start from a local torchvision checkpoint file
+  edgetl retrain --backbone mobilenet_v2 --width 1.0 --data /data/imagenet \\
       --epochs 300 --lr 0.045 --batch-size 32 -o runs/mobilenet_v2_unpruned
   edgetl retrain --backbone mobilenet_v2 --weights mobilenet_v2-b0353104.pth ...
   # continue a killed run (the recipe is read from the run folder)
@@ -26,12 +29,12 @@ examples:
 
 several GPUs on one machine (--batch-size is per process; scale --lr with the global batch):
   torchrun --nproc_per_node=8 -m edgetl retrain --backbone runs/pruned \\
-      --data /data/imagenet --no-distill --lr 0.16 -o runs/retrained
+      --data /data/imagenet --lr 0.16 -o runs/retrained
 
 several machines (run on every node; same data path on each, run folder on shared storage):
   torchrun --nnodes=2 --nproc_per_node=8 --rdzv_id=retrain1 --rdzv_backend=c10d \\
       --rdzv_endpoint=node0.example:29400 -m edgetl retrain --backbone runs/pruned \\
-      --data /data/imagenet --no-distill --lr 0.32 -o /shared/runs/retrained
+      --data /data/imagenet --lr 0.32 -o /shared/runs/retrained
 
 The run folder is also a backbone folder (backbone.json + backbone.pt, best epoch):
 give it to edgetl finetune --backbone, edgetl profile --checkpoint or --distill-from.
@@ -41,7 +44,7 @@ give it to edgetl finetune --backbone, edgetl profile --checkpoint or --distill-
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "retrain",
-        help="retrain a pruned backbone on ImageNet (or pretrain one); torchrun for many GPUs",
+        help=COMMANDS["retrain"],
         description=(
             "Retrain the whole (pruned) backbone on an ImageFolder dataset (train/ and val/\n"
             "class folders) with the shared training loop: SGD with momentum, warmup + cosine,\n"
@@ -52,9 +55,10 @@ def add_parser(sub) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--backbone", metavar="DIR|mobilenet_v2",
-                   help="backbone folder to retrain (from edgetl prune), or mobilenet_v2 to pretrain "
-                        "torchvision's network (required unless --resume)")
+    p.add_argument("--backbone", metavar="DIR|NAME",
+                   help="backbone folder to retrain (from edgetl prune), a torchvision weights name "
+                        "(mobilenet_v2:IMAGENET1K_V1, mobilenet_v2:IMAGENET1K_V2), or mobilenet_v2 "
+                        "(= mobilenet_v2:random) to pretrain from scratch (required unless --resume)")
     p.add_argument("--width", type=positive_float, help="width multiplier for --backbone mobilenet_v2 "
                    "(default: the recipe's model.width)")
     p.add_argument("--weights", metavar="FILE",
@@ -68,8 +72,10 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=positive_float, help="base learning rate (optim.lr)")
     distill = p.add_mutually_exclusive_group()
     distill.add_argument("--distill-from", metavar="DIR",
-                         help="teacher: a backbone folder or retrain run (sets distill.teacher)")
-    distill.add_argument("--no-distill", action="store_true", help="drop the recipe's distill section")
+                         help="distil from this teacher: a backbone folder or retrain run on the same classes "
+                              "(adds distill.teacher; temperature 1.0 and weight 0.5 unless --set)")
+    distill.add_argument("--no-distill", action="store_true",
+                         help="drop the recipe's distill section (the bundled recipe has none)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="override a recipe value, e.g. --set train.workers=4 (repeatable)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -79,6 +85,10 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in -o from its last.pt")
     p.add_argument("-o", "--output", required=True, metavar="RUN", help="run folder")
     p.set_defaults(run=run)
+
+
+# What --distill-from adds to a recipe without a distill section (Hinton's plain setting).
+DISTILL_DEFAULTS = {"distill.temperature": 1.0, "distill.weight": 0.5}
 
 
 def resolve_recipe(args, device: str):
@@ -92,7 +102,8 @@ def resolve_recipe(args, device: str):
     if args.backbone is not None:
         overrides["model.backbone"] = None if args.backbone == "mobilenet_v2" else args.backbone
     if args.width is not None:
-        if args.backbone not in (None, "mobilenet_v2") or (args.backbone is None and recipe.model.backbone):
+        stock = args.backbone in (None, "mobilenet_v2") or str(args.backbone).endswith(":random")
+        if not stock or (args.backbone is None and recipe.model.backbone):
             raise ConfigError("--width is for --backbone mobilenet_v2; a backbone folder has its own width")
         overrides["model.width"] = args.width
     if args.data is not None:
@@ -105,6 +116,9 @@ def resolve_recipe(args, device: str):
         overrides["optim.lr"] = args.lr
     if args.distill_from is not None:
         overrides["distill.teacher"] = args.distill_from
+        if recipe.distill is None:  # opt-in: the section's defaults, unless --set names them
+            for key, value in DISTILL_DEFAULTS.items():
+                overrides.setdefault(key, value)
     if args.no_distill:
         overrides["distill"] = None
     if "model.precision" not in overrides:
@@ -156,7 +170,8 @@ def run(args) -> int:
     from edgetl.train import cleanup_distributed, is_main_process, torchrun_env
 
     if args.backbone is None and not args.resume:
-        raise ConfigError("give --backbone DIR (a pruned backbone folder) or --backbone mobilenet_v2")
+        raise ConfigError("give --backbone DIR (a pruned backbone folder), --backbone mobilenet_v2:IMAGENET1K_V1 "
+                          "or --backbone mobilenet_v2 (random init)")
     if args.weights is not None and args.backbone not in (None, "mobilenet_v2"):
         raise ConfigError("--weights is for --backbone mobilenet_v2; a backbone folder has its own weights")
     device = args.device

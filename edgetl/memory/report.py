@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgetl.io import atomic_write_text
-
-MB = 10**6
-MIB = 2**20
+from edgetl.units import MB, MIB
 
 
 @dataclass

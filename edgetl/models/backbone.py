@@ -263,3 +263,190 @@ def load_backbone(folder: str | Path, device: torch.device | str | None = None) 
     except RuntimeError as exc:
         raise DataError(f"{path} does not match {SPEC_FILE}: {str(exc).splitlines()[1:2]}") from None
     return net
+
+
+# --- backbone references: a folder, a torchvision weights name, or a state_dict file ------
+# Issue 18: a user starts from ImageNet weights by name, through torchvision's own weights
+# API and cache (TORCH_HOME); downloaded once where the machine is online, read from the
+# cache after that. EDGETL_OFFLINE=1 forbids the download (the tests set it), so an empty
+# cache is then the one-line error at once.
+
+WEIGHTS_ARCH = "mobilenet_v2"
+RANDOM_WEIGHTS = "random"
+DEFAULT_WEIGHTS = "mobilenet_v2:IMAGENET1K_V1"  # torchvision's original ImageNet weights, 71.9 % top-1
+OFFLINE_ENV = "EDGETL_OFFLINE"
+
+
+def weights_names() -> list[str]:
+    """Every weights name a backbone argument accepts (torchvision's, DEFAULT and random)."""
+    from torchvision.models import MobileNet_V2_Weights
+
+    tags = [w.name for w in MobileNet_V2_Weights] + ["DEFAULT", RANDOM_WEIGHTS]
+    return [f"{WEIGHTS_ARCH}:{t}" for t in tags]
+
+
+def is_weights_name(ref: str | Path | None) -> bool:
+    """Whether ``ref`` names torchvision weights ("mobilenet_v2:TAG") rather than a path."""
+    return ref is not None and str(ref).startswith(WEIGHTS_ARCH + ":") and not Path(ref).exists()
+
+
+def _weights_tag(ref: str) -> str:
+    """The tag of a weights name: "random" or a torchvision enum member name (DEFAULT resolved)."""
+    from torchvision.models import MobileNet_V2_Weights
+
+    tag = str(ref).split(":", 1)[1]
+    if tag == RANDOM_WEIGHTS:
+        return tag
+    try:
+        return MobileNet_V2_Weights[tag].name
+    except KeyError:
+        raise ConfigError(f"unknown weights {ref!r}; allowed: {', '.join(weights_names())}") from None
+
+
+def weights_file(ref: str) -> Path:
+    """Where torchvision's cache keeps the file of a weights name (TORCH_HOME/hub/checkpoints/...)."""
+    from torchvision.models import MobileNet_V2_Weights
+
+    url = MobileNet_V2_Weights[_weights_tag(ref)].url
+    return Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[1]
+
+
+def _read_state_dict(path: Path, what: str) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a damaged file
+        raise DataError(f"{path} is corrupted or not a state_dict: {str(exc).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise DataError(f"{path} does not hold a state_dict ({what})")
+    return state
+
+
+def _load_into(net: EdgeNet, state: dict, path: Path, what: str) -> None:
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as exc:
+        detail = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), "")
+        raise DataError(f"{path} does not fit {what}: {detail}") from None
+
+
+def _imagenet_state_dict(ref: str) -> tuple[dict, Path]:
+    """The state_dict of a torchvision weights name, from the cache or (online) downloaded into it."""
+    import os
+    import urllib.error
+
+    from torchvision.models import MobileNet_V2_Weights
+
+    weights = MobileNet_V2_Weights[_weights_tag(ref)]
+    path = weights_file(ref)
+    if path.is_file():
+        return _read_state_dict(path, ref), path
+    where = (f"put {path.name} (from {weights.url}) at {path} (the torch cache; TORCH_HOME moves it), "
+             f"or pass a local file with --weights FILE")
+    if os.environ.get(OFFLINE_ENV, "") not in ("", "0"):
+        raise DataError(f"{ref} is not in the torch cache and {OFFLINE_ENV} forbids downloading it: {where}")
+    try:
+        weights.get_state_dict(progress=True, check_hash=True)
+    except (OSError, urllib.error.URLError, RuntimeError) as exc:
+        reason = str(getattr(exc, "reason", exc)).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"{ref} is not in the torch cache and could not be downloaded ({reason}): {where}") from None
+    return _read_state_dict(path, ref), path
+
+
+def weights_info(ref: str) -> dict:
+    """What a run records of named weights: name, file, ImageNet accuracy, transforms, class names."""
+    from torchvision.models import MobileNet_V2_Weights
+
+    tag = _weights_tag(ref)
+    if tag == RANDOM_WEIGHTS:
+        return {"weights": f"{WEIGHTS_ARCH}:{RANDOM_WEIGHTS}"}
+    w = MobileNet_V2_Weights[tag]
+    t = w.transforms()
+    return {
+        "weights": f"{WEIGHTS_ARCH}:{tag}",
+        "url": w.url,
+        "imagenet_acc1": w.meta["_metrics"]["ImageNet-1K"]["acc@1"],
+        "preprocessing": {"crop_size": int(t.crop_size[0]), "resize_size": int(t.resize_size[0]),
+                          "mean": list(t.mean), "std": list(t.std), "interpolation": t.interpolation.value},
+        "categories": list(w.meta["categories"]),
+    }
+
+
+def open_backbone(
+    ref: str | Path, *, width: float | None = None, seed: int = 0, device: torch.device | str | None = None,
+) -> tuple[EdgeNet, dict]:
+    """The network a backbone argument names, and a description of where it came from.
+
+    Args:
+        ref: a backbone folder (edgetl prune / retrain output); a torchvision weights name
+            ("mobilenet_v2:IMAGENET1K_V1", "mobilenet_v2:IMAGENET1K_V2", "mobilenet_v2:DEFAULT",
+            or "mobilenet_v2:random"); or a torchvision MobileNetV2 state_dict file (.pth).
+        width: width multiplier for "mobilenet_v2:random" or a state_dict file (default 1.0);
+            ImageNet weights exist for width 1.0 only; a folder has its own.
+        seed: random init seed for "mobilenet_v2:random".
+        device: where to build the network.
+
+    The description has "source" (a sentence), "arch", "width", and for named weights
+    the ``weights_info`` fields (name, ImageNet accuracy, preprocessing, class names).
+    """
+    path = Path(ref)
+    if path.is_dir():
+        if width is not None:
+            raise ConfigError(f"--width describes a stock network; backbone folder {path} has its own width")
+        net = load_backbone(path, device=device)
+        return net, {"source": str(path), "arch": net.spec.arch, "width": net.spec.width}
+    if is_weights_name(ref):
+        tag = _weights_tag(str(ref))
+        info = weights_info(str(ref))
+        if tag == RANDOM_WEIGHTS:
+            width = 1.0 if width is None else width
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                net = build_backbone(BackboneSpec(width=width), device=device)
+            source = f"torchvision mobilenet_v2 width {width}, random init (seed {seed})"
+        else:
+            if width not in (None, 1.0):
+                raise ConfigError(f"{ref} exists for width 1.0 only, not {width}; use mobilenet_v2:random "
+                                  "for another width, or a backbone folder")
+            width = 1.0
+            state, file = _imagenet_state_dict(str(ref))
+            net = build_backbone(BackboneSpec(width=width), device=device)
+            _load_into(net, state, file, f"mobilenet_v2 width {width}")
+            source = f"torchvision {info['weights']} ({file})"
+        return net.eval(), {"source": source, "arch": WEIGHTS_ARCH, "width": width, **info}
+    if path.is_file():
+        width = 1.0 if width is None else width
+        net = build_backbone(BackboneSpec(width=width), device=device)
+        _load_into(net, _read_state_dict(path, "a torchvision mobilenet_v2 state_dict"), path,
+                   f"mobilenet_v2 width {width}")
+        return net.eval(), {"source": f"torchvision mobilenet_v2 width {width}, weights {path}",
+                            "arch": WEIGHTS_ARCH, "width": width, "weights_file": str(path)}
+    raise _missing(ref)
+
+
+def _missing(ref: str | Path) -> DataError:
+    return DataError(f"backbone folder {ref} does not exist; give a backbone folder, a state_dict file or a "
+                     f"weights name ({', '.join(weights_names())})")
+
+
+def backbone_spec(ref: str | Path | None, *, width: float | None = None) -> BackboneSpec:
+    """The architecture a backbone argument names, without loading weights (None: stock at ``width``)."""
+    if ref is not None and Path(ref).is_dir():
+        return read_backbone_spec(ref)
+    if ref is not None and is_weights_name(ref) and _weights_tag(str(ref)) != RANDOM_WEIGHTS:
+        if width not in (None, 1.0):
+            raise ConfigError(f"{ref} exists for width 1.0 only, not {width}; use mobilenet_v2:random")
+        return BackboneSpec(width=1.0)
+    if ref is not None and not is_weights_name(ref) and not Path(ref).is_file():
+        raise _missing(ref)
+    return BackboneSpec(width=1.0 if width is None else width)
+
+
+def describe_backbone(ref: str | Path) -> dict:
+    """What a run records of its starting backbone: the named weights' info, or the folder's origin."""
+    path = Path(ref)
+    if path.is_dir():
+        info = read_backbone_info(path)
+        return {"folder": str(path), **{k: info[k] for k in ("base",) if k in info}}
+    if is_weights_name(ref):
+        return weights_info(str(ref))
+    return {"weights_file": str(path)}
