@@ -5,7 +5,8 @@ SGD with momentum, warmup + cosine, label smoothing, no weight decay on BN and b
 all in ``recipes/imagenet_retrain.yaml``) so that it recovers most of its accuracy before
 the side network is fine-tuned on the target task. The same command pretrains an
 unpruned MobileNetV2 from scratch (the paper trained its own 65.2 % backbone) or starts
-from a local torchvision ImageNet state_dict; nothing is ever downloaded.
+from torchvision's ImageNet weights (``--backbone mobilenet_v2:IMAGENET1K_V1``, from the
+torch cache; downloaded once where the machine is online) or a local state_dict file.
 
 The run folder is the training loop's (``recipe.yaml``, ``metrics.csv``,
 ``metrics.jsonl``, ``last.pt``, ``best.pt``) plus ``retrain.json`` (the architecture and
