@@ -191,6 +191,36 @@ def test_lean_avg_pool_saves_nothing_and_is_exact():
     assert torch.equal(y, nn.AvgPool2d(2)(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h, w, k", [(8, 8, 2), (9, 7, 2), (17, 13, 4)])
+def test_lean_avg_pool_backward_is_stocks_without_a_stand_in_input(dtype, h, w, k):
+    """grad_input equals stock avg_pool2d's bit for bit, and is written by a broadcast copy:
+    no avg_pool2d_backward, whose CUDA kernel copies a stand-in input to full size (issue 17)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.full_size = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append(func.overloadpacket.__name__)
+            if isinstance(out, torch.Tensor) and out.untyped_storage().nbytes() >= x.numel() * x.element_size():
+                self.full_size += func.overloadpacket.__name__ in ("new_empty", "new_zeros", "empty", "zeros")
+            return out
+
+    x = torch.randn(2, 3, h, w, dtype=dtype, requires_grad=True)
+    stock_x = x.detach().clone().requires_grad_()
+    y = LeanAvgPool2d(k)(x)
+    g = torch.randn_like(y)
+    with Ops() as ops:
+        y.backward(g)
+    F.avg_pool2d(stock_x, k).backward(g)
+    assert torch.equal(x.grad, stock_x.grad)
+    assert "avg_pool2d_backward" not in ops.seen and ops.full_size == 1  # grad_input only
+
+
 # ----------------------------------------------------------------------------- side module
 
 

@@ -379,11 +379,17 @@ class _AvgPoolFn(Function):
     @staticmethod
     def backward(ctx, gy):
         k, shape, dtype = ctx.conf
-        # avg_pool2d_backward reads only the input's sizes: a zero-stride expand has them
-        # without any storage, so the full-resolution input is never kept.
-        shape_only = gy.new_zeros((), dtype=dtype).expand(shape)
-        gx = torch.ops.aten.avg_pool2d_backward(gy, shape_only, [k, k], [k, k], [0, 0], False, True, None)
-        return gx, None
+        n, c, h, w = shape
+        hp, wp = gy.shape[-2:]
+        # Every cell of a k x k window gets the window's gradient / k^2 (floor mode: the rows
+        # and columns no window covers get 0), written straight into grad_input by a
+        # broadcast copy. No full-size temporary on any device: avg_pool2d_backward would
+        # need a stand-in for the input, and its CUDA kernel makes that contiguous (issue 17).
+        covered = (hp * k, wp * k) == (h, w)
+        gx = gy.new_empty(shape, dtype=dtype) if covered else gy.new_zeros(shape, dtype=dtype)
+        windows = gx[:, :, :hp * k, :wp * k].unflatten(3, (wp, k)).unflatten(2, (hp, k))
+        windows.copy_(gy[:, :, :, None, :, None].expand(n, c, hp, k, wp, k))
+        return gx.div_(k * k), None
 
 
 class LeanAvgPool2d(nn.AvgPool2d):
@@ -402,8 +408,8 @@ class LeanAvgPool2d(nn.AvgPool2d):
 
     def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
                      output_requires_grad, in_bytes=None) -> LayerCost:
-        # backward: a 0-d zero of the input dtype stands in for the input
-        return LayerCost(backward_temp_bytes=in_bytes or act_bytes)
+        # backward writes grad_input directly: nothing beyond it
+        return LayerCost()
 
 
 class _GlobalPoolFn(Function):
