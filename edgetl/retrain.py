@@ -67,6 +67,7 @@ same number of processes; at an epoch boundary it may resume with a different nu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -354,6 +355,7 @@ def retrain(
         teacher, teacher_classes = load_teacher(teacher_path)
         check_teacher(teacher, teacher_classes, classes, teacher_path)
 
+    made_here = rank == 0 and not out_dir.exists()
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         _clean_leftovers(out_dir)
@@ -367,10 +369,20 @@ def retrain(
     train_loader, val_loader = D.loaders_from_recipe(recipe, splits, pin_memory=device.type == "cuda")
     log.info("retraining %s on %d classes, %d train / %d val images, %d process(es)",
              source.get("backbone"), len(classes), len(splits.train), len(splits.val), world)
-    fitted = T.fit(
-        model=net, train_loader=train_loader, val_loader=val_loader, recipe=recipe, out_dir=out_dir,
-        device=device, resume=resume, on_step=on_step, on_epoch=on_epoch, teacher=teacher,
-    )
+    try:
+        fitted = T.fit(
+            model=net, train_loader=train_loader, val_loader=val_loader, recipe=recipe, out_dir=out_dir,
+            device=device, resume=resume, on_step=on_step, on_epoch=on_epoch, teacher=teacher,
+            final_files={SPEC_FILE: 1 << 20, WEIGHTS_FILE: T.saved_file_bytes(net.state_dict())},
+        )
+    except BaseException:
+        # Nothing to resume before the first last.pt: leave no half-made run folder behind.
+        if rank == 0 and not resume and not (out_dir / T.LAST).exists():
+            (out_dir / RETRAIN_FILE).unlink(missing_ok=True)
+            if made_here:
+                with contextlib.suppress(OSError):
+                    out_dir.rmdir()
+        raise
     history = fitted.history
     info = {k: v for k, v in source.items() if k in ("base", "pruning")}
     info["retrain"] = {

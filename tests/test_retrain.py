@@ -304,6 +304,21 @@ def test_defaults_run_to_the_end(tmp_path, capsys, caplog):
     assert len(T.read_metrics(run)) == 1
 
 
+def test_a_failure_before_the_first_checkpoint_leaves_no_folder(tmp_path, capsys):
+    """An image that passes the header check but does not decode stops epoch 1: one line, exit 2,
+    and neither the run folder nor its retrain.json stays behind (nothing could resume)."""
+    from tests.bad_files import flip_png_data
+
+    data = make_folder(tmp_path / "data", n_train=4, n_val=2, size=16)
+    flip_png_data(data / "train" / "c1" / "2.png")
+    run = tmp_path / "run"
+    code, err = run_cli(["--backbone", "mobilenet_v2", "--width", "0.35", "--data", str(data), *TOY_ARGS,
+                         "--batch-size", "4", "--set", "train.checkpoint_every=0", "-o", str(run)], capsys)
+    errors = [line for line in err.replace("\r", "\n").splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1 and "2.png" in errors[0] and "--resume" not in errors[0], err
+    assert not run.exists()
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 
