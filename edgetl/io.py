@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 from edgetl.errors import ResourceError
-
-MB = 1_000_000
+from edgetl.units import MB
 
 
 def _umask() -> int:
@@ -55,22 +54,24 @@ def free_bytes(path: str | Path) -> int:
     return shutil.disk_usage(existing_folder(path)).free
 
 
+def tensors_in(obj) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj`` and the dicts, lists and tuples nested in it."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+
+
 def tensor_bytes(obj) -> int:
     """Bytes of tensor data torch.save writes for ``obj``: each storage once, whole."""
     seen: dict[tuple, int] = {}
-
-    def walk(x) -> None:
-        if isinstance(x, torch.Tensor):
-            storage = x.untyped_storage()
-            seen[(storage.device.type, storage.data_ptr(), storage.nbytes())] = storage.nbytes()
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(obj)
+    for x in tensors_in(obj):
+        storage = x.untyped_storage()
+        seen[(storage.device.type, storage.data_ptr(), storage.nbytes())] = storage.nbytes()
     return sum(seen.values())
 
 

@@ -41,7 +41,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError, ResourceError
-from edgetl.io import MB, atomic_torch_save, atomic_write_text, existing_folder, free_bytes, tensor_bytes
+from edgetl.io import (
+    MB,
+    atomic_torch_save,
+    atomic_write_text,
+    existing_folder,
+    free_bytes,
+    tensor_bytes,
+    tensors_in,
+)
 from edgetl.recipe import OptimConfig, Recipe
 
 log = logging.getLogger(__name__)
@@ -286,20 +294,8 @@ def _recipe_differences(saved: dict, current: dict) -> list[str]:
 
 def saved_file_bytes(tensors) -> int:
     """Upper bound of the size of a torch.save file holding ``tensors`` (nested dicts/lists)."""
-    count = [0]
-
-    def walk(x) -> None:
-        if isinstance(x, torch.Tensor):
-            count[0] += 1
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(tensors)
-    return tensor_bytes(tensors) + FILE_BYTES_PER_TENSOR * count[0] + FILE_BYTES_FIXED
+    count = sum(1 for _ in tensors_in(tensors))
+    return tensor_bytes(tensors) + FILE_BYTES_PER_TENSOR * count + FILE_BYTES_FIXED
 
 
 def optimizer_state_shapes(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
