@@ -227,6 +227,9 @@ def test_a_full_disk_mid_run_keeps_the_previous_last_pt(tmp_path):
         from edgetl.errors import ResourceError
         from pathlib import Path
 
+        import torch
+        # the parent's thread count: the resume below runs in the parent and must add up the same way
+        torch.set_num_threads({torch.get_num_threads()})
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write returns EFBIG instead of killing us
 
         def on_step(info):

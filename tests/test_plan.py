@@ -243,7 +243,7 @@ def test_prune_and_finetune_take_the_plan(tmp_path, sweep, capsys):
     assert read_backbone_spec(pruned).hidden == result.chosen.kept
 
     def finetune_args(*extra):
-        return build_parser().parse_args(["finetune", "--recipe", "fashion_mnist", "--plan", str(path),
+        return build_parser(only="finetune").parse_args(["finetune", "--recipe", "fashion_mnist", "--plan", str(path),
                                           "--set", f"data.resolution={RES}", "-o", str(tmp_path / "run"),
                                           *extra])
 
@@ -256,6 +256,6 @@ def test_prune_and_finetune_take_the_plan(tmp_path, sweep, capsys):
     with pytest.raises(ConfigError, match="plans hidden channels"):
         recipe_from_args(finetune_args())  # no pruned backbone
     with pytest.raises(ConfigError, match="planned at 64 px"):
-        recipe_from_args(build_parser().parse_args(
+        recipe_from_args(build_parser(only="finetune").parse_args(
             ["finetune", "--recipe", "fashion_mnist", "--plan", str(path), "--backbone", str(pruned),
              "--set", "data.resolution=96", "-o", str(tmp_path / "run")]))
