@@ -82,17 +82,23 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
     assert factors[-1] == pytest.approx(0.0, abs=1e-12)
     assert T.lr_factor(7, 20, 0, "constant") == 1.0
     # through a real optimizer: lr after step s equals base * factor(s)
-    p = nn.Parameter(torch.zeros(1))
     rcp = recipe(Path("/x"), **{"optim.warmup_epochs": 1})
+    seen = scheduled_lrs(rcp, steps_per_epoch=4, epochs=3)
+    expected = [0.1 * T.lr_factor(s, 12, 4, "cosine") for s in range(12)]
+    assert seen == pytest.approx(expected)
+
+
+def scheduled_lrs(rcp: Recipe, steps_per_epoch: int, epochs: int) -> list[float]:
+    """The learning rate before each optimizer step of a real optimizer + scheduler (base 0.1)."""
+    p = nn.Parameter(torch.zeros(1))
     opt = T.build_optimizer([{"params": [p], "lr": 0.1, "weight_decay": 0.0}], rcp.optim)
-    sched = T.build_scheduler(opt, rcp.optim, steps_per_epoch=4, epochs=3)
+    sched = T.build_scheduler(opt, rcp.optim, steps_per_epoch=steps_per_epoch, epochs=epochs)
     seen = []
-    for _ in range(12):
+    for _ in range(steps_per_epoch * epochs):
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    expected = [0.1 * T.lr_factor(s, 12, 4, "cosine") for s in range(12)]
-    assert seen == pytest.approx(expected)
+    return seen
 
 
 def test_warmup_longer_than_half_the_run_is_clamped_and_said(caplog):
@@ -101,14 +107,7 @@ def test_warmup_longer_than_half_the_run_is_clamped_and_said(caplog):
     assert T.warmup_steps(rcp.optim, steps_per_epoch=10, epochs=1) == 5
     assert "warming up for 5 of 10 steps" in caplog.text
     assert T.warmup_steps(rcp.optim, steps_per_epoch=10, epochs=2) == 10  # half of 20: as written
-    p = nn.Parameter(torch.zeros(1))
-    opt = T.build_optimizer([{"params": [p], "lr": 0.1, "weight_decay": 0.0}], rcp.optim)
-    sched = T.build_scheduler(opt, rcp.optim, steps_per_epoch=10, epochs=1)
-    seen = []
-    for _ in range(10):
-        seen.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
+    seen = scheduled_lrs(rcp, steps_per_epoch=10, epochs=1)
     assert seen == pytest.approx([0.1 * T.lr_factor(s, 10, 5, "cosine") for s in range(10)])
     assert seen[4] == pytest.approx(0.1) and seen[-1] < 0.01
 

@@ -371,6 +371,14 @@ def weights_info(ref: str) -> dict:
     }
 
 
+def _imagenet_width(ref: str | Path, width: float | None) -> float:
+    """ImageNet weights exist at width 1.0 only: that width, or a one-line ConfigError."""
+    if width not in (None, 1.0):
+        raise ConfigError(f"{ref} exists for width 1.0 only, not {width}; use mobilenet_v2:random "
+                          "for another width, or a backbone folder")
+    return 1.0
+
+
 def open_backbone(
     ref: str | Path, *, width: float | None = None, seed: int = 0, device: torch.device | str | None = None,
 ) -> tuple[EdgeNet, dict]:
@@ -404,10 +412,7 @@ def open_backbone(
                 net = build_backbone(BackboneSpec(width=width), device=device)
             source = f"torchvision mobilenet_v2 width {width}, random init (seed {seed})"
         else:
-            if width not in (None, 1.0):
-                raise ConfigError(f"{ref} exists for width 1.0 only, not {width}; use mobilenet_v2:random "
-                                  "for another width, or a backbone folder")
-            width = 1.0
+            width = _imagenet_width(ref, width)
             state, file = _imagenet_state_dict(str(ref))
             net = build_backbone(BackboneSpec(width=width), device=device)
             _load_into(net, state, file, f"mobilenet_v2 width {width}")
@@ -433,9 +438,7 @@ def backbone_spec(ref: str | Path | None, *, width: float | None = None) -> Back
     if ref is not None and Path(ref).is_dir():
         return read_backbone_spec(ref)
     if ref is not None and is_weights_name(ref) and _weights_tag(str(ref)) != RANDOM_WEIGHTS:
-        if width not in (None, 1.0):
-            raise ConfigError(f"{ref} exists for width 1.0 only, not {width}; use mobilenet_v2:random")
-        return BackboneSpec(width=1.0)
+        return BackboneSpec(width=_imagenet_width(ref, width))
     if ref is not None and not is_weights_name(ref) and not Path(ref).is_file():
         raise _missing(ref)
     return BackboneSpec(width=1.0 if width is None else width)
