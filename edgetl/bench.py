@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -35,6 +34,7 @@ from edgetl.errors import ConfigError
 from edgetl.memory.report import MB
 from edgetl.models.backbone import BackboneSpec, EdgeNet, build_backbone, hidden_channels
 from edgetl.models.side import LeanOptions, build_network
+from edgetl.step import Step, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
 
@@ -285,12 +285,15 @@ def largest_fitting(total: Callable[[int], int], budget_bytes: int, known: dict[
 
 
 class _Trainer:
-    """One method's network, Adam and a fixed random batch; ``step()`` returns seconds."""
+    """One method's network, Adam and a fixed random batch; ``step()`` returns seconds of
+    ``edgetl.step.training_step``, the step the meter measures and fit runs."""
 
     def __init__(self, net: EdgeNet, *, resolution: int, batch_size: int, num_classes: int,
                  device: torch.device, lr: float, seed: int):
-        self.net = net.train()
-        self.opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=lr)
+        self.spec = Step.plain("adam", lr)
+        set_train_mode(net, self.spec.bn)
+        self.net = net
+        self.opt = self.spec.optimizer(net)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
         self.image = image.to(device, getattr(net, "input_dtype", torch.float32))
@@ -301,10 +304,7 @@ class _Trainer:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
         sync(self.device)
         start = time.perf_counter()
-        loss = F.cross_entropy(self.net(self.image), self.labels)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        training_step(self.net, self.spec, self.opt, self.image, self.labels)
         sync(self.device)
         return time.perf_counter() - start
 
@@ -362,7 +362,8 @@ def bench(
         command: the command line that made this result, stored with it.
     """
     from edgetl.memory.meter import measure_training_memory
-    from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
+    from edgetl.memory.runtime import runtime_report
+    from edgetl.memory.schedule import prepare_step
     from edgetl.profile import check_options, paper_report
 
     names = list(methods) if methods is not None else default_methods()
@@ -399,7 +400,7 @@ def bench(
         def build(dev, b: int, m=method, h=method_hidden) -> EdgeNet:
             net = build_method(m, width=width, num_classes=num_classes, device=dev, hidden=h)
             if m.lean is not None:  # as edgetl finetune runs it: whole-batch backward where the peak allows
-                fit_whole_batch_backward(net, resolution=resolution, batch_size=b)
+                prepare_step(net, resolution=resolution, batch_size=b)
             return net
 
         log.info("%s: accounting", name)

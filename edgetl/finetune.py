@@ -36,6 +36,7 @@ from edgetl.models.backbone import EdgeNet, describe_backbone
 from edgetl.models.side import LeanOptions, build_side_network, check_resolution, make_lean, set_trainable
 from edgetl.profile import LEAN_MODES, describe_runtime
 from edgetl.recipe import Recipe
+from edgetl.step import Step
 
 if TYPE_CHECKING:
     from edgetl.data import ImageCheck
@@ -101,16 +102,16 @@ def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "
 
 
 def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
-    """Runtime accounting (DESIGN 2b) of one training step of ``net`` on the lean runtime."""
-    from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
+    """Runtime accounting (DESIGN 2b) of the training step ``finetune`` runs: the recipe's
+    loss and optimizer (``Step.from_recipe``), the lean runtime and its fitted schedule."""
+    from edgetl.memory.schedule import predict_step
 
     meta = copy.deepcopy(net).to("meta")
     options = lean_options(recipe)
     if options is not None:
         make_lean(meta, options)
-        fit_whole_batch_backward(meta, resolution=recipe.data.resolution, batch_size=batch_size)
-    report = runtime_report(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
-                            batch_size=batch_size)
+    report = predict_step(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
+                          batch_size=batch_size, step=Step.from_recipe(recipe))
     describe_runtime(report, meta, options)
     return report
 
@@ -228,19 +229,22 @@ def finetune(
     predicted = preflight(net, recipe, budget_bytes)
     splits = check_images(splits, recipe.data.on_bad_image)
     stock = copy.deepcopy(net)
+    step = Step.from_recipe(recipe)
+    schedule = None
     if options is not None:
-        from edgetl.memory.runtime import fit_whole_batch_backward
+        from edgetl.memory.schedule import prepare_step
 
         make_lean(net, options)
-        # as predict_peak: whole-batch backward wherever it does not raise the peak
-        fit_whole_batch_backward(net, resolution=recipe.data.resolution, batch_size=recipe.train.batch_size)
+        # the schedule predict_peak fitted: whole-batch backward wherever it does not raise the peak
+        schedule = prepare_step(net, resolution=recipe.data.resolution, batch_size=recipe.train.batch_size,
+                                step=step)
     measured = None
     if measure and device.type == "cpu":
         from edgetl.memory.meter import measure_training_peak
 
         probe = copy.deepcopy(net)
         measured = measure_training_peak(probe, resolution=recipe.data.resolution,
-                                         batch_size=recipe.train.batch_size, steps=2)
+                                         batch_size=recipe.train.batch_size, steps=2, step=step)
         del probe
     if on_preflight is not None:
         on_preflight(predicted, measured)
@@ -249,16 +253,15 @@ def finetune(
 
     train_loader, val_loader = loaders_from_recipe(recipe, splits, pin_memory=device.type == "cuda")
     # The lean layers run the backbone in the activation dtype themselves; autocast on top
-    # would also cast the side network and break the memory plan.
-    fit_recipe = recipe
-    if options is not None and recipe.model.precision != "fp32":
-        fit_recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, precision="fp32"))
-    result = fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=fit_recipe,
+    # would also cast the side network and break the memory plan. The recipe keeps the
+    # precision it asked for (recipe.yaml, checkpoints), so --resume continues the same way.
+    result = fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=recipe,
                  out_dir=out_dir, device=device, resume=resume, on_step=on_step, on_epoch=on_epoch,
-                 final_files={MODEL_WEIGHTS: saved_file_bytes(stock.state_dict())})
+                 final_files={MODEL_WEIGHTS: saved_file_bytes(stock.state_dict())}, amp=options is None)
     if is_main_process():
+        lean = None if predicted.lean is None else {**predicted.lean, "schedule": schedule.to_dict()}
         try:
-            _write_model(out_dir, net, stock, recipe, splits.classes, options, predicted.lean)
+            _write_model(out_dir, net, stock, recipe, splits.classes, options, lean)
         except EdgetlError as exc:
             exc.args = (f"{exc}; training finished and {out_dir} keeps last.pt: fix the cause and add "
                         f"--resume to write {MODEL_WEIGHTS} and {MODEL_JSON}",)

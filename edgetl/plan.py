@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "edgetl-plan/1"
 MODE = "repnet"
-OPTIMIZER = "adam"
+OPTIMIZER = "adam"  # the plan's step: edgetl.step.Step.plain(OPTIMIZER) (plan_step)
 POOLS = (1, 2, 4)
 PRECISIONS = ("fp32", "bf16", "fp16")
 HALF = "bf16"  # "half": bf16 runs on CPUs (--verify) and on Orin (sm_87); same bytes as fp16
@@ -407,6 +407,15 @@ def ratio_for(channels: int, kept: int) -> float:
 # ----------------------------------------------------------------------------- search
 
 
+def plan_step():
+    """The training step a plan is made for, predicted and verified: Adam, no weight decay,
+    no label smoothing (``edgetl.step.Step.plain``). finetune's pre-flight predicts the
+    recipe's own step again before training."""
+    from edgetl.step import Step
+
+    return Step.plain(OPTIMIZER)
+
+
 def storage_ladder(*, pool: int | None = None, precision: str | None = None,
                    frozen_weights: str | None = None,
                    stored_pools: Callable[[int], list[int]] | None = None) -> list[Storage]:
@@ -458,7 +467,7 @@ class _Evaluator:
         self.count = 0
 
     def report(self, kept: dict[int, int], storage: Storage, batch: int):
-        from edgetl.memory.runtime import runtime_report
+        from edgetl.memory.schedule import predict_step
         from edgetl.models.side import LeanOptions, build_network
 
         key = (tuple(sorted(kept.items())), storage, batch)
@@ -469,8 +478,8 @@ class _Evaluator:
                                    precision=storage.precision)
                 self.nets[key[:2]] = build_network(spec, MODE, device="meta", lean=lean)
             net = self.nets[key[:2]]
-            self.reports[key] = runtime_report(net, mode=MODE, resolution=self.resolution, batch_size=batch,
-                                               optimizer=OPTIMIZER)
+            self.reports[key] = predict_step(net, mode=MODE, resolution=self.resolution, batch_size=batch,
+                                             step=plan_step())
             self.count += 1
             log.debug("evaluated %s %s batch %d: %d bytes", kept, storage, batch,
                       self.reports[key].total_bytes)
@@ -838,6 +847,7 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
     import torch
 
     from edgetl.memory.meter import measure_training_peak
+    from edgetl.memory.schedule import prepare_step
     from edgetl.models.side import LeanOptions, build_network
 
     c = plan.chosen
@@ -845,8 +855,10 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_network(copy.deepcopy(plan.spec), MODE, device=device, lean=lean)
+    # the step the plan predicted (and finetune runs): its schedule fitted and applied
+    prepare_step(net, resolution=plan.resolution, batch_size=c.batch_size, step=plan_step())
     measured = measure_training_peak(net, resolution=plan.resolution, batch_size=c.batch_size,
-                                     steps=steps, optimizer=OPTIMIZER, device=device, seed=seed)
+                                     steps=steps, step=plan_step(), device=device, seed=seed)
     plan.measured_bytes, plan.verify_steps = int(measured), steps
     log.info("verify: predicted %d, measured %d bytes", plan.predicted_bytes, measured)
     return int(measured)

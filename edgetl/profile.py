@@ -148,15 +148,17 @@ def profile(
         report = paper_report(net, mode=mode, resolution=resolution, batch_size=batch_size,
                               frozen_bits=frozen_bits)
     else:
-        from edgetl.memory.runtime import runtime_report
+        from edgetl.memory.schedule import predict_step
 
         net = build_network(spec, mode, device="meta", lean=lean_options)
-        report = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size)
+        report = predict_step(net, mode=mode, resolution=resolution, batch_size=batch_size)
     describe_runtime(report, net, lean_options)
     if measure:
         from edgetl.memory.meter import measure_training_peak
+        from edgetl.memory.schedule import prepare_step
 
         real = build_network(spec, mode, device=device, lean=lean_options)
+        prepare_step(real, resolution=resolution, batch_size=batch_size)  # the step predicted above
         report.measured_peak_bytes = measure_training_peak(
             real, resolution=resolution, batch_size=batch_size, steps=measure_steps
         )

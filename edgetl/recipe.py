@@ -137,6 +137,10 @@ class OptimConfig:
         decay_norm_and_bias: apply weight decay to normalisation weights and biases too.
         warmup_epochs: linear warmup length (may be fractional); 0 = none. A run shorter than
             twice its warmup warms up for half its steps (edgetl.train.warmup_steps).
+        foreach: update all of a group's parameters with multi-tensor kernels (fewer kernel
+            launches; temporaries the size of the whole group instead of one parameter).
+            PyTorch would pick by device; edgetl sets it, so the memory it predicts is the
+            memory the update takes on every device.
     """
 
     name: Literal["adam", "sgd"]
@@ -150,6 +154,7 @@ class OptimConfig:
     nesterov: bool = False
     decay_norm_and_bias: bool = True
     warmup_epochs: float = 0.0
+    foreach: bool = False
 
     def check(self, where: str) -> None:
         for name in ("lr", "lr_head", "lr_side"):

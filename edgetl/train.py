@@ -51,6 +51,7 @@ from edgetl.io import (
     tensors_in,
 )
 from edgetl.recipe import OptimConfig, Recipe
+from edgetl.step import Step, build_optimizer, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ RECIPE_FILE = "recipe.yaml"
 METRICS_CSV, METRICS_JSONL = "metrics.csv", "metrics.jsonl"
 # Recipe keys that may change between a run and its resume without changing the result.
 RESUME_MAY_CHANGE = ("data.root", "data.download", "data.on_bad_image", "train.workers")
+# settings added after checkpoints were first written: one that a checkpoint lacks ran as this
+ADDED_SETTINGS = {"optim.foreach": False}
 # Upper bounds of what torch.save adds to the tensor data: zip headers, 64-byte alignment and
 # pickled key names per tensor (about 330 B measured), the pickle, recipe and RNG states.
 FILE_BYTES_PER_TENSOR = 512
@@ -173,44 +176,6 @@ def set_rng_state(state: dict) -> None:
 # --- optimizer and schedule ------------------------------------------------------------
 
 
-def default_param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
-    """Trainable parameters in groups: side network (lr_side) and the rest (lr_head).
-
-    With ``decay_norm_and_bias: false``, 1-d parameters (normalisation weights, biases)
-    get no weight decay, as the torchvision references' ``--norm-weight-decay 0``.
-    """
-    groups: dict[tuple[str, bool], list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        part = "side" if name.startswith("side.") or ".side." in name else "head"
-        no_decay = not optim.decay_norm_and_bias and p.ndim <= 1
-        groups.setdefault((part, no_decay), []).append(p)
-    if not groups:
-        raise ConfigError("the model has no trainable parameters; check model.mode")
-    out = []
-    for (part, no_decay), params in sorted(groups.items()):
-        lr = optim.side_lr if part == "side" else optim.head_lr
-        if lr is None:
-            raise ConfigError("the model has side-network parameters; set optim.lr_side or optim.lr")
-        out.append({
-            "params": params, "lr": lr, "name": part + ("_no_decay" if no_decay else ""),
-            "weight_decay": 0.0 if no_decay else optim.weight_decay,
-        })
-    return out
-
-
-def build_optimizer(groups: list[dict], optim: OptimConfig) -> torch.optim.Optimizer:
-    if optim.name == "adam":
-        return torch.optim.Adam(groups, weight_decay=optim.weight_decay)
-    if optim.name == "sgd":
-        return torch.optim.SGD(
-            groups, lr=groups[0]["lr"], momentum=optim.momentum or 0.0,
-            nesterov=optim.nesterov, weight_decay=optim.weight_decay,
-        )
-    raise ConfigError(f"unknown optimizer {optim.name!r}; allowed: adam, sgd")
-
-
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
     """Multiplier of the base rate before optimizer step ``step`` (0-based).
 
@@ -289,6 +254,8 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def _recipe_differences(saved: dict, current: dict) -> list[str]:
     a, b = _flatten(saved), _flatten(current)
+    for key, value in ADDED_SETTINGS.items():
+        a.setdefault(key, value)
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in RESUME_MAY_CHANGE)
 
 
@@ -468,15 +435,6 @@ class FitResult:
         return self.out_dir / BEST
 
 
-def _set_train_mode(model: nn.Module, bn: str) -> None:
-    """train(); with bn "fold", frozen BN layers stay in eval mode (fixed statistics, foldable)."""
-    model.train()
-    if bn == "fold":
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None and not m.weight.requires_grad:
-                m.eval()
-
-
 def _autocast(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext, None
@@ -542,6 +500,17 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
     ) * (t * t)
 
 
+def _distill_mix(distill, teacher: nn.Module, images: torch.Tensor) -> Callable:
+    """(loss, student logits) -> the distillation mix with the teacher's logits on ``images``."""
+    def mix(loss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            t_logits = teacher(images)
+        return (1 - distill.weight) * loss + distill.weight * distill_loss(
+            logits.float(), t_logits.float(), distill.temperature)
+
+    return mix
+
+
 def fit(
     *,
     model: nn.Module,
@@ -557,6 +526,7 @@ def fit(
     on_epoch: Callable[[dict], None] | None = None,
     teacher: nn.Module | None = None,
     final_files: dict[str, int] | None = None,
+    amp: bool = True,
 ) -> FitResult:
     """Train ``model`` per ``recipe``, evaluating every epoch; write the run folder.
 
@@ -568,7 +538,7 @@ def fit(
         recipe: the resolved recipe; its optim and train sections drive the loop.
         out_dir: run folder: recipe.yaml, metrics.csv, metrics.jsonl, last.pt, best.pt.
         device: where to train; the model is moved there.
-        param_groups: optimizer groups; default ``default_param_groups(model, recipe.optim)``.
+        param_groups: optimizer groups; default ``edgetl.step.param_groups(model, recipe.optim)``.
         optimizer_factory: groups -> optimizer; default from recipe.optim.
         resume: continue from ``out_dir/last.pt`` (required if it exists, error if not).
         on_step: called after each step with {epoch, epochs, step, steps, global_step,
@@ -577,6 +547,9 @@ def fit(
         teacher: distillation teacher (needs the recipe's distill section).
         final_files: name -> size bound of what the caller writes into ``out_dir`` after
             training (e.g. finetune's model.pt), for the disk check.
+        amp: run ``model.precision`` as autocast (CUDA). False: the model keeps its own
+            dtypes (the lean runtime casts inside its layers) and the recipe still records
+            the precision it asked for, so a resumed run continues the same way.
 
     Under torchrun call ``setup_distributed`` before building the loaders; the model is
     then wrapped in DDP and only rank 0 writes.
@@ -596,7 +569,8 @@ def fit(
         raise ConfigError("a teacher was given but the recipe has no distill section")
     if recipe.distill is not None and teacher is None:
         raise ConfigError("the recipe's distill section needs a teacher model (distill.teacher)")
-    autocast, scaler = _autocast(device, recipe.model.precision)
+    amp_precision = recipe.model.precision if amp else "fp32"
+    autocast, scaler = _autocast(device, amp_precision)
     epochs = recipe.train.epochs
 
     last_path = out_dir / LAST
@@ -610,7 +584,8 @@ def fit(
         teacher.to(device).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
-    groups = param_groups if param_groups is not None else default_param_groups(model, recipe.optim)
+    step_spec = Step.from_recipe(recipe)
+    groups = param_groups if param_groups is not None else step_spec.param_groups(model)
     optimizer = (optimizer_factory or (lambda g: build_optimizer(g, recipe.optim)))(groups)
     if hasattr(sampler, "set_start"):
         sampler.set_start(0)
@@ -618,7 +593,6 @@ def fit(
     if steps_per_epoch == 0:
         raise DataError("the training loader yields no batches (fewer samples than one batch?)")
     scheduler = build_scheduler(optimizer, recipe.optim, steps_per_epoch, epochs)
-    label_loss = nn.CrossEntropyLoss(label_smoothing=recipe.optim.label_smoothing)
 
     start_epoch, start_step, best_acc1, best_epoch = 0, 0, None, None
     sums = [0.0, 0.0, 0.0]  # train loss sum, correct, count of the epoch in progress
@@ -722,7 +696,7 @@ def fit(
                 log.warning("loader cannot start mid-epoch; skipping %d batches", first)
                 for _ in range(first):
                     next(batches)
-            _set_train_mode(net, recipe.model.bn)
+            set_train_mode(net, recipe.model.bn)
             t0, seen = time.perf_counter(), 0
             for step, batch in enumerate(batches, start=first):
                 note_skipped(batch, skipped)
@@ -739,28 +713,16 @@ def fit(
                     continue
                 images = images.to(device, dtype=input_dtype(model), non_blocking=True)
                 labels = labels.to(device, non_blocking=True)
-                with autocast():
-                    logits = net(images)
-                    loss = label_loss(logits, labels)
-                    if distill is not None:
-                        with torch.no_grad():
-                            t_logits = teacher(images)
-                        loss = (1 - distill.weight) * loss + distill.weight * distill_loss(
-                            logits.float(), t_logits.float(), distill.temperature
-                        )
-                optimizer.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    optimizer.step()
+                mix = None
+                if distill is not None:
+                    mix = _distill_mix(distill, teacher, images)
+                loss, correct = training_step(net, step_spec, optimizer, images, labels,
+                                              autocast=autocast, scaler=scaler, mix=mix)
                 scheduler.step()
                 loss_value = loss.item()
                 n = labels.numel()
                 sums[0] += loss_value * n
-                sums[1] += (logits.detach().argmax(1) == labels).sum().item()
+                sums[1] += correct.item()
                 sums[2] += n
                 seen += n
                 if on_step is not None:
@@ -788,7 +750,7 @@ def fit(
             evaluated = (epoch + 1) % recipe.train.eval_every == 0 or epoch + 1 == epochs
             improved = False
             if evaluated:
-                metrics = evaluate(net, val_loader, device, recipe.model.precision, skipped)
+                metrics = evaluate(net, val_loader, device, amp_precision, skipped)
                 row["val_loss"], row["val_acc1"] = metrics["loss"], metrics["acc1"]
                 if best_acc1 is None or metrics["acc1"] > best_acc1:
                     best_acc1, best_epoch, improved = metrics["acc1"], epoch + 1, True

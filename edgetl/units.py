@@ -40,3 +40,8 @@ def parse_bytes(text: str) -> int:
 
 def format_bytes(n_bytes: float, unit: str = "MB") -> str:
     return f"{n_bytes / UNITS[unit]:.2f} {unit}"
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``value``."""
+    return -(-int(value) // multiple) * multiple

@@ -129,7 +129,8 @@ def allocator_rows(*, device: str, methods: list[str], resolution: int, width: f
     from edgetl.bench import METHODS, build_method, pruned_hidden
     from edgetl.memory.cuda import cublas_workspace_bytes, expandable_segments_enabled, replay_trace
     from edgetl.memory.meter import measure_training_memory
-    from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
+    from edgetl.memory.runtime import runtime_report
+    from edgetl.memory.schedule import prepare_step
 
     cuda = device.startswith("cuda")
     if cuda:
@@ -148,7 +149,7 @@ def allocator_rows(*, device: str, methods: list[str], resolution: int, width: f
         net = build_method(method, width=width, num_classes=num_classes, device=device,
                            hidden=pruned_hidden(width, num_classes) if method.pruned else {})
         if method.lean is not None:
-            fit_whole_batch_backward(net, resolution=resolution, batch_size=batch_size)
+            prepare_step(net, resolution=resolution, batch_size=batch_size)
         runtime = runtime_report(net, mode=method.mode, resolution=resolution, batch_size=batch_size).total_bytes
         got = measure_training_memory(net, resolution=resolution, batch_size=batch_size, steps=2, record_trace=True)
         replay = replay_trace(got.trace, expandable=expandable, cublas_workspace=workspace)
@@ -181,7 +182,7 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
     import torch.nn.functional as F
 
     from edgetl.bench import METHODS, build_method, pruned_hidden
-    from edgetl.memory.runtime import fit_whole_batch_backward
+    from edgetl.memory.schedule import prepare_step
 
     dev = torch.device(device)
     rows = []
@@ -193,7 +194,7 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
         net = build_method(method, width=width, num_classes=num_classes, device=dev,
                            hidden=pruned_hidden(width, num_classes) if method.pruned else {})
         if method.lean is not None:
-            fit_whole_batch_backward(net, resolution=resolution, batch_size=batch_size)
+            prepare_step(net, resolution=resolution, batch_size=batch_size)
         for m in net.modules():  # dropout draws random masks: eager and replay would differ
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0

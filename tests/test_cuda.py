@@ -406,7 +406,8 @@ def _accounting_configs():
 def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
     """Measured allocated peak within 5 % of runtime accounting + the cuBLAS workspace (224 px, batch 8)."""
     from edgetl.bench import pruned_hidden
-    from edgetl.memory.runtime import fit_whole_batch_backward, runtime_report
+    from edgetl.memory.runtime import runtime_report
+    from edgetl.memory.schedule import prepare_step
     from edgetl.models.backbone import BackboneSpec
     from edgetl.models.side import build_network
 
@@ -415,7 +416,7 @@ def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
     torch.manual_seed(0)
     net = build_network(spec, "repnet", device="cuda", lean=lean)
     if lean is not None:
-        fit_whole_batch_backward(net, resolution=224, batch_size=8)
+        prepare_step(net, resolution=224, batch_size=8)
     runtime = runtime_report(net, mode="repnet", resolution=224, batch_size=8).total_bytes
     ws = cublas_workspace_bytes(_capability())
     got = measure_training_memory(net, resolution=224, batch_size=8, steps=2, record_trace=True)
@@ -532,7 +533,8 @@ def test_bench_on_cuda_reports_allocated_and_reserved(tmp_path):
 
 def test_cuda_report_answers_the_runtime_accounting_for_a_jetson():
     """Runtime accounting + cuBLAS workspace; with a trace, the replayed allocated and reserved peaks."""
-    from edgetl.memory.cuda import JETSON_ORIN, cuda_report
+    from edgetl.memory.cuda import JETSON_ORIN
+    from edgetl.memory.cuda_step import cuda_report
     from edgetl.memory.runtime import runtime_report
     from edgetl.models.backbone import BackboneSpec
     from edgetl.models.side import LeanOptions, build_network

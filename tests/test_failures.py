@@ -23,6 +23,7 @@ from edgetl.io import MB
 from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
 from edgetl.models.side import LeanOptions, build_network, min_resolution
 from edgetl.recipe import Recipe, apply_overrides
+from edgetl.step import Step
 
 from tests.bad_files import flip_png_data, truncate
 from tests.conftest import make_color_folder
@@ -304,7 +305,7 @@ def test_checkpoint_sizes_are_close_upper_bounds(finished_run):
     rcp = load_recipe(out / "recipe.yaml")
     stock = build_model(rcp, 3)
     net = make_lean(build_model(rcp, 3), lean_options(rcp))
-    optimizer = T.build_optimizer(T.default_param_groups(net, rcp.optim), rcp.optim)
+    optimizer = Step.from_recipe(rcp).optimizer(net)
     predicted = {"last.pt": T.checkpoint_bytes(net, optimizer), "best.pt": T.checkpoint_bytes(net, None),
                  "model.pt": T.saved_file_bytes(stock.state_dict())}
     for name, bound in predicted.items():

@@ -49,7 +49,8 @@ def test_register_module_counts_params_buffers_and_grads():
 
 
 def test_single_linear_step_by_hand():
-    """params + grads + Adam state + input + labels + the two temporaries of Adam's denom."""
+    """params + grads + Adam state + input + labels + the two temporaries of Adam's denom
+    + the loss and the hit count that the step returns (edgetl.step.training_step)."""
     batch, res, classes = 4, 2, 5
     features = 3 * res * res
     torch.manual_seed(0)
@@ -58,7 +59,8 @@ def test_single_linear_step_by_hand():
     static = params + batch * features * F4 + batch * 8  # + input batch, int64 labels
     adam = 2 * params + 2 * F4  # exp_avg, exp_avg_sq, one fp32 step per tensor
     denom = 2 * features * classes * F4  # sqrt(exp_avg_sq) and its quotient, largest param
-    assert peak == static + params + adam + denom == 1752
+    returned = F4 + 8  # the fp32 loss and the int64 count of top-1 hits
+    assert peak == static + params + adam + denom + returned == 1764
 
 
 def test_single_linear_sgd_peak_is_in_backward():
@@ -72,8 +74,8 @@ def test_single_linear_sgd_peak_is_in_backward():
     logits = batch * classes * F4
     # log_softmax's backward: its saved output, the incoming grad and the outgoing grad
     # (three logits-sized tensors) + the loss and nll's total_weight (fp32 scalars); the
-    # logits themselves were freed after the loss, grads come later
-    assert peak == static + 3 * logits + 2 * F4
+    # logits themselves were freed after the loss, grads come later; + the int64 hit count
+    assert peak == static + 3 * logits + 2 * F4 + 8
 
 
 def _conv_net():

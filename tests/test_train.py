@@ -20,6 +20,7 @@ from edgetl import data as D
 from edgetl import train as T
 from edgetl.errors import CapabilityError, ConfigError, DataError
 from edgetl.recipe import Recipe, apply_overrides
+from edgetl.step import build_optimizer, param_groups, set_train_mode
 
 def make_toy_folder(root: Path, n_train: int = 16, n_val: int = 8, size: int = 24) -> Path:
     """Three classes told apart by colour, with noise: linearly separable."""
@@ -91,7 +92,7 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
 def scheduled_lrs(rcp: Recipe, steps_per_epoch: int, epochs: int) -> list[float]:
     """The learning rate before each optimizer step of a real optimizer + scheduler (base 0.1)."""
     p = nn.Parameter(torch.zeros(1))
-    opt = T.build_optimizer([{"params": [p], "lr": 0.1, "weight_decay": 0.0}], rcp.optim)
+    opt = build_optimizer([{"params": [p], "lr": 0.1, "weight_decay": 0.0}], rcp.optim)
     sched = T.build_scheduler(opt, rcp.optim, steps_per_epoch=steps_per_epoch, epochs=epochs)
     seen = []
     for _ in range(steps_per_epoch * epochs):
@@ -188,7 +189,7 @@ def test_param_groups_and_frozen_bn(toy, tmp_path):
     net = build_network(BackboneSpec(width=0.35, num_classes=3), "repnet")
     rcp = recipe(toy, **{"model.mode": "repnet", "optim.lr": None, "optim.lr_head": 1e-3, "optim.lr_side": 5e-3,
                          "optim.decay_norm_and_bias": False, "optim.weight_decay": 0.1})
-    groups = {g["name"]: g for g in T.default_param_groups(net, rcp.optim)}
+    groups = {g["name"]: g for g in param_groups(net, rcp.optim)}
     side = {id(p) for p in net.side.parameters()}
     assert {id(p) for n in ("side", "side_no_decay") for p in groups[n]["params"]} == side
     assert groups["side"]["lr"] == 5e-3 and groups["head"]["lr"] == 1e-3
@@ -197,9 +198,9 @@ def test_param_groups_and_frozen_bn(toy, tmp_path):
     n_trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     assert sum(p.numel() for g in groups.values() for p in g["params"]) == n_trainable
     # bn "fold": frozen backbone BN keeps its statistics; the side network's BN trains
-    T._set_train_mode(net, "fold")
+    set_train_mode(net, "fold")
     assert not net.features[3].conv[1][1].training and net.side.blocks[0].bn1.training
-    T._set_train_mode(net, "batch")
+    set_train_mode(net, "batch")
     assert net.features[3].conv[1][1].training
 
 

@@ -48,14 +48,10 @@ The CUDA context (about 300 MB on a Jetson) is outside all of this (``edgetl doc
 from __future__ import annotations
 
 import bisect
-import copy
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
-
-if TYPE_CHECKING:
-    from torch import nn
+from typing import Iterable
 
 MIN_BLOCK = 512  # kMinBlockSize: every block is a multiple of this
 SMALL_SIZE = 1 << 20  # kSmallSize: the largest small-pool block (1 MiB)
@@ -372,65 +368,3 @@ def replay_trace(events: Iterable[tuple], *, expandable: bool = False, cublas_wo
 
 
 # ----------------------------------------------------------------------------- the runtime accounting on CUDA
-
-
-@dataclass
-class CudaReport:
-    """The runtime accounting of a training step, answered for a CUDA device (bytes).
-
-    Attributes:
-        runtime_bytes: the runtime accounting's tensor peak (DESIGN 2b), as on CPU.
-        cublas_workspace_bytes: the cuBLAS workspace the step's first matrix product allocates.
-        allocated_bytes: what ``max_memory_allocated`` should say: with a trace, the replay's
-            allocated peak (rounding, unsplit blocks, the workspace); without, runtime +
-            workspace. cuDNN workspaces are not in it (measured on the device, see above).
-        reserved_bytes: what ``max_memory_reserved`` should say (the replay's), None without a trace.
-        capability: the compute capability the figures are for.
-        expandable: whether expandable segments were modelled.
-    """
-
-    runtime_bytes: int
-    cublas_workspace_bytes: int
-    allocated_bytes: int
-    reserved_bytes: int | None
-    capability: tuple[int, int]
-    expandable: bool
-
-    @property
-    def slack(self) -> float | None:
-        """reserved / allocated: the allocator slack for a plan on this device (None without a trace)."""
-        return None if self.reserved_bytes is None else self.reserved_bytes / self.allocated_bytes
-
-
-def cuda_report(net: "nn.Module", *, mode: str, resolution: int, batch_size: int,
-                capability: tuple[int, int] = JETSON_ORIN, expandable: bool | None = None,
-                optimizer: str = "adam", trace: bool = True, env: dict[str, str] | None = None) -> CudaReport:
-    """Runtime accounting + the CUDA terms for ``net``'s training step at ``batch_size``.
-
-    Args:
-        net: a built network (trainability set); with ``trace`` it must have real weights
-            (a CPU copy runs two real training steps to record the storage trace).
-        mode, resolution, batch_size, optimizer: as ``runtime_report``.
-        capability: the target GPU's compute capability (default: Jetson Orin, sm87).
-        expandable: model expandable segments; None reads ``PYTORCH_CUDA_ALLOC_CONF`` from ``env``.
-        trace: replay one real step through the allocator model (seconds on a CPU at 224 px);
-            False gives the allocated figure without packing and no reserved figure.
-        env: environment for ``CUBLAS_WORKSPACE_CONFIG`` / ``PYTORCH_CUDA_ALLOC_CONF`` (default os.environ).
-    """
-    from edgetl.memory.runtime import runtime_report
-
-    runtime = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size,
-                             optimizer=optimizer).total_bytes
-    workspace = cublas_workspace_bytes(capability, env)
-    expandable = expandable_segments_enabled(env) if expandable is None else expandable
-    if not trace:
-        return CudaReport(runtime, workspace, runtime + workspace, None, tuple(capability), expandable)
-    from edgetl.memory.meter import measure_training_memory
-
-    probe = copy.deepcopy(net).to("cpu")
-    got = measure_training_memory(probe, resolution=resolution, batch_size=batch_size, steps=2,
-                                  optimizer=optimizer, record_trace=True)
-    del probe
-    replay = replay_trace(got.trace, expandable=expandable, cublas_workspace=workspace)
-    return CudaReport(runtime, workspace, replay.peaks.allocated_peak_bytes, replay.peaks.reserved_peak_bytes,
-                      tuple(capability), expandable)

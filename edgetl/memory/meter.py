@@ -25,16 +25,15 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from edgetl.errors import ConfigError
+from edgetl.step import Step, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = ("adam", "sgd")
 
 
 class StorageMeter(TorchDispatchMode):
@@ -129,23 +128,9 @@ class StorageMeter(TorchDispatchMode):
         self._finalizers.clear()
 
 
-def make_optimizer(params, optimizer: str, lr: float) -> torch.optim.Optimizer:
-    if optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    raise ConfigError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
-
-
-def _training_steps(net, opt, image, labels, steps: int) -> None:
+def _training_steps(net, step: Step, opt, image, labels, steps: int) -> None:
     for _ in range(steps):
-        logits = net(image)
-        loss = F.cross_entropy(logits, labels)
-        del logits
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        training_step(net, step, opt, image, labels)
 
 
 @dataclass
@@ -184,19 +169,20 @@ def measure_training_memory(
     resolution: int,
     batch_size: int,
     steps: int = 3,
-    optimizer: str = "adam",
+    optimizer: str | None = None,
     lr: float = 1e-3,
+    step: Step | None = None,
     device: torch.device | str | None = None,
     seed: int = 0,
     record_trace: bool = False,
 ) -> MeasuredMemory:
     """Peak memory over ``steps`` real training steps of ``net``: tensors, and on CUDA the allocator.
 
-    Each step: forward on a random batch, cross-entropy on random labels, backward,
-    optimizer step, ``zero_grad(set_to_none=True)``. Everything is included: params,
-    buffers, grads, optimizer state, the input batch and labels, saved activations and
-    temporaries. Only parameters with ``requires_grad`` go into the optimizer. The
-    network is put in train mode and its weights change. The batch is built in
+    Each step is ``edgetl.step.training_step`` of ``step`` on a random batch and random
+    labels: the loss, optimizer (groups, weight decay, foreach) and train mode that
+    ``edgetl.train.fit`` runs. Everything is included: params, buffers, grads, optimizer
+    state, the input batch and labels, saved activations and temporaries. The network is
+    put in the step's train mode and its weights change. The batch is built in
     ``net.input_dtype`` when the network has one (lean bf16/fp16 runtime), else fp32.
 
     On CUDA the cuBLAS workspaces and the allocator's unused cached segments are released
@@ -208,8 +194,9 @@ def measure_training_memory(
         resolution: input side in pixels.
         batch_size: images per step.
         steps: training steps; the peak usually comes in step 2, once optimizer state exists.
-        optimizer: "adam" or "sgd" (plain, no momentum).
-        lr: learning rate.
+        optimizer, lr: shorthand for ``Step.plain(optimizer, lr)`` when no ``step`` is given
+            ("adam" or "sgd", plain: no momentum, no weight decay).
+        step: the training step (a recipe's: ``Step.from_recipe``).
         device: where to run; default: the device of ``net``'s parameters.
         seed: seeds the random batch and labels.
         record_trace: keep the storage trace (for ``edgetl.memory.cuda.replay_trace``).
@@ -224,8 +211,12 @@ def measure_training_memory(
     trainable = [p for p in net.parameters() if p.requires_grad]
     if not trainable:
         raise ConfigError("nothing trains: no parameter requires grad")
-    opt = make_optimizer(trainable, optimizer, lr)
-    net.train()
+    if step is None:
+        step = Step.plain(optimizer or "adam", lr)
+    elif optimizer is not None and optimizer != step.optimizer_name:
+        raise ConfigError(f"optimizer {optimizer!r} contradicts the step's {step.optimizer_name!r}")
+    opt = step.optimizer(net)
+    set_train_mode(net, step.bn)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
     image = image.to(device, getattr(net, "input_dtype", torch.float32))
@@ -242,7 +233,7 @@ def measure_training_memory(
         other = _prepare_cuda(device, net, image, labels)
     try:
         with meter:
-            _training_steps(net, opt, image, labels, steps)
+            _training_steps(net, step, opt, image, labels, steps)
     finally:
         meter.close()
     result = MeasuredMemory(str(device), meter.peak_bytes, other_bytes=other, trace=meter.trace)

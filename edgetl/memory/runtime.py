@@ -56,6 +56,7 @@ a pass-through gradient (add, view) whose input has another dtype is a new cast 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -63,52 +64,18 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from edgetl.errors import ConfigError
+from edgetl.errors import CapabilityError, ConfigError
+from edgetl.memory.cost import LayerCost, numel as _numel
 from edgetl.memory.paper import sensitive
 from edgetl.memory.report import BlockMemory, MemoryReport
 from edgetl.memory.trace import Leaf, trace_network
 from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
+from edgetl.step import Step, loss_and_correct, set_train_mode
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = ("adam", "sgd")
 LABEL_BYTES = 8  # int64 class indices
-STEP_BYTES = 4  # Adam's per-tensor fp32 step counter
 _DEBUG: list | None = None  # set to a list to record every simulated sample
-
-
-@dataclass
-class LayerCost:
-    """What one leaf layer holds, for one call. Sizes in bytes; flags refer to storages.
-
-    Attributes:
-        saves_input: backward keeps a reference to the input's storage.
-        saves_output: backward keeps a reference to the output's storage.
-        saved_new_bytes: tensors allocated in forward and kept for backward (clone,
-            mask, statistics, a pooled copy of the input).
-        inplace: the output is the input's storage (no new allocation).
-        forward_temp_bytes: allocated during the call and freed before it returns
-            (e.g. batch statistics when no backward is needed).
-        backward_temp_bytes: extra buffers while its backward runs, beyond grad_output,
-            grad_input and param grads.
-        grad_input: backward allocates a gradient of the input's size when the input
-            requires grad (False for ops whose input grad is a view of grad_output).
-    """
-
-    saves_input: bool = False
-    saves_output: bool = False
-    saved_new_bytes: int = 0
-    inplace: bool = False
-    forward_temp_bytes: int = 0
-    backward_temp_bytes: int = 0
-    grad_input: bool = True
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
@@ -162,8 +129,9 @@ def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
         return LayerCost(inplace=True, grad_input=False)
     if isinstance(module, nn.Upsample) or type(module).__name__ == "Resize":
         return LayerCost()  # upsample_*_backward needs only sizes
-    log.warning("no runtime rule for %s: assuming it saves its input", type(module).__name__)
-    return LayerCost(saves_input=grad)
+    raise CapabilityError(
+        f"the runtime accounting has no rule for the layer {type(module).__name__}: give it a "
+        f"runtime_cost method (see edgetl.memory.runtime) or add a rule to stock_cost")
 
 
 def layer_cost(module: nn.Module, **kwargs) -> LayerCost:
@@ -180,6 +148,135 @@ def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
     if callable(own):
         return list(own())
     return list(module.parameters(recurse=False))
+
+
+# ----------------------------------------------------------------------------- loss and optimizer
+
+
+def resolve_step(step: Step | None, optimizer: str | None = None) -> Step:
+    """``step``, or the plain step with ``optimizer`` (the memory tools' shorthand); not both."""
+    if step is not None and optimizer is not None and optimizer != step.optimizer_name:
+        raise ConfigError(f"optimizer {optimizer!r} contradicts the step's {step.optimizer_name!r}")
+    return step if step is not None else Step.plain(optimizer or "adam")
+
+
+@dataclass(frozen=True)
+class LossTrace:
+    """The step's loss at one batch size, as the storage meter saw it run on meta.
+
+    ``forward``: the events from the logits to (loss, hit count); ``backward``: the events
+    of ``loss.backward()`` down to the logits' gradient. Events are the meter's
+    ("alloc", key, bytes) / ("free", key) / ("op", name). ``logits``: the key of the logits
+    (their free is Python dropping them); ``held``: keys alive between forward and backward
+    (what the loss saved); ``grad``: the key of the logits' gradient; ``kept``: keys alive
+    after backward besides it (the loss and the hit count, held until the step returns).
+    """
+
+    forward: tuple
+    backward: tuple
+    logits: int
+    held: tuple
+    grad: int
+    kept: tuple
+
+
+class _StandIn(torch.autograd.Function):
+    """The network's output: a fresh storage in forward, its gradient passed on untouched."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+@functools.lru_cache(maxsize=64)
+def _loss_trace(label_smoothing: float, batch_size: int, num_classes: int, dtype: torch.dtype) -> LossTrace:
+    from edgetl.memory.meter import StorageMeter
+
+    step = Step.plain(label_smoothing=label_smoothing)
+    src = torch.empty(batch_size, num_classes, device="meta", dtype=dtype, requires_grad=True)
+    labels = torch.empty(batch_size, device="meta", dtype=torch.int64)
+    meter = StorageMeter(record_trace=True)
+    meter.register(src, labels)
+    try:
+        with meter:
+            start = len(meter.trace)
+            logits = _StandIn.apply(src)
+            key = id(logits.untyped_storage())
+            loss, correct = loss_and_correct(step, logits, labels)
+            del logits
+            mid = len(meter.trace)
+            live_mid = set(meter._sizes)
+            loss.backward()
+            end = len(meter.trace)
+            live_end = set(meter._sizes)
+            grad = id(src.grad.untyped_storage())
+            kept = [id(t.untyped_storage()) for t in (loss, correct)]
+    finally:
+        meter.close()
+    fwd, bwd = meter.trace[start:mid], meter.trace[mid:end]
+    fwd = tuple(e for e in fwd if not (e[0] == "alloc" and e[1] == key))  # the logits exist already
+    before = {id(t.untyped_storage()) for t in (src, labels)}
+    held = tuple(k for k in live_mid - before if k not in kept)
+    extra = live_end - before - {grad} - set(kept)
+    if extra:
+        raise RuntimeError(f"loss trace: {len(extra)} storages outlive backward unexpectedly")
+    return LossTrace(fwd, bwd, key, held, grad, tuple(kept))
+
+
+def loss_trace(step: Step, batch_size: int, num_classes: int, logits_bytes: int = 4) -> LossTrace:
+    """What the step's loss allocates and frees at this batch size (cached)."""
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[logits_bytes]
+    return _loss_trace(float(step.optim.label_smoothing), batch_size, num_classes, dtype)
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    """The step's optimizer over a network's trainable parameters, measured on meta.
+
+    ``state_bytes``: its state once created (Adam: two moments and a step counter per
+    tensor); ``step_extra_bytes``: the most it allocates on top of params, grads and state
+    while ``optimizer.step()`` runs (foreach: a whole group's temporaries; single-tensor:
+    one parameter's, plus the previous one's that its loop still holds; weight decay and
+    momentum add theirs).
+    """
+
+    state_bytes: int
+    step_extra_bytes: int
+
+
+def optimizer_cost(net: nn.Module, step: Step) -> OptimizerCost:
+    """Run the step's real optimizer twice on meta stand-ins of ``net``'s trainable parameters
+    (same groups, shapes, dtypes) under the storage meter: exact for any optimizer setting."""
+    from edgetl.memory.meter import StorageMeter
+    from edgetl.step import build_optimizer
+
+    groups = step.param_groups(net)
+    stand = {id(p): nn.Parameter(torch.empty_like(p, device="meta")) for g in groups for p in g["params"]}
+    meta_groups = [{**g, "params": [stand[id(p)] for p in g["params"]]} for g in groups]
+    params = list(stand.values())
+    optimizer = build_optimizer(meta_groups, step.optim)
+    meter = StorageMeter()
+    meter.register(params)
+    peaks = []
+    try:
+        with meter:
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.empty_like(p)
+                base = meter.current_bytes
+                meter.reset_peak()
+                optimizer.step()
+                peaks.append((base, meter.peak_bytes, meter.current_bytes))
+                optimizer.zero_grad(set_to_none=True)
+    finally:
+        meter.close()
+    (base1, peak1, after1), (base2, peak2, _) = peaks
+    state = after1 - base1
+    return OptimizerCost(state, max(peak1 - base1 - state, peak2 - base2, 0))
 
 
 # ----------------------------------------------------------------------------- data flow
@@ -360,6 +457,7 @@ def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
                         and op.part == "backbone"), len(ops) - 1)
             s = values[first.inputs[0]].storage
             holds[s] = max(holds.get(s, end), end)
+    holds[values[ops[-1].output].storage] = len(ops)  # the logits: until the loss has them
     return _Flow(ops, values, holds, image, trace.leaves)
 
 
@@ -419,16 +517,14 @@ class _Memory:
         return sum(self.size[k] for k in self.saved_refs)
 
 
-def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
-              optimizer: str) -> _Result:
+def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, step: Step) -> _Result:
     values, ops = flow.values, flow.ops
     trainable = [p for p in net.parameters() if p.requires_grad]
     frozen_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
     frozen_bytes += sum(b.numel() * b.element_size() for b in net.buffers())
     train_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    state_bytes = 0
-    if optimizer == "adam":
-        state_bytes = 2 * train_bytes + STEP_BYTES * len(trainable)
+    opt = optimizer_cost(net, step)
+    state_bytes = opt.state_bytes
     input_bytes = values[flow.image].nbytes + batch_size * LABEL_BYTES
     static = frozen_bytes + train_bytes + state_bytes + input_bytes
     parts = {"frozen": frozen_bytes, "weights": train_bytes, "state": state_bytes, "input": input_bytes}
@@ -493,8 +589,9 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
         elif op.func in _PLAIN_FUNCS:
             cost = LayerCost()
         else:
-            log.warning("no runtime rule for function %s: assuming it saves nothing", op.func)
-            cost = LayerCost()
+            raise CapabilityError(
+                f"the runtime accounting has no rule for the function {op.func} (called after "
+                f"{ops[i - 1].name if i else 'the input'}): add it to the function sets in edgetl.memory.runtime")
         costs[i] = cost
         keep: list[object] = []
         if cost.saved_new_bytes:
@@ -521,40 +618,42 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
         release_py(i)
         res.block_cugrd[op.block] = mem.saved_bytes()
 
-    # the loss: log_softmax keeps its result, nll_loss keeps total_weight
+    # the loss, replayed from the step's own loss on meta (see ``LossTrace``)
     head = HEAD_BLOCK
     logits = values[ops[-1].output].storage
-    logp = ("loss", "logp")
-    mem.alloc(logp, batch_size * num_classes * 4)
-    mem.ref(logp)
-    sample("forward log_softmax", head, True)
-    mem.ref(logp, saved=True)
-    mem.alloc(("loss", "out"), 8)  # loss + total_weight
-    mem.ref(("loss", "out"))
-    sample("forward nll_loss", head, True)
-    mem.unref(logp)
-    if logits in py_held:
-        py_held.discard(logits)
-        mem.unref(logits)
+    py_held.discard(logits)  # the replay's free of the logits stands for Python dropping them
+    loss = loss_trace(step, batch_size, num_classes, values[ops[-1].output].act_bytes)
+    keys = {loss.logits: logits}
+
+    def replay(events, forward: bool, where: str) -> None:
+        for event in events:
+            if event[0] == "alloc":
+                keys[event[1]] = ("loss", event[1])
+                mem.alloc(keys[event[1]], event[2])
+                mem.ref(keys[event[1]])
+            elif event[0] == "free":
+                key = keys.pop(event[1])
+                mem.saved_refs.pop(key, None)
+                mem.unref(key)
+            elif event[0] == "op":
+                sample(f"{where} {event[1]}", head, forward)
+
+    replay(loss.forward, True, "forward")
     for s in list(py_held):  # nothing else is referenced once forward returns
         py_held.discard(s)
         mem.unref(s)
+    held = [keys[k] for k in loss.held]  # the loss's saved tensors, for the breakdown
+    for k in held:
+        mem.saved_refs[k] = 1
     res.saved_end_bytes = mem.saved_bytes()
 
     # ---- backward
-    gbuf: dict[int, object] = {}  # value id -> gradient storage key
-    mem.alloc(("grad", "loss"), 4)
-    mem.ref(("grad", "loss"))
-    mem.alloc(("grad", "logp"), batch_size * num_classes * 4)  # nll_loss_backward
-    mem.ref(("grad", "logp"))
-    sample("backward nll_loss", head, False)
-    mem.unref(("grad", "loss"))
-    mem.alloc(("grad", "logits"), batch_size * num_classes * 4)  # log_softmax_backward
-    mem.ref(("grad", "logits"))
-    sample("backward log_softmax", head, False)
-    mem.unref(("grad", "logp"))
-    mem.unref(logp, saved=True)
-    gbuf[ops[-1].output] = ("grad", "logits")
+    ops_end = max(i for i, e in enumerate(loss.backward) if e[0] == "op") + 1
+    replay(loss.backward[:ops_end], False, "backward")  # the rest happens when backward ends
+    for k in held:
+        mem.saved_refs.pop(k, None)
+    gbuf: dict[int, object] = {ops[-1].output: keys[loss.grad]}
+    step_keys = [keys[k] for k in loss.kept]  # the loss and the hit count, until the step returns
 
     def deliver(v: int, g: object) -> None:
         old = gbuf.get(v)
@@ -611,16 +710,14 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int,
         for v, key in outs:
             deliver(v, key)
 
-    mem.unref(("loss", "out"))  # the training loop drops the loss after backward
-
-    # ---- optimizer step: everything but params' grads and state is gone
-    step_tmp = 0
-    if optimizer == "adam" and trainable:
-        step_tmp = 2 * max(p.numel() * p.element_size() for p in trainable)
-    res.optimizer_peak_bytes = static + train_bytes + step_tmp + mem.bytes
+    replay(loss.backward[ops_end:], False, "backward")  # e.g. the engine's ones_like root grad
+    # ---- optimizer step: everything but params' grads and state is gone (``OptimizerCost``)
+    res.optimizer_peak_bytes = static + train_bytes + opt.step_extra_bytes + mem.bytes
     if res.optimizer_peak_bytes > res.peak_bytes:
         res.peak_bytes, res.peak_at = res.optimizer_peak_bytes, "optimizer step"
-        res.peak_parts = {**parts, "grads": train_bytes, "saved": 0, "extra": step_tmp + mem.bytes}
+        res.peak_parts = {**parts, "grads": train_bytes, "saved": 0, "extra": opt.step_extra_bytes + mem.bytes}
+    for k in step_keys:
+        mem.unref(k)
     return res
 
 
@@ -629,56 +726,19 @@ def _drop(mem: _Memory, key) -> None:
     mem.unref(key)
 
 
-# ----------------------------------------------------------------------------- whole-batch backward
-
-
-def fit_whole_batch_backward(net: EdgeNet, *, resolution: int, batch_size: int,
-                             optimizer: str = "adam") -> dict[str, bool]:
-    """Let each lean frozen conv run its masked backward on the whole batch where that
-    does not raise the predicted peak of a training step. Returns, for every conv that
-    would otherwise run sample by sample, whether it now runs on the whole batch.
-
-    Sample by sample (the default), a frozen conv's masked grad_output exists for one
-    sample at a time; on the whole batch it is faster (fewer, larger kernels) but holds
-    every sample's copy at once. A layer's backward temporaries live only during its own
-    backward, so each layer's choice moves only its own moment of the step: a layer may
-    switch when its moment, with the whole-batch temporaries, stays within the peak. (The
-    peak can even drop: the per-sample path allocates the whole grad_input up front.)
-    The choice is recorded per output shape (``FrozenConvBNAct.whole_batch_shapes``): a
-    batch of another size (the last, smaller batch of an epoch) runs sample by sample.
-    """
-    from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample
-
-    res = _simulate(_flow(net, resolution, batch_size), net, batch_size, net.spec.num_classes, optimizer)
-    candidates: dict[tuple[FrozenConvBNAct, tuple], list[int]] = {}
-    for i, (module, args) in res.layer_args.items():
-        if isinstance(module, FrozenConvBNAct) and i in res.backward_moments:
-            shape = tuple(int(d) for d in args["out_shape"])
-            if mask_backward_per_sample(module, args["input_requires_grad"], shape):
-                candidates.setdefault((module, shape), []).append(i)
-
-    def within_peak(i: int) -> bool:  # with the module's current whole_batch_shapes
-        module, args = res.layer_args[i]
-        moment, per_sample_temp = res.backward_moments[i]
-        return moment - per_sample_temp + layer_cost(module, **args).backward_temp_bytes <= res.peak_bytes
-
-    names = {m: n for n, m in net.named_modules()}
-    allowed: dict[str, bool] = {}
-    for (module, shape), calls in candidates.items():
-        before = module.whole_batch_shapes
-        module.whole_batch_shapes = before | {shape}
-        fits = all(within_peak(i) for i in calls)
-        if not fits:
-            module.whole_batch_shapes = before
-        allowed[names[module]] = fits
-    return allowed
+def simulate(net: EdgeNet, *, resolution: int, batch_size: int, step: Step | None = None) -> _Result:
+    """One simulated training step of ``net`` (in its current train mode): the peak and, per
+    leaf op, the arguments of its cost rule and its backward moment (``edgetl.memory.schedule``
+    chooses execution options from these)."""
+    step = resolve_step(step)
+    return _simulate(_flow(net, resolution, batch_size), net, batch_size, net.spec.num_classes, step)
 
 
 # ----------------------------------------------------------------------------- report
 
 
 def runtime_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
-                   optimizer: str = "adam") -> MemoryReport:
+                   optimizer: str | None = None, step: Step | None = None) -> MemoryReport:
     """Runtime accounting (DESIGN 2b) of a built network (any device, meta is enough).
 
     Per-block figures are for one image: ``tmp_bytes`` the largest activation memory
@@ -689,15 +749,15 @@ def runtime_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
     ``batch_size``, static memory included; ``breakdown`` splits it at the moment of
     the peak and sums to it.
     """
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+    step = resolve_step(step, optimizer)
     if not any(p.requires_grad for p in net.parameters()):
         raise ConfigError("nothing trains: no parameter requires grad")
+    set_train_mode(net, step.bn)
     num_classes = net.spec.num_classes
-    one = _simulate(_flow(net, resolution, 1), net, 1, num_classes, optimizer)
+    one = _simulate(_flow(net, resolution, 1), net, 1, num_classes, step)
     full = one
     if batch_size != 1:
-        full = _simulate(_flow(net, resolution, batch_size), net, batch_size, num_classes, optimizer)
+        full = _simulate(_flow(net, resolution, batch_size), net, batch_size, num_classes, step)
     names = {HEAD_BLOCK: "head"}
     names.update({i: f"features.{i}" for i in range(HEAD_BLOCK)})
     blocks = [
@@ -708,7 +768,7 @@ def runtime_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
     p = full.peak_parts
     breakdown = {
         "frozen weights + buffers": p["frozen"],
-        f"trainable weights + grads + {optimizer} state": p["weights"] + p["grads"] + p["state"],
+        f"trainable weights + grads + {step.optimizer_name} state": p["weights"] + p["grads"] + p["state"],
         "input batch + labels": p["input"],
         "stored activations": p["saved"],
         "forward/backward peak extra": p["extra"],

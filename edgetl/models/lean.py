@@ -35,7 +35,6 @@ the two in step when changing a forward or backward here.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -46,7 +45,7 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import CapabilityError, ConfigError
-from edgetl.memory.runtime import LayerCost
+from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
 
 POOLS = (1, 2, 4)
 # A conv input is stored pooled only while the pooled map keeps at least this many cells
@@ -55,10 +54,6 @@ MIN_POOLED_SIDE = 4
 BN_MODES = ("fold", "batch")
 WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
 ACT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _numel(shape) -> int:
-    return math.prod(int(s) for s in shape)
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -132,11 +127,6 @@ def _pack_phases(numel: int) -> list[int]:
     if padded != numel:  # a padded copy, its shifted copy, then the packed bytes
         return [numel + 2 * padded, numel + padded + mask_bytes(numel)]
     return [2 * numel, numel + mask_bytes(numel)]
-
-
-def _over(phases, final: int) -> int:
-    """Extra bytes of the largest phase over what the runtime model already counts."""
-    return max(0, max(phases) - final)
 
 
 # --------------------------------------------------------------------------- pooled conv
@@ -510,7 +500,7 @@ class FrozenConvBNAct(nn.Module):
         self.act = bool(act)
         # output shapes whose masked backward runs on the whole batch at once (faster; one
         # masked copy of grad_output per sample more): set by
-        # edgetl.memory.runtime.fit_whole_batch_backward where the step's peak allows it
+        # edgetl.memory.schedule.apply_schedule, where the step's peak allows it
         self.whole_batch_shapes: frozenset[tuple[int, ...]] = frozenset()
         self.bn_mode = bn_mode
         self.act_dtype = act_dtype
@@ -816,7 +806,7 @@ def _per_sample_backward(ctx, gy):
     grad_output exist at once (a whole-batch masked copy would coexist with grad_output
     and grad_input). The default; layers whose whole-batch backward stays within the
     step's peak run ``_FrozenConvFn.backward``'s whole-batch path instead
-    (``edgetl.memory.runtime.fit_whole_batch_backward``)."""
+    (``edgetl.memory.schedule``)."""
     m = ctx.m
     act = m.act_dtype
     (packed,) = ctx.saved_tensors

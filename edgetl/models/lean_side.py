@@ -20,7 +20,6 @@ the ReLU output (= conv2's input) and bn2's input, all full size and fp32.
 
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +27,9 @@ from torch import nn
 from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from edgetl.memory.runtime import LayerCost
-from edgetl.models.lean import LeanAvgPool2d, PooledConv2d, _check_pool, _numel, _over
+from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
+from edgetl.models.lean import LeanAvgPool2d, PooledConv2d, _check_pool
+from edgetl.units import round_up
 
 _C = (1, -1, 1, 1)
 
@@ -234,8 +234,6 @@ class LeanSideModule(nn.Module):
         mid_channels: int | None = None,
     ):
         super().__init__()
-        from edgetl.models.side import round_up
-
         mid = mid_channels if mid_channels is not None else round_up(in_channels, 8)
         self.in_channels, self.mid_channels, self.out_channels = in_channels, mid, out_channels
         self.pre_pool = LeanAvgPool2d(image_pool) if image_pool > 1 else None
@@ -310,11 +308,7 @@ def lean_side_from_stock(side_network: nn.Module, pool: int = 2, inplace: bool =
             a new SideNetwork and leave ``side_network`` untouched.
     """
     _check_pool(pool)
-    target = side_network if inplace else copy.copy(side_network)
-    if not inplace:
-        from edgetl.models.side import SideNetwork
-
-        target = SideNetwork([], side_network.taps)
+    target = side_network if inplace else type(side_network)([], side_network.taps)
     blocks = [lean_side_module_from_stock(b, pool) for b in side_network.blocks]
     target.blocks = nn.ModuleList(blocks)
     return target

@@ -8,7 +8,6 @@ untrained network equals the backbone) -> bilinear resize to the tap block's out
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +16,10 @@ from torch import nn
 
 from edgetl.errors import ConfigError
 from edgetl.models.backbone import EdgeNet, block_out_channels, block_strides
+from edgetl.units import round_up
 
 TAPS = (2, 4, 7, 11, 14, 17)
 IMAGE_POOL = 4
-
-
-def round_up(value: int, multiple: int) -> int:
-    return int(math.ceil(value / multiple) * multiple)
 
 
 class Resize(nn.Module):

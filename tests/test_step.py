@@ -1,0 +1,204 @@
+"""One step, three views (issue #17): the step the accounting predicts, the meter measures
+and fit runs is one ``edgetl.step.Step``; its optimizer and loss are predicted exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from edgetl.errors import CapabilityError
+from edgetl.memory.meter import measure_training_peak
+from edgetl.memory.runtime import optimizer_cost, runtime_report
+from edgetl.memory.schedule import Schedule, apply_schedule, fit_schedule, prepare_step
+from edgetl.models.backbone import BackboneSpec
+from edgetl.models.side import LeanOptions, build_network
+from edgetl.step import Step
+
+SPEC = BackboneSpec(width=0.35, num_classes=10)
+RES, BATCH = 64, 4
+
+STEPS = {
+    "adam-foreach": Step.plain("adam", foreach=True),
+    "adam-foreach-decay": Step.plain("adam", foreach=True, weight_decay=0.05),
+    "adam-decay": Step.plain("adam", weight_decay=0.05),
+    "sgd-momentum-nesterov-foreach-decay": Step.plain("sgd", momentum=0.9, nesterov=True, foreach=True,
+                                                      weight_decay=1e-4),
+    "adam-label-smoothing": Step.plain("adam", label_smoothing=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_optimizer_and_loss_settings_are_predicted_exactly(name):
+    """foreach (PyTorch's default on CUDA), weight decay, momentum and label smoothing:
+    the runtime accounting equals the meter to the byte, lean Rep-Net at 64 px."""
+    step = STEPS[name]
+    torch.manual_seed(0)
+    net = build_network(SPEC, "repnet", lean=LeanOptions(pool=2))
+    prepare_step(net, resolution=RES, batch_size=BATCH, step=step)
+    predicted = runtime_report(net, mode="repnet", resolution=RES, batch_size=BATCH, step=step).total_bytes
+    assert predicted == measure_training_peak(net, resolution=RES, batch_size=BATCH, steps=2, step=step)
+
+
+def test_foreach_costs_a_whole_group_and_the_accounting_sees_it():
+    """Multi-tensor Adam's temporaries are a whole group's size; single-tensor Adam's are a
+    parameter's (and the one before it, which its loop still holds)."""
+    net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    sizes = sorted(p.numel() * p.element_size() for p in trainable)
+    single = optimizer_cost(net, Step.plain("adam"))
+    multi = optimizer_cost(net, Step.plain("adam", foreach=True))
+    assert single.state_bytes == multi.state_bytes == 2 * sum(sizes) + 4 * len(sizes)
+    assert 2 * sizes[-1] <= single.step_extra_bytes <= 3 * sizes[-1]
+    groups = Step.plain("adam").param_groups(net)
+    assert multi.step_extra_bytes == max(sum(p.numel() * 4 for p in g["params"]) for g in groups)
+
+
+class _Softplus(nn.Module):
+    """A head with an op the accounting has no rule for."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return torch.special.erf(self.linear(x))
+
+
+def test_an_unknown_layer_or_function_fails_the_simulation_with_its_name():
+    net = build_network(SPEC, "repnet", device="meta")
+    net.classifier[-1] = nn.Sequential(net.classifier[-1], nn.Softplus())
+    with pytest.raises(CapabilityError, match="no rule for the layer Softplus"):
+        runtime_report(net, mode="repnet", resolution=RES, batch_size=2)
+    net = build_network(SPEC, "repnet", device="meta")
+    net.classifier[-1] = _Softplus(net.classifier[-1])
+    with pytest.raises(CapabilityError, match="no rule for the function .*erf"):
+        runtime_report(net, mode="repnet", resolution=RES, batch_size=2)
+
+
+def test_a_schedule_is_data_and_fitting_it_leaves_the_network_alone():
+    net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
+    schedule = fit_schedule(net, resolution=RES, batch_size=BATCH)
+    assert schedule.whole_batch and all(not m.whole_batch_shapes for m in net.modules()
+                                        if hasattr(m, "whole_batch_shapes"))
+    assert Schedule.from_dict(schedule.to_dict()) == schedule
+    apply_schedule(net, schedule)
+    assert sum(bool(m.whole_batch_shapes) for m in net.modules() if hasattr(m, "whole_batch_shapes")) == len(
+        schedule.whole_batch)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def recorded_steps(monkeypatch):
+    """Every call of ``training_step`` from the meter and from fit, as its aten op sequence."""
+    import edgetl.memory.meter as meter
+    import edgetl.train as train
+    from edgetl import step as step_module
+
+    calls: dict[str, list[list[str]]] = {"meter": [], "fit": []}
+
+    def recording(where):
+        def run(*args, **kwargs):
+            with _Ops() as ops:
+                out = step_module.training_step(*args, **kwargs)
+            calls[where].append(ops.ops)
+            return out
+        return run
+
+    monkeypatch.setattr(meter, "training_step", recording("meter"))
+    monkeypatch.setattr(train, "training_step", recording("fit"))
+    return calls
+
+
+@pytest.mark.slow
+def test_profile_plan_verify_preflight_and_finetune_run_one_step(recorded_steps, tmp_path):
+    """The step that profile --measure, plan --verify and finetune's pre-flight measure is,
+    aten op for aten op, the step fit runs (second step: optimizer state exists)."""
+    from edgetl.finetune import finetune
+    from edgetl.plan import plan, verify_plan
+    from edgetl.profile import profile
+    from edgetl.recipe import load_recipe
+    from tests.conftest import make_color_folder
+
+    lean = dict(pool=2, precision="fp32", frozen_weights="int8")
+    chosen = plan(budget_bytes=10**9, batch_size=BATCH, resolution=RES, num_classes=3, width=0.35,
+                  pool=lean["pool"], precision=lean["precision"], frozen_weights=lean["frozen_weights"])
+    assert not chosen.chosen.kept  # nothing pruned: the network finetune builds below
+    verify_plan(chosen, steps=2)
+    plan_ops = recorded_steps["meter"].pop()
+    profile(mode="repnet", accounting="runtime", resolution=RES, batch_size=BATCH, num_classes=3,
+            width=0.35, measure=True, measure_steps=2,
+            lean=LeanOptions(pool=2, frozen_weights="int8", precision="fp32"))
+    profile_ops = recorded_steps["meter"].pop()
+
+    data = make_color_folder(tmp_path / "data", 3 * BATCH, BATCH, size=RES)
+    recipe = load_recipe("imagefolder", {
+        "data.root": str(data), "data.resolution": RES, "model.backbone": "mobilenet_v2:random",
+        "model.width": 0.35, "model.pool": 2, "model.frozen_weights": "int8", "train.batch_size": BATCH,
+        "train.epochs": 1, "train.workers": 0, "optim.label_smoothing": 0.0})
+    finetune(recipe=recipe, out_dir=tmp_path / "run", measure=True)
+    preflight_ops = recorded_steps["meter"].pop()
+    fit_ops = recorded_steps["fit"][1]
+    assert len(fit_ops) > 1000
+    assert preflight_ops == fit_ops
+    assert plan_ops == fit_ops
+    assert profile_ops == fit_ops
+
+
+@pytest.mark.slow  # bf16 convolutions are slow on CPUs without bf16 units (9 min here)
+def test_a_bf16_lean_run_records_bf16_and_resumes_in_bf16(tmp_path, monkeypatch):
+    """finetune no longer rewrites the recipe to fp32 for fit (the lean layers cast
+    themselves; fit gets amp=False): recipe.yaml, the checkpoint and model.json say bf16,
+    and --resume with the run's own recipe continues the same run in bf16."""
+    import yaml
+
+    import edgetl.train as train
+    from edgetl.finetune import finetune
+    from edgetl.recipe import load_recipe
+    from edgetl.train import load_checkpoint
+    from tests.conftest import make_color_folder
+
+    data = make_color_folder(tmp_path / "data", 4 * BATCH, BATCH, size=RES)
+    recipe = load_recipe("imagefolder", {
+        "data.root": str(data), "data.resolution": RES, "model.backbone": "mobilenet_v2:random",
+        "model.width": 0.35, "model.pool": 2, "model.precision": "bf16", "train.batch_size": BATCH,
+        "train.epochs": 2, "train.workers": 0, "train.checkpoint_every": 2})
+    out = tmp_path / "run"
+
+    class Killed(Exception):
+        pass
+
+    def kill(info):
+        if info["global_step"] == 3:
+            raise Killed
+
+    with pytest.raises(Killed):
+        finetune(recipe=recipe, out_dir=out, measure=False, on_step=kill)
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["model"]["precision"] == "bf16"
+    assert load_checkpoint(out / "last.pt")["recipe"]["model"]["precision"] == "bf16"
+    dtypes = []
+    real = train.training_step
+
+    def spy(net, step, optimizer, images, labels, **kw):
+        dtypes.append(images.dtype)
+        assert kw.get("scaler") is None
+        return real(net, step, optimizer, images, labels, **kw)
+
+    monkeypatch.setattr(train, "training_step", spy)
+    finetune(recipe=load_recipe(out / "recipe.yaml"), out_dir=out, resume=True, measure=False)
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    model = json.loads((out / "model.json").read_text())
+    assert model["recipe"]["model"]["precision"] == "bf16" and model["lean"]["precision"] == "bf16"
+    assert model["lean"]["schedule"]["batch_size"] == BATCH
