@@ -91,6 +91,14 @@ class Step:
         return build_optimizer(self.param_groups(model), self.optim)
 
 
+def resolve_step(step: Step | None, optimizer: str | None = None, lr: float = 1e-3) -> Step:
+    """``step``, or the plain step with ``optimizer`` and ``lr`` (the memory tools' shorthand);
+    an ``optimizer`` that contradicts the given step is an error."""
+    if step is not None and optimizer is not None and optimizer != step.optimizer_name:
+        raise ConfigError(f"optimizer {optimizer!r} contradicts the step's {step.optimizer_name!r}")
+    return step if step is not None else Step.plain(optimizer or "adam", lr)
+
+
 def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
     """Trainable parameters in groups: side network (lr_side) and the rest (lr_head).
 

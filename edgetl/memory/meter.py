@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from edgetl.errors import ConfigError
-from edgetl.step import Step, set_train_mode, training_step
+from edgetl.step import Step, resolve_step, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,10 @@ class StorageMeter(TorchDispatchMode):
     @property
     def live_storages(self) -> int:
         return len(self._sizes)
+
+    def live_keys(self) -> frozenset[int]:
+        """The keys of the storages alive now (the keys the trace names)."""
+        return frozenset(self._sizes)
 
     def _track(self, t: torch.Tensor) -> None:
         if t.layout != torch.strided:
@@ -211,10 +215,7 @@ def measure_training_memory(
     trainable = [p for p in net.parameters() if p.requires_grad]
     if not trainable:
         raise ConfigError("nothing trains: no parameter requires grad")
-    if step is None:
-        step = Step.plain(optimizer or "adam", lr)
-    elif optimizer is not None and optimizer != step.optimizer_name:
-        raise ConfigError(f"optimizer {optimizer!r} contradicts the step's {step.optimizer_name!r}")
+    step = resolve_step(step, optimizer, lr)
     opt = step.optimizer(net)
     set_train_mode(net, step.bn)
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -70,7 +70,7 @@ from edgetl.memory.paper import sensitive
 from edgetl.memory.report import BlockMemory, MemoryReport
 from edgetl.memory.trace import Leaf, trace_network
 from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
-from edgetl.step import Step, loss_and_correct, set_train_mode
+from edgetl.step import Step, loss_and_correct, resolve_step, set_train_mode
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +153,6 @@ def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
 # ----------------------------------------------------------------------------- loss and optimizer
 
 
-def resolve_step(step: Step | None, optimizer: str | None = None) -> Step:
-    """``step``, or the plain step with ``optimizer`` (the memory tools' shorthand); not both."""
-    if step is not None and optimizer is not None and optimizer != step.optimizer_name:
-        raise ConfigError(f"optimizer {optimizer!r} contradicts the step's {step.optimizer_name!r}")
-    return step if step is not None else Step.plain(optimizer or "adam")
-
-
 @dataclass(frozen=True)
 class LossTrace:
     """The step's loss at one batch size, as the storage meter saw it run on meta.
@@ -209,10 +202,10 @@ def _loss_trace(label_smoothing: float, batch_size: int, num_classes: int, dtype
             loss, correct = loss_and_correct(step, logits, labels)
             del logits
             mid = len(meter.trace)
-            live_mid = set(meter._sizes)
+            live_mid = meter.live_keys()
             loss.backward()
             end = len(meter.trace)
-            live_end = set(meter._sizes)
+            live_end = meter.live_keys()
             grad = id(src.grad.untyped_storage())
             kept = [id(t.untyped_storage()) for t in (loss, correct)]
     finally:
@@ -517,13 +510,13 @@ class _Memory:
         return sum(self.size[k] for k in self.saved_refs)
 
 
-def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, step: Step) -> _Result:
+def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, step: Step,
+              opt: OptimizerCost) -> _Result:
     values, ops = flow.values, flow.ops
     trainable = [p for p in net.parameters() if p.requires_grad]
     frozen_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
     frozen_bytes += sum(b.numel() * b.element_size() for b in net.buffers())
     train_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    opt = optimizer_cost(net, step)
     state_bytes = opt.state_bytes
     input_bytes = values[flow.image].nbytes + batch_size * LABEL_BYTES
     static = frozen_bytes + train_bytes + state_bytes + input_bytes
@@ -726,12 +719,15 @@ def _drop(mem: _Memory, key) -> None:
     mem.unref(key)
 
 
-def simulate(net: EdgeNet, *, resolution: int, batch_size: int, step: Step | None = None) -> _Result:
+def simulate(net: EdgeNet, *, resolution: int, batch_size: int, step: Step | None = None,
+             opt: OptimizerCost | None = None) -> _Result:
     """One simulated training step of ``net`` (in its current train mode): the peak and, per
     leaf op, the arguments of its cost rule and its backward moment (``edgetl.memory.schedule``
-    chooses execution options from these)."""
+    chooses execution options from these). ``opt``: ``optimizer_cost(net, step)`` when the
+    caller has it already (it does not depend on the schedule or the batch)."""
     step = resolve_step(step)
-    return _simulate(_flow(net, resolution, batch_size), net, batch_size, net.spec.num_classes, step)
+    opt = opt if opt is not None else optimizer_cost(net, step)
+    return _simulate(_flow(net, resolution, batch_size), net, batch_size, net.spec.num_classes, step, opt)
 
 
 # ----------------------------------------------------------------------------- report
@@ -754,10 +750,11 @@ def runtime_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
         raise ConfigError("nothing trains: no parameter requires grad")
     set_train_mode(net, step.bn)
     num_classes = net.spec.num_classes
-    one = _simulate(_flow(net, resolution, 1), net, 1, num_classes, step)
+    opt = optimizer_cost(net, step)
+    one = _simulate(_flow(net, resolution, 1), net, 1, num_classes, step, opt)
     full = one
     if batch_size != 1:
-        full = _simulate(_flow(net, resolution, batch_size), net, batch_size, num_classes, step)
+        full = _simulate(_flow(net, resolution, batch_size), net, batch_size, num_classes, step, opt)
     names = {HEAD_BLOCK: "head"}
     names.update({i: f"features.{i}" for i in range(HEAD_BLOCK)})
     blocks = [

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from edgetl.errors import ConfigError
-from edgetl.memory.runtime import layer_cost, resolve_step, runtime_report, simulate
+from edgetl.memory.runtime import layer_cost, runtime_report, simulate
 from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample
-from edgetl.step import Step
+from edgetl.step import Step, resolve_step
 
 
 @dataclass(frozen=True)
