@@ -163,14 +163,30 @@ def pool_for_save(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def inflate_saved(saved: torch.Tensor, k: int, hw: tuple[int, int]) -> torch.Tensor:
-    """Nearest-upsample a pooled input by k and crop it to the original (H, W)."""
+    """Nearest-upsample a pooled input by k and crop it to the original (H, W).
+
+    The result is one contiguous (N, C, H, W) tensor written by broadcast copies: no
+    k-times intermediate (repeat_interleave), and no cropped view handed to the weight
+    gradient's kernel, which on CUDA would copy it contiguous again (issue #17 item 5).
+    """
     if k == 1:
         return saved
     h, w = hw
-    n, c, hp, wp = saved.shape
-    # one expand + copy: repeat_interleave twice would keep a k-times intermediate too
-    up = saved[:, :, :, None, :, None].expand(n, c, hp, k, wp, k).reshape(n, c, hp * k, wp * k)
-    return up[:, :, :h, :w]
+    n, c = saved.shape[:2]
+    out = saved.new_empty((n, c, h, w))
+    hf, wf = h // k, w // k  # whole k x k cells; a partial last row/column of cells follows
+    rh, rw = h - hf * k, w - wf * k
+    out[:, :, :hf * k, :wf * k].unflatten(3, (wf, k)).unflatten(2, (hf, k)).copy_(
+        saved[:, :, :hf, None, :wf, None].expand(n, c, hf, k, wf, k))
+    if rh:
+        out[:, :, hf * k:, :wf * k].unflatten(3, (wf, k)).copy_(
+            saved[:, :, hf:hf + 1, :wf, None].expand(n, c, rh, wf, k))
+    if rw:
+        out[:, :, :hf * k, wf * k:].unflatten(2, (hf, k)).copy_(
+            saved[:, :, :hf, None, wf:wf + 1].expand(n, c, hf, k, rw))
+    if rh and rw:
+        out[:, :, hf * k:, wf * k:].copy_(saved[:, :, hf:hf + 1, wf:wf + 1].expand(n, c, rh, rw))
+    return out
 
 
 def _is_pointwise(w_shape, stride, padding, dilation) -> bool:
@@ -297,7 +313,7 @@ class PooledConv2d(nn.Conv2d):
         """Runtime accounting rule (edgetl.memory.runtime): the pooled input is kept.
 
         Backward: conv2d_input (a 1-element dummy input, then grad_input), then
-        grad_weight: from the input upsampled back to full size (one copy), from
+        grad_weight: from the input upsampled back to its (H, W) (one contiguous copy), from
         sum-pooled grad_output for a pointwise conv, or from the exact input at k=1.
         """
         grad = output_requires_grad
@@ -317,8 +333,7 @@ class PooledConv2d(nn.Conv2d):
                 n, c, h, w = out_shape
                 scratch = n * c * (-(-h // k)) * (-(-w // k)) * e
             else:
-                n, c, h, w = in_shape
-                scratch = n * c * (-(-h // k)) * k * (-(-w // k)) * k * e
+                scratch = _numel(in_shape) * e
             phases.append(gx + scratch + e + gw)
         return LayerCost(saves_input=trains and k == 1, saved_new_bytes=saved,
                          backward_temp_bytes=_over(phases, gx + gw))
