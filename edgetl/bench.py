@@ -128,6 +128,8 @@ class BenchRow:
     note: str = ""
     reserved_bytes: int | None = None  # CUDA: max_memory_reserved over the measured steps
     tensor_bytes: int | None = None  # CUDA: live tensor peak (storage meter) over the same steps
+    step_ops: int | None = None  # aten ops one training step dispatches (GPU: kernel launches)
+    forward_ops: int | None = None  # of which in the network's forward
 
 
 @dataclass
@@ -361,7 +363,7 @@ def bench(
         seed: seeds the random batches.
         command: the command line that made this result, stored with it.
     """
-    from edgetl.memory.meter import measure_training_memory
+    from edgetl.memory.meter import count_step_ops, measure_training_memory
     from edgetl.memory.runtime import runtime_report
     from edgetl.memory.schedule import prepare_step
     from edgetl.profile import check_options, paper_report
@@ -447,6 +449,7 @@ def bench(
             verify = seen.get(largest)
         elif 1 <= largest and largest * resolution**2 <= verify_pixels:
             verify = measured(largest)
+        ops = count_step_ops(build("meta", batch_size), resolution=resolution, batch_size=batch_size)
         real = build(device, batch_size)
         trainers[name] = _Trainer(real, resolution=resolution, batch_size=batch_size,
                                   num_classes=num_classes, device=device, lr=lr, seed=seed)
@@ -463,6 +466,7 @@ def bench(
             largest_batch_measured_bytes=verify, note=note,
             reserved_bytes=at_size.reserved_bytes,
             tensor_bytes=at_size.tensor_bytes if at_size.allocated_bytes is not None else None,
+            step_ops=ops.total, forward_ops=ops.forward,
         ))
     log.info("throughput: %d warm-up + %d rounds of %d methods", warmup, steps, len(trainers))
     times = interleaved_step_times(trainers, steps=steps, warmup=warmup)
@@ -495,6 +499,10 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _ops(row: BenchRow) -> str:
+    return "-" if row.step_ops is None else f"{row.step_ops:,} ({row.forward_ops:,})"
+
+
 def has_reserved(result: BenchResult) -> bool:
     """Whether the result comes from a CUDA device (allocated and reserved columns)."""
     return any(r.reserved_bytes is not None for r in result.rows)
@@ -508,14 +516,15 @@ def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     cuda = has_reserved(result)
     measured = ["allocated MB", "reserved MB"] if cuda else ["measured MB"]
     headers = ["method", "trainable params", "paper MB", "runtime MB", *measured, "memory vs Rep-Net",
-               "images/s", "speed vs Rep-Net", f"largest batch in {result.budget_bytes / MB:g} MB"]
+               "images/s", "speed vs Rep-Net", "ops/step (forward)",
+               f"largest batch in {result.budget_bytes / MB:g} MB"]
     rows = []
     for r in result.rows:
         batch = str(r.largest_batch) + (" (measured)" if r.largest_batch_source == "measured" else "")
         cells = [_mb(r.measured_bytes), _mb(r.reserved_bytes)] if cuda else [_mb(r.measured_bytes)]
         rows.append([r.label, f"{r.trainable_params:,}", _mb(r.paper_bytes), _mb(r.runtime_bytes),
                      *cells, _ratio(r.memory_ratio), f"{r.images_per_s:.1f}",
-                     _ratio(r.throughput_ratio), batch])
+                     _ratio(r.throughput_ratio), _ops(r), batch])
     return headers, rows
 
 
@@ -544,6 +553,8 @@ def to_markdown(result: BenchResult) -> str:
     lines.append("Paper accounting: the TinyTL/Rep-Net profiler (4 B activations, 8-bit frozen weights, "
                  "stock modules: it models neither pooling, bf16 nor the lean layers). Runtime accounting: "
                  "edgetl's model of what its runtime holds. " + _measured_text(result)
+                 + " Ops/step: the aten ops one training step dispatches (each a kernel launch on a "
+                 "GPU), counted on the meta device, the forward's in brackets."
                  + " Largest batch by runtime accounting (\"measured\": by the meter).")
     notes = [f"{r.label}: {r.note}" for r in result.rows if r.note]
     if notes:

@@ -148,10 +148,17 @@ def profile(
         report = paper_report(net, mode=mode, resolution=resolution, batch_size=batch_size,
                               frozen_bits=frozen_bits)
     else:
-        from edgetl.memory.schedule import predict_step
+        from edgetl.memory.meter import count_step_ops
+        from edgetl.memory.runtime import runtime_report
+        from edgetl.memory.schedule import prepare_step
 
         net = build_network(spec, mode, device="meta", lean=lean_options)
-        report = predict_step(net, mode=mode, resolution=resolution, batch_size=batch_size)
+        schedule = prepare_step(net, resolution=resolution, batch_size=batch_size)
+        report = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size)
+        ops = count_step_ops(net, resolution=resolution, batch_size=batch_size)
+        report.step_ops = {"forward": ops.forward, "backward": ops.backward, "optimizer": ops.optimizer}
+        if lean_options is not None:
+            report.schedule = schedule.to_dict()
     describe_runtime(report, net, lean_options)
     if measure:
         from edgetl.memory.meter import measure_training_peak

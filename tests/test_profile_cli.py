@@ -41,6 +41,28 @@ def test_json_contract_and_values(tmp_path, capsys):
     assert "sensitive blocks: 0, 1, 2, 3, 4" in out
 
 
+def test_runtime_profile_prints_its_schedule_and_the_ops_of_its_step(tmp_path, capsys):
+    """The schedule and op counts printed are those of a network prepared independently."""
+    from edgetl.memory.meter import count_step_ops
+    from edgetl.memory.schedule import prepare_step
+    from edgetl.models.side import LeanOptions
+
+    path = tmp_path / "r.json"
+    code, out, _ = run_cli(["profile", "--accounting", "runtime", "--width", "0.35", "--resolution", "64",
+                            "--batch-size", "4", "--num-classes", "10", "--json", str(path)], capsys)
+    assert code == 0
+    data = json.loads(path.read_text())
+    net = build_network(BackboneSpec(width=0.35, num_classes=10), "repnet", device="meta", lean=LeanOptions())
+    schedule = prepare_step(net, resolution=64, batch_size=4)
+    ops = count_step_ops(net, resolution=64, batch_size=4)
+    assert data["schedule"] == json.loads(json.dumps(schedule.to_dict()))
+    assert data["step_ops"] == {"forward": ops.forward, "backward": ops.backward, "optimizer": ops.optimizer}
+    assert (f"forward {ops.forward:,}, backward {ops.backward:,}, optimizer {ops.optimizer:,}") in out
+    assert (f"masked backward on the whole batch in {len(schedule.whole_batch)} frozen convs "
+            f"({len(schedule.sample_by_sample)} sample by sample)") in out
+    assert f"4 samples at a time in {len(schedule.mask_chunks)} convs" in out
+
+
 def test_plot_is_a_real_png(tmp_path, capsys):
     path = tmp_path / "p.png"
     code, _, _ = run_cli(["profile", "--width", "0.35", "--resolution", "64",

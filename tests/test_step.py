@@ -90,6 +90,89 @@ def test_a_schedule_is_data_and_fitting_it_leaves_the_network_alone():
         schedule.whole_batch)
 
 
+def test_a_schedule_of_the_forward_reads_back_and_old_schedules_pack_one_sample_at_a_time():
+    net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
+    schedule = fit_schedule(net, resolution=RES, batch_size=BATCH)
+    assert schedule.mask_chunks and all(m.mask_chunks == {} for m in net.modules() if hasattr(m, "mask_chunks"))
+    data = json.loads(json.dumps(schedule.to_dict()))
+    assert Schedule.from_dict(data) == schedule
+    del data["forward_mask_chunks"]  # a run recorded before forward chunks
+    old = Schedule.from_dict(data)
+    assert old.mask_chunks == {} and old.whole_batch == schedule.whole_batch
+    apply_schedule(net, schedule)
+    convs = dict(net.named_modules())
+    for name, (shape, chunk) in schedule.mask_chunks.items():
+        assert convs[name].mask_chunk(shape) == chunk and 1 < chunk <= BATCH
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4])
+def test_forward_mask_chunks_are_predicted_exactly_and_change_no_gradient(chunk):
+    """Every chunk size (3 leaves a smaller last chunk): the accounting equals the meter to the
+    byte, and the side network's gradients are those of one sample at a time, bit for bit."""
+    torch.manual_seed(0)
+    net = build_network(SPEC, "repnet", lean=LeanOptions(pool=2))
+    base = fit_schedule(net, resolution=RES, batch_size=BATCH)
+    shapes = {name: shape for name, (shape, _) in base.mask_chunks.items()}
+    forced = Schedule(BATCH, RES, base.whole_batch, base.sample_by_sample,
+                      {name: (shape, chunk) for name, shape in shapes.items()})
+    apply_schedule(net, forced)
+    predicted = runtime_report(net, mode="repnet", resolution=RES, batch_size=BATCH).total_bytes
+    twin = build_network(SPEC, "repnet", lean=LeanOptions(pool=2))
+    twin.load_state_dict(net.state_dict())
+    apply_schedule(twin, Schedule(BATCH, RES, base.whole_batch, base.sample_by_sample))
+    grads = []
+    for model in (net, twin):
+        torch.manual_seed(1)
+        x, y = torch.randn(BATCH, 3, RES, RES), torch.randint(0, 10, (BATCH,))
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+        model.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert predicted == measure_training_peak(net, resolution=RES, batch_size=BATCH, steps=2)
+
+
+def test_fitted_forward_chunks_cut_the_ops_and_never_raise_the_peak():
+    """224 px, batch 32 (issue #17 item 6): the fitted schedule's forward dispatches far fewer
+    ops than one sample at a time, at the same predicted peak or below."""
+    from edgetl.memory.meter import count_step_ops
+
+    net = build_network(BackboneSpec(width=1.0, num_classes=102), "repnet", device="meta",
+                        lean=LeanOptions(pool=1))
+    fitted = prepare_step(net, resolution=224, batch_size=32)
+    after_ops = count_step_ops(net, resolution=224, batch_size=32)
+    after = runtime_report(net, mode="repnet", resolution=224, batch_size=32).total_bytes
+    apply_schedule(net, Schedule(32, 224))
+    before_ops = count_step_ops(net, resolution=224, batch_size=32)
+    before = runtime_report(net, mode="repnet", resolution=224, batch_size=32).total_bytes
+    assert fitted.mask_chunks and after <= before
+    assert after_ops.forward * 5 < before_ops.forward and after_ops.total * 5 < before_ops.total
+    assert after_ops.optimizer == before_ops.optimizer
+
+
+def test_count_step_ops_counts_what_the_meter_sees_dispatched():
+    """An independent count: the storage meter's op events over the same step on meta."""
+    from edgetl.memory.meter import StorageMeter, count_step_ops
+    from edgetl.step import set_train_mode, training_step
+
+    net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
+    prepare_step(net, resolution=RES, batch_size=BATCH)
+    ops = count_step_ops(net, resolution=RES, batch_size=BATCH)
+    step = Step.plain()
+    opt = step.optimizer(net)
+    set_train_mode(net, step.bn)
+    x = torch.empty(BATCH, 3, RES, RES, device="meta")
+    y = torch.zeros(BATCH, dtype=torch.int64, device="meta")
+    training_step(net, step, opt, x, y)
+    meter = StorageMeter(record_trace=True)
+    try:
+        with meter:
+            training_step(net, step, opt, x, y)
+    finally:
+        meter.close()
+    assert ops.total == sum(1 for e in meter.trace if e[0] == "op")
+    assert ops.forward > 0 and ops.backward > 0 and ops.optimizer > 0
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()

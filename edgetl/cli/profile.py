@@ -77,6 +77,24 @@ def print_report(report: MemoryReport) -> None:
         diff = report.total_bytes / report.measured_peak_bytes - 1
         print(f"prediction vs measured: {diff:+.1%}")
     print(f"sensitive blocks: {', '.join(map(str, report.sensitive_blocks)) or 'none'}")
+    if report.schedule is not None:
+        print(f"schedule: {describe_schedule(report.schedule)}")
+    if report.step_ops is not None:
+        ops = report.step_ops
+        print(f"aten ops per step (kernel launches on a GPU): forward {ops['forward']:,}, "
+              f"backward {ops['backward']:,}, optimizer {ops['optimizer']:,}")
+
+
+def describe_schedule(schedule: dict) -> str:
+    """One line: how many frozen convs run whole-batch backward and chunked mask packing."""
+    from collections import Counter
+
+    whole = len(schedule["whole_batch_backward"])
+    left = len(schedule["sample_by_sample_backward"])
+    chunks = Counter(c["chunk"] for c in schedule["forward_mask_chunks"].values())
+    packed = "".join(f"{c} samples at a time in {n} convs, " for c, n in sorted(chunks.items(), reverse=True))
+    return (f"masked backward on the whole batch in {whole} frozen convs ({left} sample by sample); "
+            f"ReLU6 masks packed {packed}one at a time in the rest")
 
 
 def _runtime(report: MemoryReport) -> str:

@@ -246,6 +246,60 @@ def measure_training_memory(
     return result
 
 
+@dataclass(frozen=True)
+class StepOps:
+    """Aten ops one training step dispatches (each is a kernel launch on a GPU): in the
+    network's forward, from there to the optimizer (loss, hit count, backward), and in
+    the optimizer's step and ``zero_grad``."""
+
+    forward: int
+    backward: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward + self.optimizer
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> StepOps:
+    """The aten ops of one ``training_step`` of ``net`` as it is set up now (its schedule
+    applied), counted on a meta copy: the step after the first, once optimizer state
+    exists. ``net`` itself is not touched."""
+    import copy
+
+    step = resolve_step(step)
+    meta = copy.deepcopy(net).to("meta")
+    opt = step.optimizer(meta)
+    set_train_mode(meta, step.bn)
+    image = torch.empty(batch_size, 3, resolution, resolution, device="meta",
+                        dtype=getattr(meta, "input_dtype", torch.float32))
+    labels = torch.zeros(batch_size, dtype=torch.int64, device="meta")
+    counter = _OpCounter()
+    marks: dict[str, int] = {}
+    hooks = [meta.register_forward_pre_hook(lambda *a: marks.__setitem__("start", counter.count)),
+             meta.register_forward_hook(lambda *a: marks.__setitem__("forward", counter.count)),
+             opt.register_step_pre_hook(lambda *a: marks.__setitem__("backward", counter.count))]
+    try:
+        training_step(meta, step, opt, image, labels)  # creates the optimizer state
+        with counter:
+            training_step(meta, step, opt, image, labels)
+    finally:
+        for h in hooks:
+            h.remove()
+    return StepOps(marks["forward"] - marks["start"], marks["backward"] - marks["forward"],
+                   counter.count - marks["backward"])
+
+
 def _prepare_cuda(device: torch.device, net: nn.Module, *tensors: torch.Tensor) -> int:
     """Release what earlier work left cached, reset the peaks; returns the foreign allocated bytes."""
     from edgetl.memory.cuda import round_block

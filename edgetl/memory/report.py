@@ -43,6 +43,10 @@ class MemoryReport:
     runtime: str = "stock"
     lean: dict | None = None
     measured_peak_bytes: int | None = None
+    # runtime accounting of a lean network: the step's schedule (``Schedule.to_dict``) and
+    # the aten ops one step dispatches ({"forward", "backward", "optimizer"}: GPU launches)
+    schedule: dict | None = None
+    step_ops: dict | None = None
 
     @property
     def stored_bytes(self) -> int:
@@ -57,8 +61,9 @@ class MemoryReport:
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        if self.measured_peak_bytes is None:
-            data.pop("measured_peak_bytes")
+        for optional in ("measured_peak_bytes", "schedule", "step_ops"):
+            if data[optional] is None:
+                data.pop(optional)
         return data
 
     def save_json(self, path: str | Path) -> None:

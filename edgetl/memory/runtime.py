@@ -473,6 +473,8 @@ class _Result:
     layer_args: dict[int, tuple[nn.Module, dict]] = field(default_factory=dict)
     # per op whose backward ran: (total bytes at that moment, its backward temporaries)
     backward_moments: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # per leaf op: (total bytes while its forward ran, its forward temporaries)
+    forward_moments: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class _Memory:
@@ -598,6 +600,8 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
         if cost.forward_temp_bytes:
             mem.alloc(("tmp", i), cost.forward_temp_bytes)
         sample(f"forward {op.name}", op.block, True, saved_before)
+        if op.module is not None:
+            res.forward_moments[i] = (static + grads["bytes"] + mem.bytes, cost.forward_temp_bytes)
         if cost.forward_temp_bytes:
             _drop(mem, ("tmp", i))
         if grad_fn:

@@ -11,6 +11,13 @@ a layer may switch when its moment, with the whole-batch temporaries, stays with
 peak. (The peak can even drop: the per-sample path allocates the whole grad_input up
 front.) The choice is per output shape: a batch of another size (the last, smaller batch
 of an epoch) runs sample by sample.
+
+The forward is fitted the same way (issue #17 item 6): a frozen conv packs its ReLU6 mask
+``mask_chunk`` samples at a time (``FrozenConvBNAct.mask_chunks``); one sample at a time
+is the least memory, and at batch 32, 224 px, the most kernel launches of the step. Each
+conv gets the largest chunk whose byte-per-element comparisons, at its forward moment,
+keep the step within the same peak. Both choices are checked against the peak of the
+default (sample-by-sample) step, so the fitted schedule never predicts a higher one.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from torch import nn
 
 from edgetl.errors import ConfigError
 from edgetl.memory.runtime import layer_cost, runtime_report, simulate
-from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample
+from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample, mask_forward_chunked
 from edgetl.step import Step, resolve_step
 
 
@@ -34,12 +41,15 @@ class Schedule:
         whole_batch: frozen conv name -> output shape whose masked backward runs on the
             whole batch.
         sample_by_sample: the convs left sample by sample (whole batch would raise the peak).
+        mask_chunks: frozen conv name -> (output shape, samples per chunk) for the forward's
+            mask packing, where more than one sample fits (others: one at a time).
     """
 
     batch_size: int
     resolution: int
     whole_batch: dict[str, tuple[int, ...]] = field(default_factory=dict)
     sample_by_sample: tuple[str, ...] = ()
+    mask_chunks: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
 
     @property
     def decisions(self) -> dict[str, bool]:
@@ -51,13 +61,18 @@ class Schedule:
     def to_dict(self) -> dict:
         return {"batch_size": self.batch_size, "resolution": self.resolution,
                 "whole_batch_backward": {k: list(v) for k, v in self.whole_batch.items()},
-                "sample_by_sample_backward": list(self.sample_by_sample)}
+                "sample_by_sample_backward": list(self.sample_by_sample),
+                "forward_mask_chunks": {k: {"shape": list(shape), "chunk": chunk}
+                                        for k, (shape, chunk) in self.mask_chunks.items()}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Schedule":
+        """The inverse of ``to_dict``; a schedule stored before forward chunks packs one sample at a time."""
+        chunks = {k: (tuple(int(d) for d in v["shape"]), int(v["chunk"]))
+                  for k, v in data.get("forward_mask_chunks", {}).items()}
         return cls(int(data["batch_size"]), int(data["resolution"]),
                    {k: tuple(int(d) for d in v) for k, v in data.get("whole_batch_backward", {}).items()},
-                   tuple(data.get("sample_by_sample_backward", ())))
+                   tuple(data.get("sample_by_sample_backward", ())), chunks)
 
 
 def _frozen_convs(net: nn.Module) -> dict[str, FrozenConvBNAct]:
@@ -67,50 +82,85 @@ def _frozen_convs(net: nn.Module) -> dict[str, FrozenConvBNAct]:
 def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
     """Set every lean frozen conv of ``net`` as ``schedule`` says (others: sample by sample)."""
     convs = _frozen_convs(net)
-    unknown = sorted(set(schedule.whole_batch) - set(convs))
+    unknown = sorted((set(schedule.whole_batch) | set(schedule.mask_chunks)) - set(convs))
     if unknown:
         raise ConfigError(f"the schedule names {unknown[0]}, which is not a lean frozen conv of this network")
     for name, conv in convs.items():
         shape = schedule.whole_batch.get(name)
         conv.whole_batch_shapes = frozenset({shape}) if shape is not None else frozenset()
+        conv.mask_chunks = dict([schedule.mask_chunks[name]]) if name in schedule.mask_chunks else {}
 
 
 def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:
-    """The schedule for ``net``'s step: whole-batch backward wherever it does not raise the
-    predicted peak (see the module docstring). ``net`` is left as it was."""
+    """The schedule for ``net``'s step: whole-batch backward and the largest forward mask
+    chunks wherever they do not raise the predicted peak (see the module docstring).
+    ``net`` is left as it was."""
     step = resolve_step(step)
     convs = _frozen_convs(net)
-    saved = {name: conv.whole_batch_shapes for name, conv in convs.items()}
+    saved = {name: (conv.whole_batch_shapes, conv.mask_chunks) for name, conv in convs.items()}
     names = {m: n for n, m in convs.items()}
     try:
         for conv in convs.values():
-            conv.whole_batch_shapes = frozenset()
+            conv.whole_batch_shapes, conv.mask_chunks = frozenset(), {}
         res = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
-        candidates: dict[tuple[FrozenConvBNAct, tuple], list[int]] = {}
-        for i, (module, args) in res.layer_args.items():
-            if isinstance(module, FrozenConvBNAct) and i in res.backward_moments:
-                shape = tuple(int(d) for d in args["out_shape"])
-                if mask_backward_per_sample(module, args["input_requires_grad"], shape):
-                    candidates.setdefault((module, shape), []).append(i)
-
-        def within_peak(i: int) -> bool:  # with the module's current whole_batch_shapes
-            module, args = res.layer_args[i]
-            moment, per_sample_temp = res.backward_moments[i]
-            return moment - per_sample_temp + layer_cost(module, **args).backward_temp_bytes <= res.peak_bytes
-
-        whole: dict[str, tuple[int, ...]] = {}
-        kept: list[str] = []
-        for (module, shape), calls in candidates.items():
-            module.whole_batch_shapes = frozenset({shape})
-            if all(within_peak(i) for i in calls):
-                whole[names[module]] = shape
-            else:
-                kept.append(names[module])
-            module.whole_batch_shapes = frozenset()
+        whole, kept = _fit_backward(res, names)
+        chunks = _fit_forward(res, names)
     finally:
         for name, conv in convs.items():
-            conv.whole_batch_shapes = saved[name]
-    return Schedule(batch_size, resolution, whole, tuple(kept))
+            conv.whole_batch_shapes, conv.mask_chunks = saved[name]
+    return Schedule(batch_size, resolution, whole, tuple(kept), chunks)
+
+
+def _calls(res, moments: dict, chosen) -> dict[tuple[FrozenConvBNAct, tuple], list[int]]:
+    """(frozen conv, output shape) -> the simulated ops where ``chosen(module, args, shape)``."""
+    out: dict[tuple[FrozenConvBNAct, tuple], list[int]] = {}
+    for i, (module, args) in res.layer_args.items():
+        if isinstance(module, FrozenConvBNAct) and i in moments:
+            shape = tuple(int(d) for d in args["out_shape"])
+            if chosen(module, args, shape):
+                out.setdefault((module, shape), []).append(i)
+    return out
+
+
+def _within_peak(res, i: int, moments: dict, temp: str) -> bool:
+    """Op ``i``'s moment with its module's current settings stays within the default peak."""
+    module, args = res.layer_args[i]
+    moment, default_temp = moments[i]
+    return moment - default_temp + getattr(layer_cost(module, **args), temp) <= res.peak_bytes
+
+
+def _fit_backward(res, names) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    candidates = _calls(res, res.backward_moments,
+                        lambda m, args, shape: mask_backward_per_sample(m, args["input_requires_grad"], shape))
+    whole: dict[str, tuple[int, ...]] = {}
+    kept: list[str] = []
+    for (module, shape), calls in candidates.items():
+        module.whole_batch_shapes = frozenset({shape})
+        if all(_within_peak(res, i, res.backward_moments, "backward_temp_bytes") for i in calls):
+            whole[names[module]] = shape
+        else:
+            kept.append(names[module])
+        module.whole_batch_shapes = frozenset()
+    return whole, kept
+
+
+def _fit_forward(res, names) -> dict[str, tuple[tuple[int, ...], int]]:
+    candidates = _calls(res, res.forward_moments,
+                        lambda m, args, shape: mask_forward_chunked(m, args["output_requires_grad"], shape))
+    chunks: dict[str, tuple[tuple[int, ...], int]] = {}
+    for (module, shape), calls in candidates.items():
+        def fits(chunk: int) -> bool:
+            module.mask_chunks = {shape: chunk}
+            return all(_within_peak(res, i, res.forward_moments, "forward_temp_bytes") for i in calls)
+
+        lo, hi = 1, shape[0]  # the temporaries grow with the chunk: the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        module.mask_chunks = {}
+        if lo > 1:
+            chunks[names[module]] = (shape, lo)
+    return chunks
 
 
 def prepare_step(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:

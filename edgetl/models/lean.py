@@ -517,6 +517,9 @@ class FrozenConvBNAct(nn.Module):
         # masked copy of grad_output per sample more): set by
         # edgetl.memory.schedule.apply_schedule, where the step's peak allows it
         self.whole_batch_shapes: frozenset[tuple[int, ...]] = frozenset()
+        # output shape -> samples per chunk while the forward packs the ReLU6 mask (1 when
+        # absent: the least memory, the most kernel launches); set by apply_schedule too
+        self.mask_chunks: dict[tuple[int, ...], int] = {}
         self.bn_mode = bn_mode
         self.act_dtype = act_dtype
         weight = conv.weight.detach().float()
@@ -556,6 +559,11 @@ class FrozenConvBNAct(nn.Module):
 
     def _uses_batch_stats(self) -> bool:
         return self.bn_mode == "batch" and self.training
+
+    def mask_chunk(self, out_shape) -> int:
+        """Samples per chunk with which the forward packs this output shape's ReLU6 mask."""
+        shape = tuple(int(d) for d in out_shape)
+        return max(1, min(self.mask_chunks.get(shape, 1), shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         momentum = 0.0
@@ -619,9 +627,9 @@ class FrozenConvBNAct(nn.Module):
             phases.append(big_y + 5 * c * 4 + small)
         if self.act and grad and not batch:
             saved_new = mask_bytes(nout)
-            if _sample_aligned(out_shape):  # one sample's comparisons at a time
-                per = nout // int(out_shape[0])
-                phases.append(big_y + saved_new + 2 * per)  # two comparisons, then two shifted copies
+            if _sample_aligned(out_shape):  # one chunk of samples' comparisons at a time
+                per = nout // int(out_shape[0]) * self.mask_chunk(out_shape)
+                phases.append(big_y + saved_new + 2 * per)  # two comparisons, then a shifted copy
             else:
                 phases.append(big_y + 2 * nout)  # y > 0 and y < 6, and-ed in place
                 phases += [big_y + p for p in _pack_phases(nout)]
@@ -725,7 +733,7 @@ class _FrozenConvFn(Function):
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
         if m.act:
             if need and not saved:
-                saved = (_relu6_mask(y),)
+                saved = (_relu6_mask(y, m.mask_chunk(y.shape)),)
             y.clamp_(0, 6)
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
         ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
@@ -787,9 +795,10 @@ def _sample_aligned(shape) -> bool:
     return n > 1 and (_numel(shape) // n) % 8 == 0
 
 
-def _relu6_mask(y: torch.Tensor) -> torch.Tensor:
-    """The packed mask of 0 < y < 6, built one sample at a time when the bytes align
-    (the byte-per-element comparisons of a whole batch would sit next to y)."""
+def _relu6_mask(y: torch.Tensor, chunk: int = 1) -> torch.Tensor:
+    """The packed mask of 0 < y < 6, built ``chunk`` samples at a time when the bytes align
+    (the byte-per-element comparisons of a whole batch would sit next to y; chunks of
+    several samples launch fewer kernels where the step's peak allows them, issue #17)."""
     if not _sample_aligned(y.shape):
         mask = y > 0
         mask &= y < 6
@@ -797,12 +806,19 @@ def _relu6_mask(y: torch.Tensor) -> torch.Tensor:
     n = y.shape[0]
     step = y.numel() // n // 8
     packed = torch.empty(n * step, dtype=torch.uint8, device=y.device)
-    for i in range(n):
-        mask = y[i] > 0
-        mask &= y[i] < 6
-        packed[i * step : (i + 1) * step] = _fold_bits_(mask.reshape(-1).view(torch.uint8))
+    for i in range(0, n, chunk):
+        part = y[i : i + chunk]
+        mask = part > 0
+        mask &= part < 6
+        packed[i * step : (i + part.shape[0]) * step] = _fold_bits_(mask.reshape(-1).view(torch.uint8))
         del mask
     return packed
+
+
+def mask_forward_chunked(m: "FrozenConvBNAct", output_requires_grad: bool, out_shape) -> bool:
+    """Whether the forward packs this output's ReLU6 mask in chunks of samples (``mask_chunk``)."""
+    return (m.act and output_requires_grad and not m._uses_batch_stats()
+            and _sample_aligned(out_shape))
 
 
 def mask_backward_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
