@@ -10,9 +10,11 @@ a smaller pooling factor k, then a larger batch. Every candidate lies on one fix
 from the exact configuration to the most memory-saving one, each step degrading one
 dimension and never undoing another:
 
-1. storage: frozen weights fp32 -> fp16, activations fp32 -> half (bf16), frozen weights
-   -> int8, side pooling k 1 -> 2 -> 4 (dimensions the caller fixes are skipped, and a k
-   whose side convs would store exactly as the smaller k's, small maps pooling less);
+1. storage, cheapest accuracy per byte saved first (``storage_ladder``, measured in
+   ``benchmarks/levers_accuracy.md``): frozen weights fp32 -> fp16 -> int8, activations
+   fp32 -> half (fp16 where this machine's convolutions run it, else bf16), side pooling
+   k 1 -> 2 -> 4 (dimensions the caller fixes are skipped, and a k whose side convs would
+   store exactly as the smaller k's, small maps pooling less);
 2. pruning, at the most saving storage: the per-image peak of every sensitive block above
    a cap T is lowered to T (the paper's rule: prune the blocks that set the peak, just
    enough), T falling one channel at a time, and finally every candidate block at
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -54,15 +57,15 @@ MODE = "repnet"
 OPTIMIZER = "adam"  # the plan's step: edgetl.step.Step.plain(OPTIMIZER) (plan_step)
 POOLS = (1, 2, 4)
 PRECISIONS = ("fp32", "bf16", "fp16")
-HALF = "bf16"  # "half": bf16 runs on CPUs (--verify) and on Orin (sm_87); same bytes as fp16
+HALF_DTYPES = ("fp16", "bf16")  # "half" activations, preferred first (half_precision)
 FROZEN_WEIGHTS = ("fp32", "fp16", "int8")
 BUDGET_SCOPES = ("tensors", "process")
 MAX_RATIO = 0.9
 MAX_BATCH_SIZE = 256
 VERIFY_TOLERANCE = 0.05
 OBJECTIVE = ("fit the budget removing as few hidden channels as possible, then prefer a smaller "
-             "pooling k, then a larger batch; storage savings (frozen fp16, half activations, "
-             "int8 frozen weights) before pooling, pooling before pruning")
+             "pooling k, then a larger batch; storage savings (frozen fp16, int8 frozen weights, "
+             "half activations) before pooling, pooling before pruning")
 
 
 # ----------------------------------------------------------------------------- devices
@@ -416,16 +419,81 @@ def plan_step():
     return Step.plain(OPTIMIZER)
 
 
+def half_precision() -> str:
+    """The dtype of "half" activations: fp16 where this machine's CPU runs fp16 convolutions, else bf16.
+
+    Both store 2 bytes an element and cost no measured accuracy, but fp16 keeps 10 mantissa
+    bits to bf16's 7: one batch's side-network gradient has cosine 0.956 (at initialisation)
+    and 0.979 (after fine-tuning) to the fp32 one with fp16 activations, 0.812 and 0.880
+    with bf16 (``benchmarks/levers_accuracy.md``, gradient check). fp16's narrow range
+    needs no loss scaling there: scaling the loss by 1024 leaves that cosine unchanged
+    (0.956, 0.979). The probe is the CPU's because ``--verify`` measures there; Orin
+    (sm_87) runs both dtypes. Where the CPU lacks fp16 convolutions (older torch builds),
+    bf16 is planned and the plan says so in its notes.
+    """
+    return _half_precision_probe()
+
+
+@functools.lru_cache(maxsize=1)
+def _half_precision_probe() -> str:
+    import torch
+
+    from edgetl.errors import CapabilityError
+    from edgetl.models.lean import check_act_dtype
+
+    try:
+        check_act_dtype(torch.float16, "cpu")
+    except CapabilityError:
+        return HALF_DTYPES[1]
+    return HALF_DTYPES[0]
+
+
 def storage_ladder(*, pool: int | None = None, precision: str | None = None,
                    frozen_weights: str | None = None,
-                   stored_pools: Callable[[int], list[int]] | None = None) -> list[Storage]:
+                   stored_pools: Callable[[int], list[int]] | None = None,
+                   half: str | None = None) -> list[Storage]:
     """Storage options from exact to most saving; a fixed dimension never changes.
+
+    The order is the measured accuracy cost per byte saved, cheapest first
+    (``benchmarks/levers_accuracy.md``: Rep-Net fine-tuning on Fashion-MNIST, 3 seeds; MB
+    saved by the runtime accounting at 224 px, batch 8; points lost per MB saved, negative =
+    no measured loss):
+
+    1. frozen weights fp16 (-1.14 points/MB, 0.76 MB saved), then 2. int8 (-0.81, 1.12 MB):
+       both fine-tuned +0.9 points above fp32, within the baseline seeds' 2.2-point spread;
+       they perturb only the frozen weights, not the stored activations or the gradients.
+    3. half activations (``half``; default ``half_precision()``, fp16 where it runs): fp16
+       -0.04, bf16 -0.00 points/MB for 16 MB saved, again no measured loss, but they round
+       every stored activation and the backward through it (one batch's side-gradient
+       cosine to fp32: fp16 0.96-0.98, bf16 0.81-0.88), so they come after the frozen-weight
+       savings although they save far more.
+    4. pooling k 2, then 4, last: it approximates the side convs' weight gradients and its
+       cost is not resolved (at 64 px k=2 and k=4 store alike, and at 64 px and at 224 px,
+       batch 8, the unpruned network's peak, a forward temporary, does not move).
+
+    All of these Δ are within seed noise, so the points per MB mostly rank by bytes saved;
+    the order of 1-2 before 3 before 4 also follows what each lever perturbs.
+
+    Pruning is not a storage option; the plan prunes only past the ladder's end (without
+    retraining it costs 2.5 points in the study, the one resolved loss).
 
     ``stored_pools(k)``, when given, says how the side convs really store their inputs for
     a requested k (small maps pool less, ``edgetl.models.lean.effective_pool``); a k that
     stores exactly as the smaller one before it is no step: it would save nothing, and the
     objective prefers the smaller k.
+
+    ``plan`` bisects the ladder, so the predicted total must not rise along it. With fp32
+    activations int8 frozen weights always hold less than fp16 ones (same fp32 dequantised
+    copy), and at 224 px every dtype step saves (``tests/test_plan.py``, batch 8). It does
+    not hold everywhere, in this order or the previous one (fp16, half, int8): at batch 1-4
+    on small inputs (64-96 px) the int8 dequantisation buffer with half activations (an
+    fp32 copy of a layer's weight plus its half cast) can outweigh what half activations
+    save, and half+int8 then predicts more than a step before it.
     """
+    if half is None:
+        half = half_precision()
+    if half not in HALF_DTYPES:
+        raise ConfigError(f"half precision {half!r} is not allowed; allowed: {', '.join(HALF_DTYPES)}")
     p = 1 if pool is None else pool
     a = "fp32" if precision is None else precision
     w = "fp32" if frozen_weights is None else frozen_weights
@@ -436,10 +504,9 @@ def storage_ladder(*, pool: int | None = None, precision: str | None = None,
 
     if frozen_weights is None:
         step(frozen_weights="fp16")
-    if precision is None:
-        step(precision=HALF)
-    if frozen_weights is None:
         step(frozen_weights="int8")
+    if precision is None:
+        step(precision=half)
     if pool is None:
         for k in (2, 4):
             if stored_pools is None or stored_pools(k) != stored_pools(ladder[-1].pool):
@@ -584,7 +651,8 @@ def plan(
         batch_size: a fixed batch, or "auto" (the largest that fits, see the module docstring).
         resolution: input side in pixels.
         num_classes: classifier outputs.
-        precision: fix the activation precision ("fp32", "half", "bf16", "fp16"); None searches.
+        precision: fix the activation precision ("fp32", "half", "bf16", "fp16"; "half" is
+            ``half_precision()``); None searches.
         pool: fix the side pooling k; None searches 1, 2, 4.
         frozen_weights: fix the frozen-weight storage; None searches fp32, fp16, int8.
         backbone: a BackboneSpec or a backbone folder (pruned or not); None: MobileNetV2 ``width``.
@@ -609,8 +677,9 @@ def plan(
         raise ConfigError(f"batch size {batch_size!r} is not allowed; allowed: an integer >= 1 or 'auto'")
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ConfigError(f"max batch size {max_batch_size!r} is not allowed; allowed: an integer >= 1")
+    half = half_precision()
     if precision == "half":
-        precision = HALF
+        precision = half
     _check_storage(1 if pool is None else pool, precision or "fp32", frozen_weights or "fp32", "plan")
     if not 0 <= max_ratio < 1:
         raise ConfigError(f"max ratio {max_ratio} is not allowed; allowed: 0 <= ratio < 1")
@@ -630,7 +699,7 @@ def plan(
         tensor_budget = budget_bytes
     ev = _Evaluator(base, resolution)
     ladder = storage_ladder(pool=pool, precision=precision, frozen_weights=frozen_weights,
-                            stored_pools=_stored_pools_of(base, resolution))
+                            stored_pools=_stored_pools_of(base, resolution), half=half)
     request = {"batch_size": batch_size, "precision": precision, "pool": pool,
                "frozen_weights": frozen_weights, "blocks": None if blocks is None else list(blocks),
                "max_ratio": max_ratio, "max_batch_size": max_batch_size}
@@ -715,6 +784,9 @@ def plan(
                        chosen.batch_size)
     runners = _runners_up(evaluated, chosen_pos, chosen, tensor_budget)
     notes = []
+    if chosen.precision == half != HALF_DTYPES[0]:
+        notes.append(f"half activations are {half}: this machine's torch runs no {HALF_DTYPES[0]} "
+                     f"convolutions on the CPU (where --verify measures); same bytes")
     overheads = preset.overheads(report.total_bytes)
     limit = preset.process_limit_bytes()
     process_total = report.total_bytes + sum(overheads.values())

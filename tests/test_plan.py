@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +15,13 @@ from edgetl.models.backbone import BackboneSpec
 from edgetl.models.side import LeanOptions, build_network
 from edgetl.plan import (
     DEVICES,
+    HALF_DTYPES,
     Plan,
     PlanImpossible,
+    Storage,
+    _Evaluator,
+    _stored_pools_of,
+    half_precision,
     load_plan,
     plan,
     ratio_for,
@@ -26,6 +33,7 @@ from edgetl.prune import kept_channels
 TINY = BackboneSpec(width=0.35)
 RES = 64
 MB = 10**6
+LEVERS = Path(__file__).resolve().parents[1] / "benchmarks" / "levers_accuracy.json"
 
 
 def tiny_plan(budget_bytes: int, **kw) -> Plan:
@@ -56,14 +64,86 @@ def _try(budget, batch):
         return exc
 
 
-def test_ladder_goes_one_dimension_at_a_time():
-    ladder = storage_ladder()
-    assert (ladder[0].pool, ladder[0].precision, ladder[0].frozen_weights) == (1, "fp32", "fp32")
-    assert (ladder[-1].pool, ladder[-1].precision, ladder[-1].frozen_weights) == (4, "bf16", "int8")
+def _steps(ladder) -> list[tuple[str, object]]:
+    """The lever each ladder step pulls: (dimension, new value)."""
+    out = []
     for a, b in zip(ladder, ladder[1:]):
-        assert sum(x != y for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))) == 1
+        changed = [(f.name, getattr(b, f.name)) for f in dataclasses.fields(Storage)
+                   if getattr(a, f.name) != getattr(b, f.name)]
+        assert len(changed) == 1, (a, b)  # one dimension at a time
+        out.append(changed[0])
+    return out
+
+
+def test_ladder_goes_one_dimension_at_a_time():
+    ladder = storage_ladder(half="bf16")
+    assert ladder[0] == Storage(1, "fp32", "fp32") and ladder[-1] == Storage(4, "bf16", "int8")
+    assert _steps(ladder) == [("frozen_weights", "fp16"), ("frozen_weights", "int8"),
+                              ("precision", "bf16"), ("pool", 2), ("pool", 4)]
+    assert storage_ladder()[-1].precision == half_precision() in HALF_DTYPES
     fixed = storage_ladder(precision="fp32", pool=2)
     assert {s.precision for s in fixed} == {"fp32"} and {s.pool for s in fixed} == {2}
+    assert _steps(fixed) == [("frozen_weights", "fp16"), ("frozen_weights", "int8")]
+
+
+def test_half_is_fp16_where_the_cpu_runs_it():
+    import torch
+
+    from edgetl.errors import CapabilityError
+    from edgetl.models.lean import check_act_dtype
+
+    try:
+        check_act_dtype(torch.float16, "cpu")
+        expected = "fp16"
+    except CapabilityError:
+        expected = "bf16"
+    assert half_precision() == expected
+    assert tiny_plan(20 * MB, precision="half").chosen.precision == expected
+
+
+def test_ladder_order_is_the_measured_cost_per_byte():
+    """The ladder pulls the storage levers in the order of points lost per MB saved that
+    benchmarks/levers_accuracy.json measured; a lever that saves nothing at 224 px, batch 8
+    (pooling there) has no measured cost per byte and goes last, smaller k first."""
+    data = json.loads(LEVERS.read_text())
+    base = "fp32/fp32/pool1"
+    mean = {c: statistics.mean(r["best_acc1"] for r in runs.values()) for c, runs in data["results"].items()}
+
+    def cost(config):
+        saved = (data["peaks"][base]["paper"] - data["peaks"][config]["paper"]) / MB
+        return (mean[base] - mean[config]) / saved if saved > 0 else None
+
+    # the study's one-lever rows (activations / frozen weights / pool), grouped by lever;
+    # a lever measured with both half dtypes costs the worse of the two
+    rows = {("frozen_weights", "fp16"): ["fp32/fp16/pool1"], ("frozen_weights", "int8"): ["fp32/int8/pool1"],
+            ("precision", "half"): ["bf16/fp32/pool1", "fp16/fp32/pool1"],
+            ("pool", 2): ["fp32/fp32/pool2"], ("pool", 4): ["fp32/fp32/pool4"]}
+    lever_cost = {}
+    for lever, configs in rows.items():
+        costs = [c for c in map(cost, configs) if c is not None]
+        lever_cost[lever] = max(costs) if costs else None
+    assert lever_cost[("pool", 2)] is None and lever_cost[("pool", 4)] is None
+    measured = sorted(rows, key=lambda lv: (lever_cost[lv] is None, lever_cost[lv] or 0.0,
+                                             lv[1] if lv[0] == "pool" else 0))
+    spec = BackboneSpec(width=1.0, num_classes=102)
+    ladder = storage_ladder(stored_pools=_stored_pools_of(spec, 224))
+    steps = [("precision", "half") if step[0] == "precision" else step for step in _steps(ladder)]
+    assert steps == measured
+
+
+def test_ladder_totals_fall_at_224px_batch_8():
+    """plan bisects the ladder: for the stock configuration (MobileNetV2 1.0, 102 classes,
+    224 px, batch 8) every dtype step lowers the predicted total; pooling does not move
+    this unpruned network's peak (a forward temporary), so a pool step may only keep it."""
+    spec = BackboneSpec(width=1.0, num_classes=102)
+    ev = _Evaluator(spec, 224)
+    ladder = storage_ladder(stored_pools=_stored_pools_of(spec, 224))
+    totals = [ev.total({}, s, 8) for s in ladder]
+    for (lever, _), before, after in zip(_steps(ladder), totals, totals[1:]):
+        if lever == "pool":
+            assert after <= before
+        else:
+            assert after < before, (lever, before, after)
 
 
 def test_ladder_skips_a_pool_factor_that_stores_like_the_smaller_one():
