@@ -101,6 +101,13 @@ def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "
     return net
 
 
+def recipe_step(recipe: Recipe) -> Step:
+    """The step ``finetune`` runs: the recipe's, under DDP when torchrun started several processes."""
+    from edgetl.train import get_world_size
+
+    return Step.from_recipe(recipe, ddp=get_world_size() > 1)
+
+
 def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
     """Runtime accounting (DESIGN 2b) of the training step ``finetune`` runs: the recipe's
     loss and optimizer (``Step.from_recipe``), the lean runtime and its fitted schedule."""
@@ -111,7 +118,7 @@ def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
     if options is not None:
         make_lean(meta, options)
     report = predict_step(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
-                          batch_size=batch_size, step=Step.from_recipe(recipe))
+                          batch_size=batch_size, step=recipe_step(recipe))
     describe_runtime(report, meta, options)
     return report
 
@@ -229,7 +236,7 @@ def finetune(
     predicted = preflight(net, recipe, budget_bytes)
     splits = check_images(splits, recipe.data.on_bad_image)
     stock = copy.deepcopy(net)
-    step = Step.from_recipe(recipe)
+    step = recipe_step(recipe)
     schedule = None
     if options is not None:
         from edgetl.memory.schedule import prepare_step

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,10 +53,14 @@ class Step:
         optim: optimizer name, learning rates, weight decay, momentum, label smoothing and
             ``foreach`` (the recipe's ``optim`` section).
         bn: "fold": frozen BN layers stay in eval mode; "batch": every BN uses batch statistics.
+        ddp: the step runs under DistributedDataParallel (``ddp_wrap``): gradients are views
+            into DDP's gradient buckets, which live for the whole run (the trainable size),
+            so ``zero_grad`` zeroes them instead of freeing them.
     """
 
     optim: OptimConfig = dataclasses.field(default_factory=default_optim)
     bn: str = "fold"
+    ddp: bool = False
 
     def __post_init__(self) -> None:
         if self.optim.name not in OPTIMIZERS:
@@ -64,8 +69,8 @@ class Step:
             raise ConfigError(f"unknown bn mode {self.bn!r}; allowed: {', '.join(BN_MODES)}")
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe) -> "Step":
-        return cls(optim=recipe.optim, bn=recipe.model.bn)
+    def from_recipe(cls, recipe: Recipe, *, ddp: bool = False) -> "Step":
+        return cls(optim=recipe.optim, bn=recipe.model.bn, ddp=ddp)
 
     @classmethod
     def plain(cls, optimizer: str = "adam", lr: float = 1e-3, **changes) -> "Step":
@@ -184,5 +189,28 @@ def training_step(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer,
     else:
         loss.backward()
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # under DDP the gradients are views into its buckets, which live anyway: freeing them
+    # would only make backward allocate fresh ones beside the buckets
+    optimizer.zero_grad(set_to_none=not step.ddp)
     return loss.detach(), correct
+
+
+def ddp_wrap(model: nn.Module, step: Step, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    """``model`` in DistributedDataParallel as the step's accounting assumes (issue #17 item 7).
+
+    * ``gradient_as_bucket_view``: each gradient is a view into DDP's flat gradient buckets
+      (the trainable size, allocated once), not a second copy beside them.
+    * ``broadcast_buffers`` only with ``bn="batch"``: there BN running statistics change every
+      step and rank 0's are broadcast before each forward, as plain DDP does. With folded BN
+      every buffer (the lean runtime's frozen weights among them) is a constant loaded
+      identically on every rank; re-broadcasting it each step would cost time and a
+      coalesced copy of all buffers.
+    """
+    if not step.ddp:
+        raise ValueError("ddp_wrap needs a step with ddp=True (the accounting counts its buckets)")
+    ddp = nn.parallel.DistributedDataParallel
+    # newer torch names the per-forward broadcast forward_sync_buffers (both sync at init)
+    sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters
+            else "broadcast_buffers")
+    return ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
+               gradient_as_bucket_view=True, **{sync: step.bn == "batch"})

@@ -51,7 +51,7 @@ from edgetl.io import (
     tensors_in,
 )
 from edgetl.recipe import OptimConfig, Recipe
-from edgetl.step import Step, build_optimizer, set_train_mode, training_step
+from edgetl.step import Step, build_optimizer, ddp_wrap, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
 
@@ -584,7 +584,7 @@ def fit(
         teacher.to(device).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
-    step_spec = Step.from_recipe(recipe)
+    step_spec = Step.from_recipe(recipe, ddp=world > 1)
     groups = param_groups if param_groups is not None else step_spec.param_groups(model)
     optimizer = (optimizer_factory or (lambda g: build_optimizer(g, recipe.optim)))(groups)
     if hasattr(sampler, "set_start"):
@@ -639,11 +639,7 @@ def fit(
     saved = (start_epoch, start_step) if resume else None  # where the newest last.pt resumes
     skipped: dict[str, str] = {}
 
-    net = model
-    if world > 1:
-        net = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
+    net = ddp_wrap(model, step_spec, device) if step_spec.ddp else model
 
     def save(epoch: int, step: int, best: bool = False) -> None:
         """last.pt, then (``best``) best.pt: weights only, as nothing resumes from it."""

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from edgetl.errors import ConfigError
-from edgetl.step import Step, resolve_step, set_train_mode, training_step
+from edgetl.step import Step, ddp_wrap, resolve_step, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,8 @@ def measure_training_memory(
         steps: training steps; the peak usually comes in step 2, once optimizer state exists.
         optimizer, lr: shorthand for ``Step.plain(optimizer, lr)`` when no ``step`` is given
             ("adam" or "sgd", plain: no momentum, no weight decay).
-        step: the training step (a recipe's: ``Step.from_recipe``).
+        step: the training step (a recipe's: ``Step.from_recipe``); with ``ddp`` the net is
+            wrapped in DistributedDataParallel (a process group must exist) as fit wraps it.
         device: where to run; default: the device of ``net``'s parameters.
         seed: seeds the random batch and labels.
         record_trace: keep the storage trace (for ``edgetl.memory.cuda.replay_trace``).
@@ -234,7 +235,9 @@ def measure_training_memory(
         other = _prepare_cuda(device, net, image, labels)
     try:
         with meter:
-            _training_steps(net, step, opt, image, labels, steps)
+            # under DDP the wrap allocates the gradient buckets: inside the meter, as in fit
+            run = ddp_wrap(net, step, device) if step.ddp else net
+            _training_steps(run, step, opt, image, labels, steps)
     finally:
         meter.close()
     result = MeasuredMemory(str(device), meter.peak_bytes, other_bytes=other, trace=meter.trace)

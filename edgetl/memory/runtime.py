@@ -526,7 +526,9 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
 
     mem = _Memory()
     res = _Result()
-    grads = {"bytes": 0}
+    # gradient buffers alive; under DDP every gradient is a view into its buckets, which
+    # exist from the wrap on (the trainable size; ``edgetl.step.ddp_wrap``)
+    grads = {"bytes": train_bytes if step.ddp else 0}
 
     def sample(where: str, block: int, forward: bool, saved_before: int | None = None) -> None:
         act = mem.bytes
@@ -690,7 +692,7 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
                     key = g_out  # views and add pass grad_output through
                 mem.ref(key)
                 outs.append((v, key))
-            if op.module is not None:
+            if op.module is not None and not step.ddp:
                 for p in leaf_parameters(op.module):
                     if p.requires_grad:
                         grads["bytes"] += p.numel() * p.element_size()
