@@ -1,0 +1,45 @@
+"""Aten ops per training step (kernel launches on a GPU), one sample at a time against the
+fitted schedule (issue #17 item 6). Counted on the meta device: seconds, no data.
+
+    python scripts/step_ops.py --batch-size 32 --resolution 224
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from edgetl.bench import METHODS, build_method, pruned_hidden
+from edgetl.memory.meter import count_step_ops
+from edgetl.memory.runtime import runtime_report
+from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
+from edgetl.units import MB
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--num-classes", type=int, default=102)
+    p.add_argument("--methods", default="repnet-lean,repnet-pruned,repnet-pruned-pool2-bf16-int8")
+    a = p.parse_args()
+    print("| method | schedule | forward ops | backward ops | optimizer ops | ops/step | predicted peak MB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name in a.methods.split(","):
+        method = METHODS[name]
+        net = build_method(method, width=1.0, num_classes=a.num_classes, device="meta",
+                           hidden=pruned_hidden(1.0, a.num_classes) if method.pruned else None)
+        fitted = prepare_step(net, resolution=a.resolution, batch_size=a.batch_size)
+        rows = []
+        for label, schedule in (("one sample at a time", Schedule(a.batch_size, a.resolution)),
+                                ("fitted", fitted)):
+            apply_schedule(net, schedule)
+            ops = count_step_ops(net, resolution=a.resolution, batch_size=a.batch_size)
+            peak = runtime_report(net, mode=method.mode, resolution=a.resolution,
+                                  batch_size=a.batch_size).total_bytes
+            rows.append(f"| {method.label} | {label} | {ops.forward:,} | {ops.backward:,} | "
+                        f"{ops.optimizer:,} | {ops.total:,} | {peak / MB:.2f} |")
+        print("\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
