@@ -99,7 +99,7 @@ class ModelConfig:
             architecture with the width below.
         width: MobileNetV2 width multiplier when no backbone folder is given.
         pool: side-network activations are stored average-pooled by this factor (1 = exact).
-        precision: compute/activation dtype; fp16/bf16 need CUDA.
+        precision: activation dtype: the lean runtime casts the backbone itself (CPU and CUDA); stock modules use autocast (CUDA only for fp16/bf16).
         frozen_weights: storage dtype of frozen backbone weights.
         bn: "fold" keeps frozen BN layers in eval mode (statistics fixed, foldable);
             "batch" lets them use batch statistics.

@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resolution", type=positive_int, default=224, help="input size in pixels")
     p.add_argument("--num-classes", type=positive_int, default=102, help="classifier outputs")
     p.add_argument("--precision", choices=("fp32", "half", "bf16", "fp16"),
-                   help="fix the activation precision (half = bf16); default: searched")
+                   help="fix the activation precision (half = fp16 where this machine runs fp16 convolutions, else bf16); default: searched")
     p.add_argument("--backbone", metavar="DIR|NAME", help="backbone folder or weights name, e.g. mobilenet_v2:IMAGENET1K_V1 (default: MobileNetV2 --width)")
     p.add_argument("--width", type=float, default=1.0, help="width multiplier without --backbone")
     p.add_argument("--max-ratio", type=float, default=MAX_RATIO, help="most any block may be pruned")
