@@ -316,6 +316,14 @@ def _func_name(func) -> str:
     return getattr(func, "__name__", str(func))
 
 
+def _leaf_now(module: nn.Module, inputs: list[torch.Tensor]) -> bool:
+    """A leaf module is one op, except a streamed segment that does not stream at this batch
+    (its blocks then run as they are, and are accounted layer by layer)."""
+    if getattr(module, "accounting_kind", None) == "streamed_segment":
+        return bool(inputs) and inputs[0].shape[0] > module.micro_batch
+    return True
+
+
 def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
     """Trace ``net`` on meta, recording for each op which tensors it reads and writes."""
     # BN in eval mode for tracing only: shapes are the same, and a batch-1 train-mode BN
@@ -357,12 +365,18 @@ def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
 
     leaf_iter = iter(trace.leaves)
 
+    ignored: list[bool] = []  # per module call: inside a streamed segment (its own leaf)
+
     def pre(name: str, is_leaf: bool):
         def hook(module, args):
+            ignored.append(bool(state["leaf_depth"]))
+            if ignored[-1]:
+                return
             state["busy"] = True
             ts = tensors(args)
-            stack.append((skey(ts[0]) if ts else None, len(ops)))
-            if is_leaf:
+            leaf = is_leaf and _leaf_now(module, ts)
+            stack.append((skey(ts[0]) if ts else None, len(ops), leaf))
+            if leaf:
                 state["leaf_depth"] += 1
             state["busy"] = False
 
@@ -370,9 +384,11 @@ def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
 
     def post(name: str, is_leaf: bool):
         def hook(module, args, output):
+            if ignored.pop():
+                return
             state["busy"] = True
-            key, first = stack.pop()
-            if is_leaf:
+            key, first, leaf_call = stack.pop()
+            if leaf_call:
                 state["leaf_depth"] -= 1
                 leaf = next(leaf_iter)
                 if leaf.name != name:

@@ -109,15 +109,20 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
     blocks: list[BlockInfo] = []
     context: list[tuple[int, str]] = []
     handles = []
+    # inside a streamed segment (one leaf for the accounting) its blocks are not seen
+    streaming = {"depth": 0}
 
     def enter(index: int, part: str):
         def hook(module, args):
-            context.append((index, part))
+            if not streaming["depth"]:
+                context.append((index, part))
 
         return hook
 
     def leave(index: int, name: str, track: bool):
         def hook(module, args, output):
+            if streaming["depth"]:
+                return
             context.pop()
             if track:
                 x = _first_tensor(args)
@@ -135,6 +140,8 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
 
     def record(name: str):
         def hook(module, args, output):
+            if streaming["depth"] or not getattr(module, "_streamed", True):
+                return  # inside a streamed segment, or a segment that ran its blocks as they are
             index, part = context[-1] if context else (HEAD_BLOCK, "head")
             weight = getattr(module, "weight", None)
             bias = getattr(module, "bias", None)
@@ -155,6 +162,22 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
 
         return hook
 
+    def stream_enter(segment, args):
+        if _first_tensor(args).shape[0] > segment.micro_batch:  # else it runs its blocks as they are
+            context.append((segment.start, "backbone"))
+            streaming["depth"] += 1
+            segment._traced = True
+
+    def stream_leave(segment, args, output):
+        segment._streamed = getattr(segment, "_traced", False)  # read by record, which runs next
+        if segment._streamed:
+            segment._traced = False
+            streaming["depth"] -= 1
+            context.pop()
+            blocks.append(BlockInfo(index=segment.start, name=f"features.{segment.start}:{segment.stop}",
+                                    in_shape=tuple(_first_tensor(args).shape),
+                                    out_shape=tuple(output.shape), has_skip=False))
+
     for i, block in enumerate(meta.features):
         handles.append(block.register_forward_pre_hook(enter(i, "backbone")))
         handles.append(block.register_forward_hook(leave(i, f"features.{i}", True)))
@@ -162,6 +185,9 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
         for tap, module in zip(meta.side.taps, meta.side.blocks):
             handles.append(module.register_forward_pre_hook(enter(tap, "side")))
             handles.append(module.register_forward_hook(leave(tap, "side", False)))
+    for segment in (meta.streams.values() if meta.streams is not None else ()):
+        handles.append(segment.register_forward_pre_hook(stream_enter))
+        handles.append(segment.register_forward_hook(stream_leave))
     for name, module in meta.named_modules():
         if len(list(module.children())) == 0:
             handles.append(module.register_forward_hook(record(name)))

@@ -96,6 +96,9 @@ class EdgeNet(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.classifier = classifier
         self.side: nn.Module | None = None
+        # streamed segments by first block (edgetl.models.stream.apply_streams); they hold
+        # their blocks unregistered, so the state_dict is the same with or without them
+        self.streams: nn.ModuleDict | None = None
 
     def attach_side(self, side: nn.Module | None) -> None:
         self.side = side
@@ -104,7 +107,11 @@ class EdgeNet(nn.Module):
         x = image
         side = self.side
         taps = side.taps if side is not None else ()
-        for i, block in enumerate(self.features):
+        streams = self.streams if self.streams is not None else {}
+        i = 0
+        while i < len(self.features):
+            segment = streams[str(i)] if str(i) in streams else None
+            block = segment if segment is not None else self.features[i]
             if i in taps:
                 j = taps.index(i)
                 side_in = image if j == 0 else x
@@ -112,6 +119,7 @@ class EdgeNet(nn.Module):
                 x = x + side.blocks[j](side_in, x.shape[-2:])
             else:
                 x = block(x)
+            i = segment.stop if segment is not None else i + 1
         x = self.pool(x)
         x = torch.flatten(x, 1)
         return self.classifier(x)

@@ -1,0 +1,268 @@
+"""Streamed frozen segments (issue #14): a frozen, BN-folded run of backbone blocks executed
+on micro-batches of m samples, forward and backward, with bit-for-bit the results of the
+whole batch.
+
+A frozen backbone with folded BN has no dependency between the samples of a batch, so a
+segment of blocks can run sample group by sample group and write into a batch-sized output.
+Batch-sized tensors then exist only at the segment's ends; inside it, a block's input,
+expanded hidden map and output exist for m samples at a time. Segments end wherever the
+side network reads or writes a batch-level tensor (the input and the output of every tap
+block: the side modules' BN uses batch statistics, so they stay whole-batch), see
+``segments_of``.
+
+How one segment runs (``_StreamFn``):
+
+* forward: for each micro-batch, the blocks run with autograd on a fresh entry node
+  (``_Entry``: the micro-batch's rows of the input, seen as the output of a node that
+  holds nothing, so no graph keeps the batch-sized input alive). The micro-batch output is
+  copied into the batch-sized output and dropped; only its gradient edge is kept, and with
+  it whatever the lean layers save (1-bit masks): the same bytes as the whole batch saves.
+* backward: micro-batch by micro-batch in reverse, ``torch.autograd.grad`` from the kept
+  output edge to the entry edge (and the segment's trainable parameters, e.g. BN biases in
+  bias-only TinyTL-B), written into the batch-sized input gradient; each micro-batch's
+  graph, masks included, is freed as soon as it has run.
+
+Without autograd (evaluation) the blocks simply run micro-batch by micro-batch. m = B is
+no streaming at all: the segment then runs its blocks as the unstreamed network does.
+
+The runtime accounting (``edgetl.memory.runtime``) treats a segment as one leaf whose cost
+is measured by running the segment itself on the meta device under the storage meter
+(``StreamedSegment.runtime_cost``): what the simulation predicts is what this code
+allocates, by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch import nn
+from torch.autograd import Function
+from torch.autograd.graph import get_gradient_edge
+
+from edgetl.errors import ConfigError
+from edgetl.memory.cost import LayerCost
+
+
+class _Entry(Function):
+    """A micro-batch's rows as a graph input that holds nothing (its backward never runs:
+    the gradient is taken at its edge)."""
+
+    @staticmethod
+    def forward(ctx, rows, anchor):
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - the engine stops at the captured edge
+        return g, None
+
+
+class _StreamFn(Function):
+    @staticmethod
+    def forward(ctx, x, segment: "StreamedSegment", *params):
+        n, m = x.shape[0], segment.micro_batch
+        anchor = x.new_empty(0).requires_grad_()  # 0 bytes: makes every entry a graph node
+        out = None
+        edges = []
+        with torch.enable_grad():
+            for i in range(0, n, m):
+                entry = _Entry.apply(x[i:i + m].detach(), anchor)
+                y = segment.run_blocks(entry)
+                if out is None:
+                    out = y.new_empty((n, *y.shape[1:]))
+                out[i:i + m].copy_(y.detach())
+                edges.append((get_gradient_edge(y), get_gradient_edge(entry), y.shape[0]))
+                del entry, y
+        ctx.edges, ctx.params = edges, params
+        ctx.in_shape, ctx.in_dtype = tuple(x.shape), x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, gy):
+        edges, params = ctx.edges, ctx.params
+        need_x = ctx.needs_input_grad[0]
+        gx = gy.new_empty(ctx.in_shape, dtype=ctx.in_dtype) if need_x else None
+        gps = [torch.zeros_like(p) for p in params]
+        stop = ctx.in_shape[0]
+        for out_edge, in_edge, rows in reversed(edges):
+            start = stop - rows
+            inputs = ([in_edge] if need_x else []) + list(params)
+            grads = torch.autograd.grad([out_edge], inputs, grad_outputs=[gy[start:stop]],
+                                        allow_unused=True)
+            if need_x:
+                gx[start:stop].copy_(grads[0])
+                grads = grads[1:]
+            for acc, g in zip(gps, grads):
+                if g is not None:
+                    acc.add_(g)
+            del grads
+            stop = start
+        ctx.edges = None
+        return (gx, None, *gps)
+
+
+class StreamedSegment(nn.Module):
+    """Blocks ``start..stop-1`` of ``net.features`` run on micro-batches of ``micro_batch``.
+
+    The blocks stay registered where they are (``features``): a segment holds them in a
+    plain tuple, so state_dict keys, checkpoints and export do not change. For the
+    accounting a segment is one leaf (it has no registered children).
+    """
+
+    accounting_kind = "streamed_segment"
+
+    def __init__(self, blocks: list[nn.Module], start: int, micro_batch: int):
+        super().__init__()
+        if micro_batch < 1:
+            raise ConfigError(f"micro-batch {micro_batch} is not allowed; allowed: an integer >= 1")
+        self._blocks = tuple(blocks)
+        self.start, self.stop = start, start + len(blocks)
+        self.micro_batch = int(micro_batch)
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self._blocks:
+            x = block(x)
+        return x
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for b in self._blocks for p in b.parameters() if p.requires_grad]
+
+    def runtime_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this leaf's backward produces (the accounting's)."""
+        return self.trainable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if self.micro_batch >= n:
+            return self.run_blocks(x)
+        params = self.trainable()
+        if torch.is_grad_enabled() and (x.requires_grad or params):
+            return _StreamFn.apply(x, self, *params)
+        parts = [self.run_blocks(x[i:i + self.micro_batch]) for i in range(0, n, self.micro_batch)]
+        out = parts[0].new_empty((n, *parts[0].shape[1:]))
+        for i, part in zip(range(0, n, self.micro_batch), parts):
+            out[i:i + part.shape[0]].copy_(part)
+        return out
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, in_bytes=None, input_requires_grad,
+                     output_requires_grad) -> LayerCost:
+        """Measured: the segment runs on the meta device under the storage meter (cached per
+        shape). Forward: its peak above the input less what stays (output and saved);
+        backward: its peak above what it starts with, less the input and parameter grads."""
+        if self.micro_batch >= int(in_shape[0]):
+            raise ConfigError("a segment that does not stream is accounted layer by layer")
+        dtype = {1: torch.uint8, 2: _half(self), 4: torch.float32}[in_bytes or act_bytes]
+        return _measured_cost(self._meta_key(), tuple(int(d) for d in in_shape), dtype,
+                              bool(input_requires_grad), bool(output_requires_grad), self)
+
+    def _meta_key(self) -> tuple:
+        settings = []
+        for b in self._blocks:
+            for m in b.modules():
+                settings.append((type(m).__name__, tuple(sorted(getattr(m, "whole_batch_shapes", ()))),
+                                 tuple(sorted(getattr(m, "mask_chunks", {}).items())),
+                                 tuple(p.requires_grad for p in m.parameters(recurse=False))))
+        return (self.start, self.stop, self.micro_batch, tuple(settings))
+
+    def extra_repr(self) -> str:
+        return f"features[{self.start}:{self.stop}], micro_batch={self.micro_batch}"
+
+
+def _half(segment: StreamedSegment) -> torch.dtype:
+    for b in segment._blocks:
+        for m in b.modules():
+            dt = getattr(m, "act_dtype", None)
+            if dt is not None and dt != torch.float32:
+                return dt
+    return torch.bfloat16
+
+
+_COST_CACHE: dict[tuple, LayerCost] = {}
+
+
+def _measured_cost(key: tuple, in_shape: tuple, dtype: torch.dtype, input_grad: bool, output_grad: bool,
+                   segment: StreamedSegment) -> LayerCost:
+    full = (key, in_shape, dtype, input_grad, output_grad)
+    if full not in _COST_CACHE:
+        if len(_COST_CACHE) > 256:
+            _COST_CACHE.clear()
+        _COST_CACHE[full] = _measure(segment, in_shape, dtype, input_grad, output_grad)
+    return _COST_CACHE[full]
+
+
+def _measure(segment: StreamedSegment, in_shape: tuple, dtype: torch.dtype, input_grad: bool,
+             output_grad: bool) -> LayerCost:
+    """Run a meta copy of ``segment`` once, forward and backward, under the storage meter."""
+    from edgetl.memory.meter import StorageMeter
+
+    blocks = copy.deepcopy(list(segment._blocks))
+    for b in blocks:
+        b.to("meta")
+    meta = StreamedSegment(blocks, segment.start, segment.micro_batch)
+    params = meta.trainable()
+    x = torch.empty(in_shape, dtype=dtype, device="meta", requires_grad=input_grad)
+    meter = StorageMeter()
+    meter.register(x)
+    for b in blocks:
+        meter.register_module(b)
+    try:
+        with meter:
+            base = meter.current_bytes
+            meter.reset_peak()
+            with torch.enable_grad() if output_grad else torch.no_grad():
+                out = meta(x)
+            kept = meter.current_bytes - base  # the output, and what backward will need
+            fwd_temp = meter.peak_bytes - base - kept
+            saved = kept - out.untyped_storage().nbytes()
+            if not output_grad:
+                return LayerCost(forward_temp_bytes=fwd_temp)
+            gy = torch.empty_like(out)
+            edge = get_gradient_edge(out)
+            del out  # the simulation holds the output apart
+            start = meter.current_bytes
+            meter.reset_peak()
+            inputs = ([x] if input_grad else []) + params
+            grads = torch.autograd.grad([edge], inputs, grad_outputs=[gy])
+            results = sum(g.untyped_storage().nbytes() for g in grads)
+            bwd_temp = meter.peak_bytes - start - results
+            del grads, gy, edge
+    finally:
+        meter.close()
+    return LayerCost(saved_new_bytes=saved, forward_temp_bytes=fwd_temp, backward_temp_bytes=bwd_temp)
+
+
+@functools.lru_cache(maxsize=None)
+def segments_of(num_blocks: int, taps: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Maximal runs of backbone blocks with no batch-level boundary inside: every tap block
+    alone (its input and output meet the side network), and the runs between taps."""
+    cuts = sorted({0, num_blocks, *taps, *(t + 1 for t in taps)})
+    return tuple((a, b) for a, b in zip(cuts, cuts[1:]) if a < b)
+
+
+def check_streamable(net: nn.Module) -> None:
+    """Streaming needs samples that do not depend on each other: BN folded or frozen in eval."""
+    for name, m in net.features.named_modules():
+        if getattr(m, "bn_mode", "fold") == "batch":
+            raise ConfigError(f"streaming needs BN folded (features.{name} uses bn=batch); "
+                              "use --bn fold or do not stream")
+
+
+def apply_streams(net: nn.Module, segments: dict[int, tuple[int, int]]) -> None:
+    """Stream ``net``'s backbone: ``segments`` maps a first block to (stop block, micro-batch).
+
+    Segments must be runs of ``segments_of`` (no batch-level boundary inside). An empty
+    mapping removes streaming."""
+    if not segments:
+        net.streams = None
+        return
+    check_streamable(net)
+    taps = tuple(getattr(net.side, "taps", ())) if net.side is not None else ()
+    allowed = {a: b for a, b in segments_of(len(net.features), taps)}
+    built = {}
+    for start, (stop, m) in sorted(segments.items()):
+        if allowed.get(start) != stop:
+            raise ConfigError(f"features[{start}:{stop}] is not a streamable segment of this network; "
+                              f"allowed: {', '.join(f'{a}:{b}' for a, b in allowed.items())}")
+        built[str(start)] = StreamedSegment(list(net.features[start:stop]), start, m)
+    net.streams = nn.ModuleDict(built)
