@@ -51,15 +51,16 @@ def lean_options(recipe: Recipe) -> LeanOptions | None:
     """The lean runtime options a recipe asks for; None where the mode needs stock modules."""
     m = recipe.model
     if m.mode not in LEAN_MODES:
-        if (m.pool, m.frozen_weights) != (1, "fp32"):
+        if (m.pool, m.frozen_weights, m.stream) != (1, "fp32", 0):
             raise ConfigError(
-                f"model.mode {m.mode} trains the backbone; model.pool and model.frozen_weights "
-                f"need a frozen backbone ({', '.join(LEAN_MODES)})"
+                f"model.mode {m.mode} trains the backbone; model.pool, model.frozen_weights and "
+                f"model.stream need a frozen backbone ({', '.join(LEAN_MODES)})"
             )
         return None
     if m.pool not in (1, 2, 4):
         raise ConfigError(f"model.pool: {m.pool} is not allowed; allowed: 1, 2, 4")
-    return LeanOptions(pool=m.pool, bn=m.bn, frozen_weights=m.frozen_weights, precision=m.precision)
+    return LeanOptions(pool=m.pool, bn=m.bn, frozen_weights=m.frozen_weights, precision=m.precision,
+                       stream=m.stream)
 
 
 def backbone_ref(recipe: Recipe) -> str:

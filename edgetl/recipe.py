@@ -103,6 +103,8 @@ class ModelConfig:
         frozen_weights: storage dtype of frozen backbone weights.
         bn: "fold" keeps frozen BN layers in eval mode (statistics fixed, foldable);
             "batch" lets them use batch statistics.
+        stream: micro-batch of the streamed frozen backbone segments (lean runtime, bn fold;
+            ``edgetl.models.stream``); 0 = no streaming.
     """
 
     mode: Mode
@@ -112,12 +114,18 @@ class ModelConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     frozen_weights: Literal["fp32", "fp16", "int8"] = "fp32"
     bn: Literal["fold", "batch"] = "fold"
+    stream: int = 0
 
     def check(self, where: str) -> None:
         if not self.width > 0:
             raise ConfigError(f"{where}.width: {self.width} is not allowed; allowed: > 0")
         if self.pool < 1:
             raise ConfigError(f"{where}.pool: {self.pool} is not allowed; allowed: >= 1")
+        if self.stream < 0:
+            raise ConfigError(f"{where}.stream: {self.stream} is not allowed; allowed: 0 (off) or >= 1")
+        if self.stream and self.bn != "fold":
+            raise ConfigError(f"{where}.stream: {self.stream} needs {where}.bn fold (got {self.bn}): "
+                              "with batch statistics the samples of a batch depend on each other")
 
 
 @dataclass

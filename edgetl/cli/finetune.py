@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
                         "4x4 cells pool less or not at all)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="model.precision (backbone activations)")
     p.add_argument("--frozen-weights", choices=("fp32", "fp16", "int8"), help="model.frozen_weights")
+    p.add_argument("--stream", type=int, metavar="M",
+                   help="model.stream: run the frozen backbone on micro-batches of M samples, forward "
+                        "and backward (same results, less memory; needs BN folded); 0: off")
     p.add_argument("--set", dest="overrides", action="append", type=override, default=[],
                    metavar="KEY=VALUE", help="any recipe value, e.g. --set optim.lr_side=1e-3")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
@@ -98,7 +101,7 @@ def recipe_from_args(args):
     flags = {"model.backbone": args.backbone if args.weights is None else args.weights, "data.root": args.data,
              "train.batch_size": args.batch_size, "train.epochs": args.epochs,
              "model.pool": args.pool, "model.precision": args.precision,
-             "model.frozen_weights": args.frozen_weights}
+             "model.frozen_weights": args.frozen_weights, "model.stream": args.stream}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     recipe = load_recipe(args.recipe, overrides=overrides)
     planned = getattr(args, "plan_resolution", None)

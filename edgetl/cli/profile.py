@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
                       help="storage of frozen backbone weights")
     lean.add_argument("--bn", choices=("fold", "batch"), default="fold",
                       help="backbone BN folded into the convs, or batch statistics")
+    lean.add_argument("--stream", type=int, default=0, metavar="M",
+                      help="run the frozen backbone's segments on micro-batches of M samples, forward "
+                           "and backward (same results, less memory; needs --bn fold); 0: off")
     p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune) or a weights name (mobilenet_v2:IMAGENET1K_V1)")
     p.add_argument("--measure", action="store_true",
                    help="also run real training steps (forward, backward, Adam) and measure the peak")
@@ -93,8 +96,14 @@ def describe_schedule(schedule: dict) -> str:
     left = len(schedule["sample_by_sample_backward"])
     chunks = Counter(c["chunk"] for c in schedule["forward_mask_chunks"].values())
     packed = "".join(f"{c} samples at a time in {n} convs, " for c, n in sorted(chunks.items(), reverse=True))
+    streams = schedule.get("streamed_segments", [])
+    streamed = ""
+    if streams:
+        segs = " ".join(f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams)
+        streamed = (f"; backbone streamed in micro-batches of {streams[0]['micro_batch']} "
+                    f"(segments {segs})")
     return (f"masked backward on the whole batch in {whole} frozen convs ({left} sample by sample); "
-            f"ReLU6 masks packed {packed}one at a time in the rest")
+            f"ReLU6 masks packed {packed}one at a time in the rest{streamed}")
 
 
 def _runtime(report: MemoryReport) -> str:
@@ -121,7 +130,7 @@ def run(args) -> int:
         device=args.device,
         runtime=args.runtime,
         lean=LeanOptions(pool=args.pool, bn=args.bn, frozen_weights=args.frozen_weights,
-                         precision=args.precision),
+                         precision=args.precision, stream=args.stream),
     )
     print_report(report)
     if args.json:

@@ -29,6 +29,7 @@ from torch import nn
 from edgetl.errors import ConfigError
 from edgetl.memory.runtime import layer_cost, runtime_report, simulate
 from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample, mask_forward_chunked
+from edgetl.models.stream import apply_streams, segments_of
 from edgetl.step import Step, resolve_step
 
 
@@ -43,6 +44,8 @@ class Schedule:
         sample_by_sample: the convs left sample by sample (whole batch would raise the peak).
         mask_chunks: frozen conv name -> (output shape, samples per chunk) for the forward's
             mask packing, where more than one sample fits (others: one at a time).
+        streams: first block -> (stop block, micro-batch) of each streamed frozen segment
+            (``edgetl.models.stream``); the convs inside one are not scheduled one by one.
     """
 
     batch_size: int
@@ -50,6 +53,7 @@ class Schedule:
     whole_batch: dict[str, tuple[int, ...]] = field(default_factory=dict)
     sample_by_sample: tuple[str, ...] = ()
     mask_chunks: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    streams: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def decisions(self) -> dict[str, bool]:
@@ -63,16 +67,21 @@ class Schedule:
                 "whole_batch_backward": {k: list(v) for k, v in self.whole_batch.items()},
                 "sample_by_sample_backward": list(self.sample_by_sample),
                 "forward_mask_chunks": {k: {"shape": list(shape), "chunk": chunk}
-                                        for k, (shape, chunk) in self.mask_chunks.items()}}
+                                        for k, (shape, chunk) in self.mask_chunks.items()},
+                "streamed_segments": [{"blocks": [a, b], "micro_batch": m}
+                                      for a, (b, m) in sorted(self.streams.items())]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Schedule":
-        """The inverse of ``to_dict``; a schedule stored before forward chunks packs one sample at a time."""
+        """The inverse of ``to_dict``; a schedule stored before forward chunks packs one sample
+        at a time, one stored before streaming streams nothing."""
         chunks = {k: (tuple(int(d) for d in v["shape"]), int(v["chunk"]))
                   for k, v in data.get("forward_mask_chunks", {}).items()}
+        streams = {int(s["blocks"][0]): (int(s["blocks"][1]), int(s["micro_batch"]))
+                   for s in data.get("streamed_segments", ())}
         return cls(int(data["batch_size"]), int(data["resolution"]),
                    {k: tuple(int(d) for d in v) for k, v in data.get("whole_batch_backward", {}).items()},
-                   tuple(data.get("sample_by_sample_backward", ())), chunks)
+                   tuple(data.get("sample_by_sample_backward", ())), chunks, streams)
 
 
 def _frozen_convs(net: nn.Module) -> dict[str, FrozenConvBNAct]:
@@ -80,7 +89,10 @@ def _frozen_convs(net: nn.Module) -> dict[str, FrozenConvBNAct]:
 
 
 def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
-    """Set every lean frozen conv of ``net`` as ``schedule`` says (others: sample by sample)."""
+    """Set every lean frozen conv of ``net`` as ``schedule`` says (others: sample by sample),
+    and stream the segments it names (no others)."""
+    if schedule.streams or getattr(net, "streams", None) is not None:
+        apply_streams(net, schedule.streams)
     convs = _frozen_convs(net)
     unknown = sorted((set(schedule.whole_batch) | set(schedule.mask_chunks)) - set(convs))
     if unknown:
@@ -99,7 +111,11 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
     convs = _frozen_convs(net)
     saved = {name: (conv.whole_batch_shapes, conv.mask_chunks) for name, conv in convs.items()}
     names = {m: n for n, m in convs.items()}
+    streams = stream_segments(net, batch_size, step)
+    saved_streams = getattr(net, "streams", None)
     try:
+        if streams or saved_streams is not None:
+            apply_streams(net, streams)
         for conv in convs.values():
             conv.whole_batch_shapes, conv.mask_chunks = frozenset(), {}
         res = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
@@ -108,7 +124,21 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
     finally:
         for name, conv in convs.items():
             conv.whole_batch_shapes, conv.mask_chunks = saved[name]
-    return Schedule(batch_size, resolution, whole, tuple(kept), chunks)
+        if streams or saved_streams is not None:
+            net.streams = saved_streams
+    return Schedule(batch_size, resolution, whole, tuple(kept), chunks, streams)
+
+
+def stream_segments(net: nn.Module, batch_size: int, step: Step) -> dict[int, tuple[int, int]]:
+    """The streamed segments of ``net``'s step: every segment of its frozen backbone with the
+    micro-batch the network asks for (``LeanOptions.stream``), where that is below the batch."""
+    m = getattr(net, "micro_batch", None)
+    if not m or m >= batch_size:
+        return {}
+    if step.bn != "fold":
+        raise ConfigError(f"streaming (micro-batch {m}) needs bn fold; the step uses bn {step.bn}")
+    taps = tuple(net.side.taps) if getattr(net, "side", None) is not None else ()
+    return {a: (b, m) for a, b in segments_of(len(net.features), taps)}
 
 
 def _calls(res, moments: dict, chosen) -> dict[tuple[FrozenConvBNAct, tuple], list[int]]:

@@ -143,6 +143,8 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
             if streaming["depth"] or not getattr(module, "_streamed", True):
                 return  # inside a streamed segment, or a segment that ran its blocks as they are
             index, part = context[-1] if context else (HEAD_BLOCK, "head")
+            if getattr(module, "_streamed", False):  # its own context is closed by now
+                index, part = module.start, "backbone"
             weight = getattr(module, "weight", None)
             bias = getattr(module, "bias", None)
             leaves.append(

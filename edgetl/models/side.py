@@ -180,12 +180,23 @@ class LeanOptions:
         bn: "fold" folds frozen BN into the convs (eval statistics); "batch" uses batch statistics.
         frozen_weights: storage of frozen backbone weights: fp32, fp16 or int8.
         precision: activation dtype of the frozen backbone: fp32, bf16 or fp16.
+        stream: micro-batch of the streamed frozen segments (``edgetl.models.stream``); 0:
+            no streaming. Applied by the step's schedule (``edgetl.memory.schedule``) where
+            it is smaller than the batch; needs bn "fold".
     """
 
     pool: int = 2
     bn: str = "fold"
     frozen_weights: str = "fp32"
     precision: str = "fp32"
+    stream: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stream, int) or isinstance(self.stream, bool) or self.stream < 0:
+            raise ConfigError(f"stream micro-batch {self.stream!r} is not allowed; allowed: 0 (off) or an integer >= 1")
+        if self.stream and self.bn != "fold":
+            raise ConfigError(f"streaming (micro-batch {self.stream}) needs bn fold: with bn {self.bn} "
+                              "the samples of a batch depend on each other; allowed: bn fold, or stream 0")
 
 
 def build_network(
@@ -214,6 +225,8 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
     """Convert a built network (weights loaded, trainability set) to the lean runtime, in place."""
     from edgetl.models.lean_side import leanify_network
 
-    return leanify_network(
+    leanify_network(
         net, pool=lean.pool, bn=lean.bn, weight_dtype=lean.frozen_weights, act_dtype=lean.precision
     )
+    net.micro_batch = lean.stream or None  # read by edgetl.memory.schedule.fit_schedule
+    return net

@@ -1,0 +1,138 @@
+"""Streamed frozen segments (issue #14): the backbone runs on micro-batches, forward and
+backward, with the unstreamed results and exactly the memory the accounting predicts."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from edgetl.errors import ConfigError
+from edgetl.memory.meter import measure_training_peak
+from edgetl.memory.runtime import runtime_report
+from edgetl.memory.schedule import Schedule, fit_schedule, prepare_step
+from edgetl.models.backbone import BackboneSpec
+from edgetl.models.side import LeanOptions, build_network
+from edgetl.models.stream import apply_streams, segments_of
+from edgetl.step import Step, set_train_mode
+
+RES, CLASSES = 64, 10
+SPEC = BackboneSpec(width=0.35, num_classes=CLASSES)
+PRUNED = BackboneSpec(width=0.35, num_classes=CLASSES, hidden={1: 11, 2: 10, 3: 40, 4: 40})
+
+
+def _grads(net, x, y):
+    torch.manual_seed(1)  # the classifier's dropout
+    set_train_mode(net, "fold")
+    net.zero_grad(set_to_none=True)
+    out = net(x)
+    nn.functional.cross_entropy(out, y).backward()
+    return out.detach(), {n: p.grad.clone() for n, p in net.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("spec", [SPEC, PRUNED], ids=["unpruned", "pruned"])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_streamed_gradients_equal_the_unstreamed_network(spec, m):
+    torch.manual_seed(0)
+    plain = build_network(spec, "repnet", lean=LeanOptions(pool=2))
+    streamed = copy.deepcopy(plain)
+    taps = tuple(streamed.side.taps)
+    apply_streams(streamed, {a: (b, m) for a, b in segments_of(len(streamed.features), taps)})
+    assert streamed.state_dict().keys() == plain.state_dict().keys()
+    x, y = torch.randn(5, 3, RES, RES), torch.randint(0, CLASSES, (5,))
+    out_a, grads_a = _grads(plain, x, y)
+    out_b, grads_b = _grads(streamed, x, y)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and any(n.startswith("side.") for n in grads_a)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # evaluation streams too
+        plain.eval()
+        streamed.eval()
+        torch.testing.assert_close(streamed(x), plain(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode, batch, m", [("repnet", 4, 1), ("repnet", 5, 2), ("bias", 4, 1),
+                                            ("bias", 5, 3)])
+def test_a_streamed_step_is_predicted_exactly(mode, batch, m):
+    """Bias-only TinyTL-B streams its whole backbone (every BN bias trains inside it)."""
+    torch.manual_seed(0)
+    net = build_network(SPEC, mode, lean=LeanOptions(pool=2, stream=m))
+    schedule = prepare_step(net, resolution=RES, batch_size=batch)
+    assert schedule.streams and net.streams is not None
+    predicted = runtime_report(net, mode=mode, resolution=RES, batch_size=batch).total_bytes
+    assert predicted == measure_training_peak(net, resolution=RES, batch_size=batch, steps=2)
+    unstreamed = build_network(SPEC, mode, lean=LeanOptions(pool=2), device="meta")
+    prepare_step(unstreamed, resolution=RES, batch_size=batch)
+    assert predicted < runtime_report(unstreamed, mode=mode, resolution=RES, batch_size=batch).total_bytes
+
+
+def test_a_micro_batch_of_the_whole_batch_is_todays_runtime():
+    net = build_network(SPEC, "repnet", lean=LeanOptions(pool=2, stream=4), device="meta")
+    schedule = prepare_step(net, resolution=RES, batch_size=4)
+    assert schedule.streams == {} and net.streams is None
+    plain = build_network(SPEC, "repnet", lean=LeanOptions(pool=2), device="meta")
+    prepare_step(plain, resolution=RES, batch_size=4)
+    assert (runtime_report(net, mode="repnet", resolution=RES, batch_size=4).total_bytes
+            == runtime_report(plain, mode="repnet", resolution=RES, batch_size=4).total_bytes)
+
+
+def test_streaming_is_data_in_the_schedule():
+    net = build_network(SPEC, "repnet", lean=LeanOptions(pool=2, stream=2), device="meta")
+    schedule = fit_schedule(net, resolution=RES, batch_size=4)
+    assert net.streams is None  # fitting leaves the network alone
+    taps = tuple(net.side.taps)
+    assert schedule.streams == {a: (b, 2) for a, b in segments_of(len(net.features), taps)}
+    data = json.loads(json.dumps(schedule.to_dict()))
+    assert Schedule.from_dict(data) == schedule
+    del data["streamed_segments"]
+    assert Schedule.from_dict(data).streams == {}
+
+
+def test_segments_end_where_the_side_network_reads_or_writes():
+    assert segments_of(19, (2, 4, 7, 11, 14, 17)) == (
+        (0, 2), (2, 3), (3, 4), (4, 5), (5, 7), (7, 8), (8, 11), (11, 12), (12, 14), (14, 15),
+        (15, 17), (17, 18), (18, 19))
+    assert segments_of(19, ()) == ((0, 19),)
+
+
+def test_streaming_needs_folded_bn():
+    with pytest.raises(ConfigError, match="needs bn fold"):
+        LeanOptions(bn="batch", stream=1)
+    with pytest.raises(ConfigError, match="stream micro-batch -1 is not allowed"):
+        LeanOptions(stream=-1)
+    net = build_network(SPEC, "repnet", lean=LeanOptions(bn="batch"), device="meta")
+    with pytest.raises(ConfigError, match="needs BN folded"):
+        apply_streams(net, {0: (2, 1)})
+    net = build_network(SPEC, "repnet", lean=LeanOptions(stream=1), device="meta")
+    with pytest.raises(ConfigError, match="needs bn fold"):
+        fit_schedule(net, resolution=RES, batch_size=4, step=Step(bn="batch"))
+    with pytest.raises(ConfigError, match="not a streamable segment"):
+        apply_streams(net, {0: (3, 1)})
+
+
+def test_recipe_and_cli_refuse_streaming_with_batch_statistics(tmp_path, capsys):
+    from edgetl.cli import main
+    from edgetl.recipe import ModelConfig
+
+    with pytest.raises(ConfigError, match="model.stream: 1 needs model.bn fold"):
+        ModelConfig(mode="repnet", bn="batch", stream=1).check("model")
+
+    code = main(["profile", "--accounting", "runtime", "--width", "0.35", "--resolution", "64",
+                 "--bn", "batch", "--stream", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs bn fold" in err and len(err.strip().splitlines()) == 1
+
+
+def test_profile_prints_the_streamed_segments(capsys):
+    from edgetl.cli import main
+
+    code = main(["profile", "--accounting", "runtime", "--width", "0.35", "--resolution", "64",
+                 "--batch-size", "4", "--num-classes", "10", "--stream", "1", "--measure"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "backbone streamed in micro-batches of 1 (segments 0:2 2:3 3:4" in out
+    assert "prediction vs measured: +0.0%" in out
