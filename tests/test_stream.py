@@ -55,6 +55,22 @@ def test_streamed_gradients_equal_the_unstreamed_network(spec, m):
         torch.testing.assert_close(streamed(x), plain(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["bias", "repnet+bias"])
+def test_streamed_gradients_of_biases_inside_the_segments_equal_the_unstreamed(mode):
+    """Parameters inside a segment (every BN bias) get their gradients summed over micro-batches."""
+    torch.manual_seed(0)
+    plain = build_network(SPEC, mode, lean=LeanOptions(pool=2))
+    streamed = copy.deepcopy(plain)
+    taps = tuple(streamed.side.taps) if streamed.side is not None else ()
+    apply_streams(streamed, {a: (b, 1) for a, b in segments_of(len(streamed.features), taps)})
+    x, y = torch.randn(4, 3, RES, RES), torch.randint(0, CLASSES, (4,))
+    _, grads_a = _grads(plain, x, y)
+    _, grads_b = _grads(streamed, x, y)
+    assert any(n.startswith("features.") for n in grads_a)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("mode, batch, m", [("repnet", 4, 1), ("repnet", 5, 2), ("bias", 4, 1),
                                             ("bias", 5, 3)])
 def test_a_streamed_step_is_predicted_exactly(mode, batch, m):
