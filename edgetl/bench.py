@@ -96,7 +96,8 @@ def planned_method(*, budget_bytes: int, batch_size: int, resolution: int, num_c
         raise ConfigError(f"method {PLAN!r} needs the plan stage (edgetl.plan): {exc}") from None
     chosen = plan(budget_bytes=budget_bytes, batch_size=batch_size, resolution=resolution,
                   num_classes=num_classes, width=width).chosen
-    lean = LeanOptions(pool=chosen.pool, precision=chosen.precision, frozen_weights=chosen.frozen_weights)
+    lean = LeanOptions(pool=chosen.pool, precision=chosen.precision, frozen_weights=chosen.frozen_weights,
+                       stream=chosen.stream)
     method = Method(PLAN, METHODS[PLAN].label, "repnet", lean, pruned=bool(chosen.kept),
                     planned=True, hidden=dict(chosen.kept))
     return method, f"plan: {chosen.describe()}"

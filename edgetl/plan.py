@@ -142,6 +142,7 @@ class Storage:
     pool: int
     precision: str
     frozen_weights: str
+    stream: int = 0  # micro-batch of the streamed frozen backbone; 0: not streamed
 
 
 @dataclass
@@ -153,6 +154,7 @@ class PlanConfig:
         channels: pruned block -> hidden channels of the input backbone.
         pool, precision, frozen_weights: lean runtime options (DESIGN 4); BN is folded.
         batch_size: images per training step.
+        stream: micro-batch of the streamed frozen backbone (``edgetl.models.stream``); 0: none.
     """
 
     kept: dict[int, int]
@@ -161,6 +163,7 @@ class PlanConfig:
     precision: str
     frozen_weights: str
     batch_size: int
+    stream: int = 0
 
     @property
     def blocks(self) -> list[int]:
@@ -177,8 +180,13 @@ class PlanConfig:
 
     def describe(self) -> str:
         prune = ", ".join(f"{b}:{self.channels[b]}->{self.kept[b]}" for b in self.blocks) or "none"
+        stream = f" | stream {self.stream}" if self.stream else ""
         return (f"prune {prune} | k={self.pool} | act {self.precision} | frozen {self.frozen_weights} "
-                f"| batch {self.batch_size}")
+                f"| batch {self.batch_size}{stream}")
+
+    @property
+    def storage(self) -> "Storage":
+        return Storage(self.pool, self.precision, self.frozen_weights, self.stream)
 
     def to_dict(self) -> dict:
         return {
@@ -187,7 +195,7 @@ class PlanConfig:
                       "kept": {b: self.kept[b] for b in self.blocks}},
             "finetune": {"mode": MODE, "pool": self.pool, "precision": self.precision,
                          "frozen_weights": self.frozen_weights, "bn": "fold",
-                         "batch_size": self.batch_size},
+                         "batch_size": self.batch_size, "stream": self.stream},
         }
 
     @classmethod
@@ -195,7 +203,9 @@ class PlanConfig:
         _check_keys(data, {"prune", "finetune"}, where)
         p, f = data["prune"], data["finetune"]
         _check_keys(p, {"blocks", "ratios", "channels", "kept"}, f"{where}.prune")
-        _check_keys(f, {"mode", "pool", "precision", "frozen_weights", "bn", "batch_size"}, f"{where}.finetune")
+        f = {"stream": 0, **f}  # plans written before streaming stream nothing
+        _check_keys(f, {"mode", "pool", "precision", "frozen_weights", "bn", "batch_size", "stream"},
+                    f"{where}.finetune")
         kept = {int(b): int(k) for b, k in p["kept"].items()}
         channels = {int(b): int(c) for b, c in p["channels"].items()}
         if sorted(kept) != sorted(channels) or sorted(kept) != [int(b) for b in p["blocks"]]:
@@ -206,7 +216,9 @@ class PlanConfig:
         if f["mode"] != MODE or f["bn"] != "fold":
             raise ConfigError(f"{where}.finetune: only mode {MODE} with bn fold is planned")
         config = cls(kept, channels, int(f["pool"]), str(f["precision"]), str(f["frozen_weights"]),
-                     int(f["batch_size"]))
+                     int(f["batch_size"]), int(f["stream"]))
+        if config.stream < 0:
+            raise ConfigError(f"{where}.finetune.stream: {config.stream}; allowed: 0 (off) or >= 1")
         _check_storage(config.pool, config.precision, config.frozen_weights, where)
         if config.batch_size < 1:
             raise ConfigError(f"{where}.finetune.batch_size: {config.batch_size}; allowed: >= 1")
@@ -451,7 +463,7 @@ def _half_precision_probe() -> str:
 def storage_ladder(*, pool: int | None = None, precision: str | None = None,
                    frozen_weights: str | None = None,
                    stored_pools: Callable[[int], list[int]] | None = None,
-                   half: str | None = None) -> list[Storage]:
+                   half: str | None = None, stream: int | None = None) -> list[Storage]:
     """Storage options from exact to most saving; a fixed dimension never changes.
 
     The order is the measured accuracy cost per byte saved, cheapest first
@@ -497,10 +509,13 @@ def storage_ladder(*, pool: int | None = None, precision: str | None = None,
     p = 1 if pool is None else pool
     a = "fp32" if precision is None else precision
     w = "fp32" if frozen_weights is None else frozen_weights
-    ladder = [Storage(p, a, w)]
+    ladder = [Storage(p, a, w, stream or 0)]
 
     def step(**change):
         ladder.append(dataclasses.replace(ladder[-1], **change))
+
+    if stream is None:  # streaming first: it costs no accuracy (issue #14), only speed
+        step(stream=1)
 
     if frozen_weights is None:
         step(frozen_weights="fp16")
@@ -542,7 +557,7 @@ class _Evaluator:
             if key[:2] not in self.nets:
                 spec = dataclasses.replace(self.base, hidden={**self.base.hidden, **kept})
                 lean = LeanOptions(pool=storage.pool, bn="fold", frozen_weights=storage.frozen_weights,
-                                   precision=storage.precision)
+                                   precision=storage.precision, stream=storage.stream)
                 self.nets[key[:2]] = build_network(spec, MODE, device="meta", lean=lean)
             net = self.nets[key[:2]]
             self.reports[key] = predict_step(net, mode=MODE, resolution=self.resolution, batch_size=batch,
@@ -635,6 +650,7 @@ def plan(
     precision: str | None = None,
     pool: int | None = None,
     frozen_weights: str | None = None,
+    stream: int | None = None,
     backbone: BackboneSpec | str | Path | None = None,
     width: float = 1.0,
     blocks: list[int] | None = None,
@@ -655,6 +671,9 @@ def plan(
             ``half_precision()``); None searches.
         pool: fix the side pooling k; None searches 1, 2, 4.
         frozen_weights: fix the frozen-weight storage; None searches fp32, fp16, int8.
+        stream: fix the micro-batch of the streamed frozen backbone (0: never stream); None
+            searches: streaming is the first lever, and the plan keeps the largest micro-batch
+            that fits (fewer, larger kernels).
         backbone: a BackboneSpec or a backbone folder (pruned or not); None: MobileNetV2 ``width``.
         width: width multiplier when no backbone is given.
         blocks: blocks pruning may touch; None: the sensitive blocks of the runtime profile.
@@ -681,6 +700,8 @@ def plan(
     if precision == "half":
         precision = half
     _check_storage(1 if pool is None else pool, precision or "fp32", frozen_weights or "fp32", "plan")
+    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream < 0):
+        raise ConfigError(f"stream micro-batch {stream!r} is not allowed; allowed: 0 (never) or an integer >= 1")
     if not 0 <= max_ratio < 1:
         raise ConfigError(f"max ratio {max_ratio} is not allowed; allowed: 0 <= ratio < 1")
     from edgetl.profile import check_options
@@ -699,14 +720,16 @@ def plan(
         tensor_budget = budget_bytes
     ev = _Evaluator(base, resolution)
     ladder = storage_ladder(pool=pool, precision=precision, frozen_weights=frozen_weights,
-                            stored_pools=_stored_pools_of(base, resolution), half=half)
+                            stored_pools=_stored_pools_of(base, resolution), half=half, stream=stream)
     request = {"batch_size": batch_size, "precision": precision, "pool": pool,
-               "frozen_weights": frozen_weights, "blocks": None if blocks is None else list(blocks),
+               "frozen_weights": frozen_weights, "stream": stream,
+               "blocks": None if blocks is None else list(blocks),
                "max_ratio": max_ratio, "max_batch_size": max_batch_size}
 
     def config(kept, storage, batch, chan):
+        stream = storage.stream if storage.stream < batch else 0  # m >= batch streams nothing
         return PlanConfig(dict(kept), {b: chan[b] for b in kept}, storage.pool, storage.precision,
-                          storage.frozen_weights, batch)
+                          storage.frozen_weights, batch, stream)
 
     def fits(total):
         return total <= tensor_budget
@@ -780,8 +803,10 @@ def plan(
         chosen = config(path.kept(last - i), saving, path_batch, chan)
         chosen_pos = (0, i)
 
-    report = ev.report(chosen.kept, Storage(chosen.pool, chosen.precision, chosen.frozen_weights),
-                       chosen.batch_size)
+    if chosen.stream and stream is None:
+        chosen = _largest_micro_batch(chosen, lambda c: ev.total(c.kept, c.storage, c.batch_size),
+                                      tensor_budget)
+    report = ev.report(chosen.kept, chosen.storage, chosen.batch_size)
     runners = _runners_up(evaluated, chosen_pos, chosen, tensor_budget)
     notes = []
     if chosen.precision == half != HALF_DTYPES[0]:
@@ -893,6 +918,19 @@ def _runners_up(evaluated, chosen_pos, chosen: PlanConfig, budget: int, count: i
     return out
 
 
+def _largest_micro_batch(chosen: PlanConfig, total: Callable[[PlanConfig], int], budget: int) -> PlanConfig:
+    """Streaming costs speed, not accuracy: the largest micro-batch below the batch that
+    still fits (``chosen``'s fits; the peak grows with the micro-batch)."""
+    lo, hi = chosen.stream, chosen.batch_size - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if total(dataclasses.replace(chosen, stream=mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return dataclasses.replace(chosen, stream=lo)
+
+
 def _impossible(total: int, cfg: PlanConfig, budget: int, tensor_budget: int, scope: str,
                 preset: DevicePreset, auto: bool, resolution: int) -> PlanImpossible:
     need = total
@@ -923,7 +961,8 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
     from edgetl.models.side import LeanOptions, build_network
 
     c = plan.chosen
-    lean = LeanOptions(pool=c.pool, bn="fold", frozen_weights=c.frozen_weights, precision=c.precision)
+    lean = LeanOptions(pool=c.pool, bn="fold", frozen_weights=c.frozen_weights, precision=c.precision,
+                       stream=c.stream)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_network(copy.deepcopy(plan.spec), MODE, device=device, lean=lean)

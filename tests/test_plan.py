@@ -44,9 +44,12 @@ def tiny_plan(budget_bytes: int, **kw) -> Plan:
 def predicted(config, num_classes: int = 102) -> int:
     """Independent runtime accounting of a configuration."""
     spec = dataclasses.replace(TINY, num_classes=num_classes, hidden=dict(config.kept))
+    from edgetl.memory.schedule import prepare_step
+
     lean = LeanOptions(pool=config.pool, bn="fold", frozen_weights=config.frozen_weights,
-                       precision=config.precision)
+                       precision=config.precision, stream=config.stream)
     net = build_network(spec, "repnet", device="meta", lean=lean)
+    prepare_step(net, resolution=RES, batch_size=config.batch_size)  # streams, as finetune runs it
     return runtime_report(net, mode="repnet", resolution=RES, batch_size=config.batch_size).total_bytes
 
 
@@ -77,13 +80,16 @@ def _steps(ladder) -> list[tuple[str, object]]:
 
 def test_ladder_goes_one_dimension_at_a_time():
     ladder = storage_ladder(half="bf16")
-    assert ladder[0] == Storage(1, "fp32", "fp32") and ladder[-1] == Storage(4, "bf16", "int8")
-    assert _steps(ladder) == [("frozen_weights", "fp16"), ("frozen_weights", "int8"),
+    assert ladder[0] == Storage(1, "fp32", "fp32") and ladder[-1] == Storage(4, "bf16", "int8", 1)
+    # streaming first: it costs no accuracy (issue #14)
+    assert _steps(ladder) == [("stream", 1), ("frozen_weights", "fp16"), ("frozen_weights", "int8"),
                               ("precision", "bf16"), ("pool", 2), ("pool", 4)]
+    assert {s.stream for s in storage_ladder(stream=0)} == {0}
+    assert {s.stream for s in storage_ladder(stream=2)} == {2}
     assert storage_ladder()[-1].precision == half_precision() in HALF_DTYPES
     fixed = storage_ladder(precision="fp32", pool=2)
     assert {s.precision for s in fixed} == {"fp32"} and {s.pool for s in fixed} == {2}
-    assert _steps(fixed) == [("frozen_weights", "fp16"), ("frozen_weights", "int8")]
+    assert _steps(fixed) == [("stream", 1), ("frozen_weights", "fp16"), ("frozen_weights", "int8")]
 
 
 def test_half_is_fp16_where_the_cpu_runs_it():
@@ -128,7 +134,8 @@ def test_ladder_order_is_the_measured_cost_per_byte():
     spec = BackboneSpec(width=1.0, num_classes=102)
     ladder = storage_ladder(stored_pools=_stored_pools_of(spec, 224))
     steps = [("precision", "half") if step[0] == "precision" else step for step in _steps(ladder)]
-    assert steps == measured
+    assert steps[0] == ("stream", 1)  # no accuracy cost at all: the gradients are the same
+    assert steps[1:] == measured
 
 
 def test_ladder_totals_fall_at_224px_batch_8():

@@ -32,8 +32,10 @@ def add_parser(sub) -> None:
             "the frozen-weight storage and the batch size so that the predicted peak of a training "
             "step (runtime accounting, MB = 10^6 B) fits the budget. Objective: fit the budget "
             "removing as few hidden channels as possible, then prefer a smaller k, then a larger "
-            "batch. Storage savings (frozen fp16, half activations, int8 frozen weights) come "
-            "before pooling, pooling before pruning; with --batch-size auto the batch grows once "
+            "batch. Streaming the frozen backbone on micro-batches (no accuracy cost) comes "
+            "first, then storage savings (frozen fp16, int8 frozen weights, half activations), "
+            "then pooling, then pruning; a streamed plan keeps the largest micro-batch that fits. "
+            "With --batch-size auto the batch grows once "
             "the exact configuration fits. All plans lie on one path, so a larger budget never "
             "prunes more, pools coarser or shrinks the batch. --verify measures real training "
             "steps of the planned network. An impossible budget exits with code 2 and the "
@@ -56,6 +58,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-classes", type=positive_int, default=102, help="classifier outputs")
     p.add_argument("--precision", choices=("fp32", "half", "bf16", "fp16"),
                    help="fix the activation precision (half = fp16 where this machine runs fp16 convolutions, else bf16); default: searched")
+    p.add_argument("--stream", type=int, metavar="M",
+                   help="fix the micro-batch of the streamed frozen backbone (0: never stream); default: searched")
     p.add_argument("--backbone", metavar="DIR|NAME", help="backbone folder or weights name, e.g. mobilenet_v2:IMAGENET1K_V1 (default: MobileNetV2 --width)")
     p.add_argument("--width", type=float, default=1.0, help="width multiplier without --backbone")
     p.add_argument("--max-ratio", type=float, default=MAX_RATIO, help="most any block may be pruned")
@@ -69,7 +73,8 @@ def add_parser(sub) -> None:
 
 
 def _storage(c) -> str:
-    return f"k={c.pool}, activations {c.precision}, frozen weights {c.frozen_weights}"
+    stream = f", backbone streamed by {c.stream}" if c.stream else ""
+    return f"k={c.pool}, activations {c.precision}, frozen weights {c.frozen_weights}{stream}"
 
 
 def _pruning(c) -> str:
@@ -124,7 +129,7 @@ def run(args) -> int:
         raise ConfigError(f"unknown device {args.device!r}; allowed: {', '.join(DEVICES)}")
     result = plan(budget_bytes=args.budget, device_preset=args.device, budget_scope=args.budget_scope,
                   batch_size=args.batch_size, resolution=args.resolution, num_classes=args.num_classes,
-                  precision=args.precision, backbone=args.backbone, width=args.width,
+                  precision=args.precision, stream=args.stream, backbone=args.backbone, width=args.width,
                   max_ratio=args.max_ratio, max_batch_size=args.max_batch_size)
     if args.verify:
         verify_plan(result)
