@@ -67,6 +67,15 @@ def test_ratios_against_stock_repnet(result):
     # the lean runtime is what closes the gap (DESIGN 4): a fraction of stock Rep-Net's memory
     assert result.row("repnet-lean").memory_ratio < 0.5
     assert result.row("repnet-pruned-pool2-bf16-int8").memory_ratio < result.row("repnet-lean").memory_ratio
+    # streamed rows (issue #14): less memory than their unstreamed twins, speed against them
+    for name in ("repnet-lean-stream", "repnet-pruned-pool2-bf16-int8-stream"):
+        row = result.row(name)
+        twin = result.row(row.unstreamed)
+        assert row.measured_bytes < twin.measured_bytes
+        assert row.unstreamed_throughput_ratio == pytest.approx(row.images_per_s / twin.images_per_s)
+    assert all(r.unstreamed_throughput_ratio is None for r in result.rows if not r.unstreamed)
+    # lean TinyTL-B (issue #16 item 1) beside its stock row
+    assert result.row("bias-lean").measured_bytes < result.row("bias").measured_bytes
 
 
 def test_largest_batch_fits_and_next_does_not(result):
@@ -114,7 +123,7 @@ def test_trainable_params_equal_independent_count(result):
     side = _side_params(tv)
     expected = {
         "full": sum(p.numel() for p in tv.parameters()), "full-ckpt": sum(p.numel() for p in tv.parameters()),
-        "last": head, "bias": head + bn_betas,
+        "last": head, "bias": head + bn_betas, "bias-lean": head + bn_betas,
     }
     for r in result.rows:
         assert r.trainable_params == expected.get(r.method, head + side), r.method
@@ -156,7 +165,8 @@ def test_plan_row_is_the_plan_for_the_budget(result):
     chosen = plan(budget_bytes=BUDGET, batch_size=BATCH, resolution=RES, num_classes=CLASSES, width=WIDTH)
     row = result.row(PLAN)
     c = chosen.chosen
-    assert row.lean == {"pool": c.pool, "bn": "fold", "frozen_weights": c.frozen_weights, "precision": c.precision}
+    assert row.lean == {"pool": c.pool, "bn": "fold", "frozen_weights": c.frozen_weights, "precision": c.precision,
+                        "stream": c.stream}
     assert row.hidden == {str(b): k for b, k in c.kept.items()}
     assert row.runtime_bytes == chosen.predicted_bytes <= BUDGET
     assert c.describe() in row.note

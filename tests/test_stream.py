@@ -152,3 +152,16 @@ def test_profile_prints_the_streamed_segments(capsys):
     assert code == 0
     assert "backbone streamed in micro-batches of 1 (segments 0:2 2:3 3:4" in out
     assert "prediction vs measured: +0.0%" in out
+
+
+def test_a_segment_cost_is_not_shared_by_networks_of_other_channels():
+    """Pruned and unpruned segments take inputs of the same shape: their measured costs differ."""
+    costs = []
+    for spec in (SPEC, PRUNED):
+        net = build_network(spec, "repnet", lean=LeanOptions(pool=2, stream=1), device="meta")
+        prepare_step(net, resolution=RES, batch_size=4)
+        costs.append(runtime_report(net, mode="repnet", resolution=RES, batch_size=4).total_bytes)
+        fresh = build_network(spec, "repnet", lean=LeanOptions(pool=2, stream=1))
+        prepare_step(fresh, resolution=RES, batch_size=4)
+        assert costs[-1] == measure_training_peak(fresh, resolution=RES, batch_size=4, steps=2)
+    assert costs[0] != costs[1]

@@ -157,12 +157,17 @@ class StreamedSegment(nn.Module):
                               bool(input_requires_grad), bool(output_requires_grad), self)
 
     def _meta_key(self) -> tuple:
+        """Everything the measured cost depends on besides the input: each module's kind and
+        execution settings, and the shape, dtype and trainability of its tensors."""
         settings = []
         for b in self._blocks:
             for m in b.modules():
+                tensors = [(tuple(t.shape), t.dtype, t.requires_grad)
+                           for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
                 settings.append((type(m).__name__, tuple(sorted(getattr(m, "whole_batch_shapes", ()))),
                                  tuple(sorted(getattr(m, "mask_chunks", {}).items())),
-                                 tuple(p.requires_grad for p in m.parameters(recurse=False))))
+                                 getattr(m, "bn_mode", None), getattr(m, "act_dtype", None),
+                                 bool(getattr(m, "training", False)), tuple(tensors)))
         return (self.start, self.stop, self.micro_batch, tuple(settings))
 
     def extra_repr(self) -> str:
