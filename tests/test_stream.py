@@ -165,3 +165,13 @@ def test_a_segment_cost_is_not_shared_by_networks_of_other_channels():
         prepare_step(fresh, resolution=RES, batch_size=4)
         assert costs[-1] == measure_training_peak(fresh, resolution=RES, batch_size=4, steps=2)
     assert costs[0] != costs[1]
+
+
+@pytest.mark.parametrize("mode, batch, m", [("repnet", 13, 2), ("repnet", 12, 3), ("bias", 9, 1)])
+def test_a_big_batch_is_measured_at_two_small_ones_and_still_exact(mode, batch, m):
+    """q >= 4 full micro-batches: the cost extrapolated from 2 and 3 equals the measurement."""
+    torch.manual_seed(0)
+    net = build_network(SPEC, mode, lean=LeanOptions(pool=2, stream=m, precision="bf16", frozen_weights="int8"))
+    prepare_step(net, resolution=RES, batch_size=batch)
+    predicted = runtime_report(net, mode=mode, resolution=RES, batch_size=batch).total_bytes
+    assert predicted == measure_training_peak(net, resolution=RES, batch_size=batch, steps=2)

@@ -188,9 +188,33 @@ _COST_CACHE: dict[tuple, LayerCost] = {}
 
 def _measured_cost(key: tuple, in_shape: tuple, dtype: torch.dtype, input_grad: bool, output_grad: bool,
                    segment: StreamedSegment) -> LayerCost:
+    """The segment's cost at this input; a big batch is measured at two small ones.
+
+    For a batch of q full micro-batches and a last one of r samples, every full micro-batch
+    allocates and keeps the same, so once q >= 2 the temporaries no longer depend on q and
+    what forward keeps grows by one micro-batch's share per micro-batch. The cost at q is
+    then the cost at 2 and 3 full micro-batches extrapolated, checked: when the two small
+    measurements disagree on the temporaries, the batch itself is measured.
+    """
+    m = segment.micro_batch
+    n = in_shape[0]
+    q, r = divmod(n, m)
+    if q <= 3:
+        return _cached(key, in_shape, dtype, input_grad, output_grad, segment)
+    two = _cached(key, (2 * m + r, *in_shape[1:]), dtype, input_grad, output_grad, segment)
+    three = _cached(key, (3 * m + r, *in_shape[1:]), dtype, input_grad, output_grad, segment)
+    if (two.forward_temp_bytes, two.backward_temp_bytes) != (three.forward_temp_bytes, three.backward_temp_bytes):
+        return _cached(key, in_shape, dtype, input_grad, output_grad, segment)
+    share = three.saved_new_bytes - two.saved_new_bytes
+    return LayerCost(saved_new_bytes=two.saved_new_bytes + (q - 2) * share,
+                     forward_temp_bytes=two.forward_temp_bytes, backward_temp_bytes=two.backward_temp_bytes)
+
+
+def _cached(key: tuple, in_shape: tuple, dtype: torch.dtype, input_grad: bool, output_grad: bool,
+            segment: StreamedSegment) -> LayerCost:
     full = (key, in_shape, dtype, input_grad, output_grad)
     if full not in _COST_CACHE:
-        if len(_COST_CACHE) > 256:
+        if len(_COST_CACHE) > 512:
             _COST_CACHE.clear()
         _COST_CACHE[full] = _measure(segment, in_shape, dtype, input_grad, output_grad)
     return _COST_CACHE[full]
