@@ -70,6 +70,7 @@ from edgetl.memory.paper import sensitive
 from edgetl.memory.report import BlockMemory, MemoryReport
 from edgetl.memory.trace import Leaf, trace_network
 from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
+from edgetl.models.stream import mark_shapes_only
 from edgetl.step import Step, loss_and_correct, resolve_step, set_train_mode
 
 log = logging.getLogger(__name__)
@@ -329,6 +330,7 @@ def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
     # BN in eval mode for tracing only: shapes are the same, and a batch-1 train-mode BN
     # on a 1x1 map refuses to run; the rules read training flags from ``net`` itself
     meta = copy.deepcopy(net).to("meta")
+    mark_shapes_only(meta)
     for m in meta.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eval()

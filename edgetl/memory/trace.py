@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
+from edgetl.models.stream import mark_shapes_only
 
 KINDS = {
     "conv": (nn.Conv1d, nn.Conv2d, nn.Conv3d),
@@ -104,6 +105,7 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
     """
     # eval(): shapes are the same, and BN accepts 1x1 maps at batch 1
     meta = copy.deepcopy(net).to("meta").eval()
+    mark_shapes_only(meta)
     originals = dict(net.named_modules())
     leaves: list[Leaf] = []
     blocks: list[BlockInfo] = []

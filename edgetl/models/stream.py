@@ -119,6 +119,9 @@ class StreamedSegment(nn.Module):
         self._blocks = tuple(blocks)
         self.start, self.stop = start, start + len(blocks)
         self.micro_batch = int(micro_batch)
+        # tracing on meta needs only the output's shape: the blocks run once on the whole
+        # batch instead of micro-batch by micro-batch (``mark_shapes_only``)
+        self.shapes_only = False
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self._blocks:
@@ -134,7 +137,7 @@ class StreamedSegment(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        if self.micro_batch >= n:
+        if self.micro_batch >= n or self.shapes_only:
             return self.run_blocks(x)
         params = self.trainable()
         if torch.is_grad_enabled() and (x.requires_grad or params):
@@ -267,6 +270,13 @@ def segments_of(num_blocks: int, taps: tuple[int, ...]) -> tuple[tuple[int, int]
     alone (its input and output meet the side network), and the runs between taps."""
     cuts = sorted({0, num_blocks, *taps, *(t + 1 for t in taps)})
     return tuple((a, b) for a, b in zip(cuts, cuts[1:]) if a < b)
+
+
+def mark_shapes_only(net: nn.Module) -> None:
+    """For a meta copy that is only traced: its segments skip the micro-batch loop (the trace
+    sees a streaming segment as one leaf and never looks inside it)."""
+    for segment in (net.streams.values() if getattr(net, "streams", None) is not None else ()):
+        segment.shapes_only = True
 
 
 def check_streamable(net: nn.Module) -> None:
