@@ -59,6 +59,7 @@ class Method:
     checkpoint: bool = False  # torch.utils.checkpoint over every features block
     planned: bool = False  # storage and pruning come from ``edgetl.plan.plan`` for the budget
     hidden: dict[int, int] | None = None  # explicit kept hidden channels (a plan's pruning)
+    unstreamed: str | None = None  # the same row without streaming (a speed ratio against it)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -66,12 +67,18 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full-ckpt", "full fine-tune + gradient checkpointing", "full", checkpoint=True),
     Method("last", "last layer", "last"),
     Method("bias", "bias only (TinyTL-B)", "bias"),
+    Method("bias-lean", "bias only (TinyTL-B), lean runtime", "bias", LeanOptions(pool=1)),
     Method(REFERENCE, "Rep-Net, stock modules", "repnet"),
     Method("repnet-lean", "Rep-Net, lean runtime", "repnet", LeanOptions(pool=1)),
+    Method("repnet-lean-stream", "Rep-Net, lean, backbone streamed by 1", "repnet", LeanOptions(pool=1, stream=1),
+           unstreamed="repnet-lean"),
     Method("repnet-pruned", "Rep-Net, lean, pruned backbone", "repnet", LeanOptions(pool=1), pruned=True),
     Method("repnet-pruned-pool2", "+ pooled storage k=2", "repnet", LeanOptions(pool=2), pruned=True),
     Method("repnet-pruned-pool2-bf16-int8", "+ bf16 activations, int8 frozen weights", "repnet",
            LeanOptions(pool=2, precision="bf16", frozen_weights="int8"), pruned=True),
+    Method("repnet-pruned-pool2-bf16-int8-stream", "+ backbone streamed by 1", "repnet",
+           LeanOptions(pool=2, precision="bf16", frozen_weights="int8", stream=1), pruned=True,
+           unstreamed="repnet-pruned-pool2-bf16-int8"),
     Method(PLAN, "edgetl plan's pick for the budget", "repnet", planned=True),
 )}
 
@@ -131,6 +138,8 @@ class BenchRow:
     tensor_bytes: int | None = None  # CUDA: live tensor peak (storage meter) over the same steps
     step_ops: int | None = None  # aten ops one training step dispatches (GPU: kernel launches)
     forward_ops: int | None = None  # of which in the network's forward
+    unstreamed: str | None = None  # a streamed row's unstreamed twin
+    unstreamed_throughput_ratio: float | None = None  # images/s / the twin's images/s
 
 
 @dataclass
@@ -467,7 +476,7 @@ def bench(
             largest_batch_measured_bytes=verify, note=note,
             reserved_bytes=at_size.reserved_bytes,
             tensor_bytes=at_size.tensor_bytes if at_size.allocated_bytes is not None else None,
-            step_ops=ops.total, forward_ops=ops.forward,
+            step_ops=ops.total, forward_ops=ops.forward, unstreamed=method.unstreamed,
         ))
     log.info("throughput: %d warm-up + %d rounds of %d methods", warmup, steps, len(trainers))
     times = interleaved_step_times(trainers, steps=steps, warmup=warmup)
@@ -479,7 +488,9 @@ def bench(
 
 
 def set_ratios(result: BenchResult) -> None:
-    """Memory and throughput ratios against the reference row (None without it)."""
+    """Memory and throughput ratios against the reference row (None without it), and each
+    streamed row's throughput against its unstreamed twin."""
+    _set_unstreamed_ratios(result)
     try:
         ref = result.row(result.reference)
     except KeyError:
@@ -487,6 +498,14 @@ def set_ratios(result: BenchResult) -> None:
     for row in result.rows:
         row.memory_ratio = row.measured_bytes / ref.measured_bytes
         row.throughput_ratio = row.images_per_s / ref.images_per_s
+
+
+def _set_unstreamed_ratios(result: BenchResult) -> None:
+    """A streamed row's speed against its unstreamed twin, where the twin ran too."""
+    names = {r.method: r for r in result.rows}
+    for row in result.rows:
+        twin = names.get(row.unstreamed) if row.unstreamed else None
+        row.unstreamed_throughput_ratio = None if twin is None else row.images_per_s / twin.images_per_s
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -498,6 +517,12 @@ def _mb(n: int | None) -> str:
 
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
+
+
+def _unstreamed(row: BenchRow) -> str:
+    if row.unstreamed_throughput_ratio is None:
+        return ""
+    return f" ({row.unstreamed_throughput_ratio:.2f}x unstreamed)"
 
 
 def _ops(row: BenchRow) -> str:
@@ -525,7 +550,7 @@ def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
         cells = [_mb(r.measured_bytes), _mb(r.reserved_bytes)] if cuda else [_mb(r.measured_bytes)]
         rows.append([r.label, f"{r.trainable_params:,}", _mb(r.paper_bytes), _mb(r.runtime_bytes),
                      *cells, _ratio(r.memory_ratio), f"{r.images_per_s:.1f}",
-                     _ratio(r.throughput_ratio), _ops(r), batch])
+                     _ratio(r.throughput_ratio) + _unstreamed(r), _ops(r), batch])
     return headers, rows
 
 

