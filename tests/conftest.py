@@ -144,3 +144,26 @@ def calibrated_backbone(tmp_path_factory) -> Path:
             net(batch)
     save_backbone(folder, net.eval())
     return folder
+
+
+def meter_op_count(net, batch: int, resolution: int) -> int:
+    """The aten ops of the second plain training step of a meta ``net``, as the storage meter's
+    trace records them: an op count independent of ``edgetl.memory.meter.count_step_ops``."""
+    import torch
+
+    from edgetl.memory.meter import StorageMeter
+    from edgetl.step import Step, set_train_mode, training_step
+
+    step = Step.plain()
+    opt = step.optimizer(net)
+    set_train_mode(net, step.bn)
+    x = torch.empty(batch, 3, resolution, resolution, device="meta")
+    y = torch.zeros(batch, dtype=torch.int64, device="meta")
+    training_step(net, step, opt, x, y)  # creates the optimizer state
+    meter = StorageMeter(record_trace=True)
+    try:
+        with meter:
+            training_step(net, step, opt, x, y)
+    finally:
+        meter.close()
+    return sum(1 for e in meter.trace if e[0] == "op")

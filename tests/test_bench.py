@@ -133,24 +133,12 @@ def test_trainable_params_equal_independent_count(result):
 def test_ops_per_step_are_the_steps_the_rows_run(result):
     """The ops column: the stock row's step against the meter's independent op trace; the
     lean row's forward is its fitted schedule's, fewer ops than one sample at a time."""
-    from edgetl.memory.meter import StorageMeter, count_step_ops
+    from edgetl.memory.meter import count_step_ops
     from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
-    from edgetl.step import Step, set_train_mode, training_step
+    from tests.conftest import meter_op_count
 
     stock = build_network(BackboneSpec(width=WIDTH, num_classes=CLASSES), "repnet", device="meta")
-    step = Step.plain()
-    opt = step.optimizer(stock)
-    set_train_mode(stock, step.bn)
-    x = torch.empty(BATCH, 3, RES, RES, device="meta")
-    y = torch.zeros(BATCH, dtype=torch.int64, device="meta")
-    training_step(stock, step, opt, x, y)
-    meter = StorageMeter(record_trace=True)
-    try:
-        with meter:
-            training_step(stock, step, opt, x, y)
-    finally:
-        meter.close()
-    assert result.row(REFERENCE).step_ops == sum(1 for e in meter.trace if e[0] == "op")
+    assert result.row(REFERENCE).step_ops == meter_op_count(stock, BATCH, RES)
     lean = result.row("repnet-lean")
     net = build_network(BackboneSpec(width=WIDTH, num_classes=CLASSES), "repnet", device="meta",
                         lean=METHODS["repnet-lean"].lean)

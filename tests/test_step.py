@@ -151,25 +151,13 @@ def test_fitted_forward_chunks_cut_the_ops_and_never_raise_the_peak():
 
 def test_count_step_ops_counts_what_the_meter_sees_dispatched():
     """An independent count: the storage meter's op events over the same step on meta."""
-    from edgetl.memory.meter import StorageMeter, count_step_ops
-    from edgetl.step import set_train_mode, training_step
+    from edgetl.memory.meter import count_step_ops
+    from tests.conftest import meter_op_count
 
     net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
     prepare_step(net, resolution=RES, batch_size=BATCH)
     ops = count_step_ops(net, resolution=RES, batch_size=BATCH)
-    step = Step.plain()
-    opt = step.optimizer(net)
-    set_train_mode(net, step.bn)
-    x = torch.empty(BATCH, 3, RES, RES, device="meta")
-    y = torch.zeros(BATCH, dtype=torch.int64, device="meta")
-    training_step(net, step, opt, x, y)
-    meter = StorageMeter(record_trace=True)
-    try:
-        with meter:
-            training_step(net, step, opt, x, y)
-    finally:
-        meter.close()
-    assert ops.total == sum(1 for e in meter.trace if e[0] == "op")
+    assert ops.total == meter_op_count(net, BATCH, RES)
     assert ops.forward > 0 and ops.backward > 0 and ops.optimizer > 0
 
 
