@@ -459,7 +459,9 @@ def bench(
             verify = seen.get(largest)
         elif 1 <= largest and largest * resolution**2 <= verify_pixels:
             verify = measured(largest)
-        ops = count_step_ops(build("meta", batch_size), resolution=resolution, batch_size=batch_size)
+        # the meta network the accounting used, its schedule applied (checkpointed rows have none)
+        counted = build("meta", batch_size) if method.checkpoint else meta
+        ops = count_step_ops(counted, resolution=resolution, batch_size=batch_size)
         real = build(device, batch_size)
         trainers[name] = _Trainer(real, resolution=resolution, batch_size=batch_size,
                                   num_classes=num_classes, device=device, lr=lr, seed=seed)
