@@ -33,8 +33,15 @@ from edgetl.errors import BudgetError, ConfigError, EdgetlError
 from edgetl.io import atomic_text_json, atomic_torch_save
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.models.backbone import EdgeNet, describe_backbone
-from edgetl.models.side import LeanOptions, build_side_network, check_resolution, make_lean, set_trainable
-from edgetl.profile import LEAN_MODES, describe_runtime
+from edgetl.models.side import (
+    LeanOptions,
+    build_side_network,
+    check_resolution,
+    make_lean,
+    set_trainable,
+    trains_backbone_convs,
+)
+from edgetl.profile import LEAN_MODES, describe_runtime, resolve_runtime
 from edgetl.recipe import Recipe
 from edgetl.step import Step
 
@@ -50,17 +57,17 @@ MODEL_WEIGHTS = "model.pt"
 def lean_options(recipe: Recipe) -> LeanOptions | None:
     """The lean runtime options a recipe asks for; None where the mode needs stock modules."""
     m = recipe.model
-    if m.mode not in LEAN_MODES:
-        if (m.pool, m.frozen_weights, m.stream) != (1, "fp32", 0):
+    if resolve_runtime(m.mode, m.runtime) == "stock":
+        if (m.pool, m.frozen_weights, m.stream, m.storage) != (1, "fp32", 0, "exact"):
             raise ConfigError(
-                f"model.mode {m.mode} trains the backbone; model.pool, model.frozen_weights and "
-                f"model.stream need a frozen backbone ({', '.join(LEAN_MODES)})"
+                f"model.mode {m.mode} on stock modules: model.pool, model.frozen_weights, model.stream "
+                f"and model.storage need the lean runtime (model.runtime lean; modes {', '.join(LEAN_MODES)})"
             )
         return None
     if m.pool not in (1, 2, 4):
         raise ConfigError(f"model.pool: {m.pool} is not allowed; allowed: 1, 2, 4")
     return LeanOptions(pool=m.pool, bn=m.bn, frozen_weights=m.frozen_weights, precision=m.precision,
-                       stream=m.stream)
+                       stream=m.stream, storage=m.storage, keep=m.keep)
 
 
 def backbone_ref(recipe: Recipe) -> str:
@@ -291,7 +298,14 @@ def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, cl
     net.load_state_dict(load_checkpoint(source)["model"])
     net.to("cpu")
     stock.to("cpu")
-    weights = stock_state_dict(net, stock) if options is not None else net.state_dict()
+    if options is None:
+        weights = net.state_dict()
+    elif trains_backbone_convs(stock):
+        from edgetl.models.lean_full import full_state_dict
+
+        weights = full_state_dict(net, stock)
+    else:
+        weights = stock_state_dict(net, stock)
     atomic_torch_save({"model": weights, "source": source.name}, out_dir / MODEL_WEIGHTS)
     atomic_text_json(out_dir / MODEL_JSON, {
         "backbone": stock.spec.to_dict(),

@@ -25,17 +25,22 @@ log = logging.getLogger(__name__)
 
 ACCOUNTINGS = ("paper", "runtime")
 RUNTIMES = ("auto", "lean", "stock")
-# Modes whose trainable parameters the lean frozen backbone supports (it folds BN into
-# frozen convs: trainable conv weights or BN scales need the stock modules).
-LEAN_MODES = ("repnet", "repnet+bias", "last", "bias")
+# Modes the lean runtime runs: with a frozen backbone whose BN it folds, or (full) with
+# every conv training and BN folded (edgetl.models.lean_full); BN scales that train
+# (bn+last) need the stock modules.
+LEAN_MODES = ("repnet", "repnet+bias", "last", "bias", "full")
+# Modes ``auto`` runs on stock modules although the lean runtime can run them: stock full
+# fine-tuning trains BN (batch statistics, gammas), lean full folds it; a different method.
+AUTO_STOCK_MODES = ("full",)
 
 
 def resolve_runtime(mode: str, runtime: str) -> str:
-    """"lean" or "stock": ``auto`` is lean wherever the mode allows it."""
+    """"lean" or "stock": ``auto`` is lean wherever the mode allows it, except for full
+    fine-tuning (``AUTO_STOCK_MODES``), whose stock form trains BN."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown runtime {runtime!r}; allowed: {', '.join(RUNTIMES)}")
     if runtime == "auto":
-        return "lean" if mode in LEAN_MODES else "stock"
+        return "lean" if mode in LEAN_MODES and mode not in AUTO_STOCK_MODES else "stock"
     if runtime == "lean" and mode not in LEAN_MODES:
         raise ConfigError(
             f"mode {mode} trains backbone convs or BN scales; the lean runtime allows "

@@ -105,6 +105,11 @@ class ModelConfig:
             "batch" lets them use batch statistics.
         stream: micro-batch of the streamed frozen backbone segments (lean runtime, bn fold;
             ``edgetl.models.stream``); 0 = no streaming.
+        runtime: "lean" (edgetl's lean layers), "stock" (torch modules) or "auto" (lean
+            wherever the mode allows, except full: see ``edgetl.profile.resolve_runtime``).
+        storage: lean full fine-tuning: what each backbone conv keeps for its weight
+            gradient (exact, pool2, pool4, haar, db3, dct, threshold).
+        keep: share of each map's coefficients a compressor storage keeps, in (0, 1].
     """
 
     mode: Mode
@@ -115,8 +120,17 @@ class ModelConfig:
     frozen_weights: Literal["fp32", "fp16", "int8"] = "fp32"
     bn: Literal["fold", "batch"] = "fold"
     stream: int = 0
+    runtime: Literal["auto", "lean", "stock"] = "auto"
+    storage: str = "exact"
+    keep: float = 0.1
 
     def check(self, where: str) -> None:
+        from edgetl.models.lean_full import STORAGES
+
+        if self.storage not in STORAGES:
+            raise ConfigError(f"{where}.storage: {self.storage!r} is not allowed; allowed: {', '.join(STORAGES)}")
+        if not 0 < self.keep <= 1:
+            raise ConfigError(f"{where}.keep: {self.keep} is not allowed; allowed: a fraction in (0, 1]")
         if not self.width > 0:
             raise ConfigError(f"{where}.width: {self.width} is not allowed; allowed: > 0")
         if self.pool < 1:

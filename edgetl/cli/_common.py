@@ -50,6 +50,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def keep_type(text: str) -> float:
+    """A share of coefficients to keep: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a fraction in (0, 1]") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: a fraction in (0, 1]")
+    return value
+
+
 def writable_file(text: str) -> Path:
     """An output file path whose folder exists and is writable (checked before any work)."""
     path = Path(text)

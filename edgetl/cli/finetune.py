@@ -7,9 +7,20 @@ import time
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, budget_type, fmt_mb, fmt_side_pools, positive_int, print_table
+from edgetl.cli._common import (
+    HelpFormatter,
+    budget_type,
+    fmt_mb,
+    fmt_side_pools,
+    keep_type,
+    positive_int,
+    print_table,
+)
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
+from edgetl.models.lean_full import STORAGES
+from edgetl.models.side import TRAIN_MODES
+from edgetl.profile import RUNTIMES
 
 
 def override(text: str):
@@ -62,6 +73,15 @@ def add_parser(sub) -> None:
     p.add_argument("--stream", type=int, metavar="M",
                    help="model.stream: run the frozen backbone on micro-batches of M samples, forward "
                         "and backward (same results, less memory; needs BN folded); 0: off")
+    p.add_argument("--mode", choices=TRAIN_MODES, help="model.mode: what trains")
+    p.add_argument("--runtime", choices=RUNTIMES,
+                   help="model.runtime: lean (edgetl's lean layers), stock (torch modules) or auto (lean where "
+                        "the mode allows, except full, whose stock form trains BN)")
+    p.add_argument("--storage", choices=STORAGES,
+                   help="model.storage, lean full fine-tuning (--mode full --runtime lean): what each conv keeps "
+                        "for its weight gradient: its input exact, pooled by 2 or 4, or compressed")
+    p.add_argument("--keep", type=keep_type, metavar="FRACTION",
+                   help="model.keep: share of each map's coefficients a compressor storage keeps, in (0, 1]")
     p.add_argument("--set", dest="overrides", action="append", type=override, default=[],
                    metavar="KEY=VALUE", help="any recipe value, e.g. --set optim.lr_side=1e-3")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
@@ -101,7 +121,9 @@ def recipe_from_args(args):
     flags = {"model.backbone": args.backbone if args.weights is None else args.weights, "data.root": args.data,
              "train.batch_size": args.batch_size, "train.epochs": args.epochs,
              "model.pool": args.pool, "model.precision": args.precision,
-             "model.frozen_weights": args.frozen_weights, "model.stream": args.stream}
+             "model.frozen_weights": args.frozen_weights, "model.stream": args.stream,
+             "model.mode": args.mode, "model.runtime": args.runtime, "model.storage": args.storage,
+             "model.keep": args.keep}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     recipe = load_recipe(args.recipe, overrides=overrides)
     planned = getattr(args, "plan_resolution", None)

@@ -5,8 +5,18 @@ from __future__ import annotations
 import argparse
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, fmt_mb, fmt_side_pools, positive_float, positive_int, print_table, writable_file
+from edgetl.cli._common import (
+    HelpFormatter,
+    fmt_mb,
+    fmt_side_pools,
+    keep_type,
+    positive_float,
+    positive_int,
+    print_table,
+    writable_file,
+)
 from edgetl.memory.report import MemoryReport
+from edgetl.models.lean_full import STORAGES
 from edgetl.models.side import TRAIN_MODES, LeanOptions
 from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, RUNTIMES, plot_profile, profile
 
@@ -46,6 +56,12 @@ def add_parser(sub) -> None:
     lean.add_argument("--stream", type=int, default=0, metavar="M",
                       help="run the frozen backbone's segments on micro-batches of M samples, forward "
                            "and backward (same results, less memory; needs --bn fold); 0: off")
+    lean.add_argument("--storage", choices=STORAGES, default="exact",
+                      help="lean full fine-tuning (--mode full --runtime lean): what each backbone conv keeps "
+                           "for its weight gradient: its input exact, pooled by 2 or 4, or compressed "
+                           "(haar, db3, dct, threshold; keeping --keep of each map's coefficients)")
+    lean.add_argument("--keep", type=keep_type, default=0.1, metavar="FRACTION",
+                      help="share of each map's coefficients a compressor storage keeps, in (0, 1]")
     p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune) or a weights name (mobilenet_v2:IMAGENET1K_V1)")
     p.add_argument("--measure", action="store_true",
                    help="also run real training steps (forward, backward, Adam) and measure the peak")
@@ -130,7 +146,8 @@ def run(args) -> int:
         device=args.device,
         runtime=args.runtime,
         lean=LeanOptions(pool=args.pool, bn=args.bn, frozen_weights=args.frozen_weights,
-                         precision=args.precision, stream=args.stream),
+                         precision=args.precision, stream=args.stream, storage=args.storage,
+                         keep=args.keep),
     )
     print_report(report)
     if args.json:

@@ -88,7 +88,7 @@ def check_fraction(fraction) -> float:
     """The kept share of coefficients as a float in (0, 1]; ConfigError otherwise."""
     ok = isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1
     if not ok:  # NaN fails the comparison too
-        raise ConfigError(f"compression fraction must be a number in (0, 1], got {fraction!r}")
+        raise ConfigError(f"compression fraction {fraction!r} is not allowed; allowed: a fraction in (0, 1]")
     return float(fraction)
 
 
@@ -416,6 +416,8 @@ class _CompressedConv2dFn(Function):
         weight, *saved = ctx.saved_tensors
         stride, padding, dilation, groups, compressor, in_shape, in_dtype = ctx.conf
         gx = gw = gb = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gy.sum((0, 2, 3))  # first: the accounting counts parameter gradients from the start
         if ctx.needs_input_grad[1]:
             # the only approximation: grad_weight from the reconstructed input. First, so
             # that the reconstruction is gone before grad_input exists.
@@ -427,8 +429,6 @@ class _CompressedConv2dFn(Function):
         if ctx.needs_input_grad[0]:
             # exact: the input gradient needs only the weight
             gx = conv2d_input(in_shape, weight, gy, stride, padding, dilation, groups)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = gy.sum((0, 2, 3))
         return gx, gw, gb, None, None, None, None, None
 
 
@@ -484,9 +484,10 @@ class CompressedConv2d(nn.Conv2d):
         """Runtime accounting rule (edgetl.memory.runtime): the packed input is kept.
 
         Forward: the conv output, then ``compress`` (its transform, magnitudes, top-k).
-        Backward: ``decompress`` and grad_weight (a 1-element dummy, then the gradient),
-        the reconstruction freed, then grad_input (a dummy, then the gradient), then the
-        bias gradient; the parameter gradients (bias included) are the final state.
+        Backward: the bias gradient (first: the accounting counts parameter gradients from
+        the start of a layer's backward), ``decompress`` and grad_weight (a 1-element
+        dummy, then the gradient), the reconstruction freed, then grad_input (a dummy,
+        then the gradient); the parameter gradients are the final state.
         """
         if not output_requires_grad:
             return LayerCost()
@@ -500,13 +501,13 @@ class CompressedConv2d(nn.Conv2d):
         gx = _numel(in_shape) * e if input_requires_grad else 0
         gw = self.weight.numel() * e if trains else 0
         gb = self.bias.numel() * e if self.bias is not None and self.bias.requires_grad else 0
-        phases = [0]
+        phases = [gb]
         if trains:
             x_hat = _numel(in_shape) * e if sparse else 0
-            phases += self.compressor.decompress_phases(in_shape, dtype) if sparse else []
-            phases += [x_hat + e, x_hat + e + gw, gw]
+            phases += [gb + p for p in self.compressor.decompress_phases(in_shape, dtype)] if sparse else []
+            phases += [gb + x_hat + e, gb + x_hat + e + gw, gb + gw]
         if gx:
-            phases += [gw + e, gw + e + gx]
+            phases += [gb + gw + e, gb + gw + e + gx]
         phases.append(gw + gx + gb)
         return LayerCost(saves_input=trains and not sparse, saved_new_bytes=saved,
                          forward_temp_bytes=_over(forward, out + saved),

@@ -241,6 +241,8 @@ class _PooledConv2dFn(Function):
         saved, weight = ctx.saved_tensors
         stride, padding, dilation, groups, k, in_shape = ctx.conf
         gx = gw = gb = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gy.sum((0, 2, 3))  # first: the accounting counts parameter gradients from the start
         if ctx.needs_input_grad[0]:
             # exact: the input gradient needs only the weight
             gx = conv2d_input(in_shape, weight, gy, stride, padding, dilation, groups)
@@ -248,8 +250,6 @@ class _PooledConv2dFn(Function):
             gw = pooled_grad_weight(
                 saved, in_shape[-2:], weight.shape, gy, stride, padding, dilation, groups, k
             )
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = gy.sum((0, 2, 3))
         return gx, gw, gb, None, None, None, None, None
 
 
@@ -312,8 +312,9 @@ class PooledConv2d(nn.Conv2d):
                      output_requires_grad, in_bytes=None) -> LayerCost:
         """Runtime accounting rule (edgetl.memory.runtime): the pooled input is kept.
 
-        Backward: conv2d_input (a 1-element dummy input, then grad_input), then
-        grad_weight: from the input upsampled back to its (H, W) (one contiguous copy), from
+        Backward: the bias gradient (first: the accounting counts parameter gradients
+        from the start of a layer's backward), conv2d_input (a 1-element dummy input, then
+        grad_input), then grad_weight: from the input upsampled back to its (H, W) (one contiguous copy), from
         sum-pooled grad_output for a pointwise conv, or from the exact input at k=1.
         """
         grad = output_requires_grad
@@ -325,7 +326,8 @@ class PooledConv2d(nn.Conv2d):
         saved = self.saved_bytes(in_shape, out_shape) if trains and k > 1 else 0
         gx = _numel(in_shape) * e if input_requires_grad else 0
         gw = self.weight.numel() * e if trains else 0
-        phases = [gx + (e if gx else 0), gx]
+        gb = self.bias.numel() * e if self.bias is not None and self.bias.requires_grad else 0
+        phases = [gb + gx + (e if gx else 0), gb + gx]
         if trains:
             if k == 1:
                 scratch = 0
@@ -334,9 +336,9 @@ class PooledConv2d(nn.Conv2d):
                 scratch = n * c * (-(-h // k)) * (-(-w // k)) * e
             else:
                 scratch = _numel(in_shape) * e
-            phases.append(gx + scratch + e + gw)
+            phases.append(gb + gx + scratch + e + gw)
         return LayerCost(saves_input=trains and k == 1, saved_new_bytes=saved,
-                         backward_temp_bytes=_over(phases, gx + gw))
+                         backward_temp_bytes=_over(phases, gx + gw + gb))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", pool={self.pool}"

@@ -183,6 +183,9 @@ class LeanOptions:
         stream: micro-batch of the streamed frozen segments (``edgetl.models.stream``); 0:
             no streaming. Applied by the step's schedule (``edgetl.memory.schedule``) where
             it is smaller than the batch; needs bn "fold".
+        storage: mode full only: what each backbone conv keeps for its weight gradient
+            (``edgetl.models.lean_full.STORAGES``: exact, pool2, pool4 or a compressor).
+        keep: share of each map's coefficients a compressor storage keeps, in (0, 1].
     """
 
     pool: int = 2
@@ -190,8 +193,13 @@ class LeanOptions:
     frozen_weights: str = "fp32"
     precision: str = "fp32"
     stream: int = 0
+    storage: str = "exact"
+    keep: float = 0.1
 
     def __post_init__(self) -> None:
+        from edgetl.models.lean_full import check_storage
+
+        check_storage(self.storage, self.keep)
         if not isinstance(self.stream, int) or isinstance(self.stream, bool) or self.stream < 0:
             raise ConfigError(f"stream micro-batch {self.stream!r} is not allowed; allowed: 0 (off) or an integer >= 1")
         if self.stream and self.bn != "fold":
@@ -221,10 +229,35 @@ def build_network(
     return net
 
 
+def trains_backbone_convs(net: EdgeNet) -> bool:
+    """Whether any conv weight of the backbone trains (mode full)."""
+    return any(m.weight.requires_grad for m in net.features.modules() if isinstance(m, nn.Conv2d))
+
+
 def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
-    """Convert a built network (weights loaded, trainability set) to the lean runtime, in place."""
+    """Convert a built network (weights loaded, trainability set) to the lean runtime, in place.
+
+    A network whose backbone convs train (mode full) becomes lean full fine-tuning
+    (``edgetl.models.lean_full``: BN folded, each conv's input kept by ``lean.storage``);
+    every other mode keeps a frozen lean backbone (``edgetl.models.lean_side``).
+    """
     from edgetl.models.lean_side import leanify_network
 
+    if trains_backbone_convs(net):
+        from edgetl.models.lean_full import leanify_full
+
+        refused = {"bn": (lean.bn, "fold"), "precision": (lean.precision, "fp32"),
+                   "frozen_weights": (lean.frozen_weights, "fp32"), "stream": (lean.stream, 0)}
+        for name, (value, allowed) in refused.items():
+            if value != allowed:
+                raise ConfigError(f"{name} {value} is not allowed with lean full fine-tuning (its convs "
+                                  f"train in fp32 with BN folded); allowed: {allowed}")
+        leanify_full(net, storage=lean.storage, keep=lean.keep)
+        net.micro_batch = None
+        return net
+    if lean.storage != "exact":
+        raise ConfigError(f"storage {lean.storage} applies to mode full, whose backbone convs train; "
+                          "allowed here: exact (the side network stores by pool)")
     leanify_network(
         net, pool=lean.pool, bn=lean.bn, weight_dtype=lean.frozen_weights, act_dtype=lean.precision
     )
