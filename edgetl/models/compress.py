@@ -253,37 +253,44 @@ class Compressor:
     def compress_phases(self, shape, dtype: torch.dtype) -> list[int]:
         """Bytes ``compress`` holds after each allocation or free (the input not counted).
 
-        The last entry is ``stored_bytes`` (0 in the dense format: the input itself).
+        The packed copy is allocated first and filled one sample at a time, so the
+        transform's and top-k's temporaries are one sample's. The last entry is
+        ``stored_bytes`` (0 in the dense format: the input itself).
         """
         if not self.is_sparse(shape, dtype):
             return [0]
         n, c, h, w = (int(s) for s in shape)
-        e, ie = _dtype_bytes(dtype), _dtype_bytes(index_dtype(h * w))
-        full, kk = n * c * h * w * e, n * c * self.kept(shape)
-        phases = []
+        e = _dtype_bytes(dtype)
+        stored = self.stored_bytes(shape, dtype)
+        one, kk = c * h * w * e, c * self.kept(shape)  # one sample's map bytes, kept coefficients
+        mats = self._matrices_bytes(shape, e) if self.transforms else 0
+        base = stored + mats
+        phases = [stored, base]
         y = 0
         if self.transforms:
-            mats = self._matrices_bytes(shape, e)
-            phases += [mats, mats + full, mats + 2 * full, mats + full, full]  # mats, X A^T, A (.), frees
-            y = full
-        phases += [y + full, y + full + kk * (e + INDEX_BYTES),  # |Y|, topk
-                   y + kk * INDEX_BYTES, y + kk * (INDEX_BYTES + e),  # frees, gather
-                   kk * (INDEX_BYTES + e), kk * (INDEX_BYTES + e + ie), kk * (e + ie)]  # cast
+            phases += [base + one, base + 2 * one, base + one]  # X A^T, A (.), the first freed
+            y = one
+        phases += [base + y + one, base + y + one + kk * (e + INDEX_BYTES),  # |Y|, top-k
+                   base + y + kk * INDEX_BYTES]  # |Y| and the top-k values freed
+        phases.append(stored)  # the sample's positions and transform freed, then the matrices
         return phases
 
     def decompress_phases(self, shape, dtype: torch.dtype) -> list[int]:
         """Bytes ``decompress`` holds after each allocation or free (the packed copy not
-        counted); the last entry is the result (0 in the dense format: the input itself)."""
+        counted): the result first, then one sample's positions, scattered map and inverse
+        transform at a time. The last entry is the result (0 in the dense format: the
+        input itself)."""
         if not self.is_sparse(shape, dtype):
             return [0]
         n, c, h, w = (int(s) for s in shape)
         e = _dtype_bytes(dtype)
-        full, kk = n * c * h * w * e, n * c * self.kept(shape)
-        phases = [kk * INDEX_BYTES, kk * INDEX_BYTES + full, full]  # positions, scatter, free
-        if self.transforms:
-            mats = self._matrices_bytes(shape, e)
-            phases += [full + mats, 2 * full + mats, full + mats, 2 * full + mats, full]  # Y A, A^T (.)
-        return phases
+        full, one, kk = n * c * h * w * e, c * h * w * e, c * self.kept(shape)
+        if not self.transforms:  # scattered straight into the result
+            return [full, full + kk * INDEX_BYTES, full]
+        mats = self._matrices_bytes(shape, e)
+        base = full + mats
+        return [full, base, base + kk * INDEX_BYTES, base + kk * INDEX_BYTES + one, base + one,  # positions, scatter
+                base + 2 * one, base + one, base + 2 * one, base, full]  # Y A, A^T (.), copied in
 
     # ---- work
 
@@ -295,43 +302,51 @@ class Compressor:
         return a_h, a_w
 
     def compress(self, x: torch.Tensor) -> Packed:
-        """An (N, C, H, W) tensor in, its packed copy out (``stored_bytes`` of new storage)."""
+        """An (N, C, H, W) tensor in, its packed copy out (``stored_bytes`` of new storage).
+
+        One sample at a time: the transform and the top-k of a whole batch would hold
+        several batch-sized temporaries next to the activations (issue #16).
+        """
         if x.dim() != 4:
             raise ConfigError(f"compressors take (N, C, H, W) tensors, got shape {tuple(x.shape)}")
         if not self.is_sparse(x.shape, x.dtype):
             return Packed(x, None)
         n, c, h, w = x.shape
-        if self.transforms:
-            a_h, a_w = self._mats(x)
-            t = torch.matmul(x, a_w.t())
-            y = torch.matmul(a_h, t)
-            del t, a_h, a_w
-        else:
-            y = x
-        flat = y.reshape(n * c, h * w)
-        mag = flat.abs()
-        pos = torch.topk(mag, self.kept(x.shape), dim=1, sorted=False).indices
-        del mag
-        values = flat.gather(1, pos)
-        del flat, y
-        return Packed(values, pos.to(index_dtype(h * w)))
+        k = self.kept(x.shape)
+        values = x.new_empty((n * c, k))
+        index = torch.empty((n * c, k), dtype=index_dtype(h * w), device=x.device)
+        a_h, a_w = self._mats(x) if self.transforms else (None, None)
+        for i in range(n):
+            y = torch.matmul(a_h, torch.matmul(x[i], a_w.t())) if self.transforms else x[i]
+            flat = y.reshape(c, h * w)
+            pos = torch.topk(flat.abs(), k, dim=1, sorted=False).indices
+            torch.gather(flat, 1, pos, out=values[i * c:(i + 1) * c])
+            index[i * c:(i + 1) * c] = pos
+            del y, flat, pos
+        return Packed(values, index)
 
     def decompress(self, packed: Packed, shape, dtype: torch.dtype) -> torch.Tensor:
-        """The packed copy, the original shape and dtype in, the reconstructed tensor out."""
+        """The packed copy, the original shape and dtype in, the reconstructed tensor out
+        (written one sample at a time)."""
         if packed.indices is None:
             return packed.values
         n, c, h, w = (int(s) for s in shape)
-        pos = packed.indices.long()
-        y = torch.zeros(n * c, h * w, dtype=dtype, device=packed.values.device)
-        y.scatter_(1, pos, packed.values.to(dtype))
-        del pos
-        y = y.view(n, c, h, w)
-        if not self.transforms:
-            return y
-        a_h, a_w = self._mats(y)
-        t = torch.matmul(y, a_w)
-        del y
-        return torch.matmul(a_h.t(), t)
+        out = torch.empty((n, c, h, w), dtype=dtype, device=packed.values.device)
+        a_h, a_w = self._mats(out) if self.transforms else (None, None)
+        for i in range(n):
+            rows = slice(i * c, (i + 1) * c)
+            pos = packed.indices[rows].long()
+            if not self.transforms:
+                out[i].view(c, h * w).zero_().scatter_(1, pos, packed.values[rows].to(dtype))
+                del pos
+                continue
+            y = torch.zeros(c, h * w, dtype=dtype, device=out.device).scatter_(1, pos, packed.values[rows].to(dtype))
+            del pos
+            t = torch.matmul(y.view(c, h, w), a_w)
+            del y
+            out[i] = torch.matmul(a_h.t(), t)
+            del t
+        return out
 
 
 class WaveletCompressor(Compressor):
