@@ -65,6 +65,13 @@ class Method:
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full", "full fine-tune", "full"),
     Method("full-ckpt", "full fine-tune + gradient checkpointing", "full", checkpoint=True),
+    Method("full-lean", "full fine-tune, lean (BN folded), exact storage", "full", LeanOptions(storage="exact")),
+    Method("full-lean-pool2", "full lean + conv inputs pooled k=2 (Barley & Froening)", "full",
+           LeanOptions(storage="pool2")),
+    *(Method(f"full-lean-{c}", f"full lean + {label}, 10 % kept (Vu et al.)", "full",
+             LeanOptions(storage=c, keep=0.1))
+      for c, label in (("haar", "Haar wavelet"), ("db3", "Daubechies-3 wavelet"), ("dct", "8x8 block DCT"),
+                       ("threshold", "thresholding"))),
     Method("last", "last layer", "last"),
     Method("bias", "bias only (TinyTL-B)", "bias"),
     Method("bias-lean", "bias only (TinyTL-B), lean runtime", "bias", LeanOptions(pool=1)),
@@ -98,14 +105,12 @@ def planned_method(*, budget_bytes: int, batch_size: int, resolution: int, num_c
                    width: float) -> tuple[Method, str]:
     """The configuration ``edgetl plan`` picks for the budget at this batch, as a Method."""
     try:
-        from edgetl.plan import plan
+        from edgetl.plan import lean_options, plan
     except ImportError as exc:
         raise ConfigError(f"method {PLAN!r} needs the plan stage (edgetl.plan): {exc}") from None
     chosen = plan(budget_bytes=budget_bytes, batch_size=batch_size, resolution=resolution,
                   num_classes=num_classes, width=width).chosen
-    lean = LeanOptions(pool=chosen.pool, precision=chosen.precision, frozen_weights=chosen.frozen_weights,
-                       stream=chosen.stream)
-    method = Method(PLAN, METHODS[PLAN].label, "repnet", lean, pruned=bool(chosen.kept),
+    method = Method(PLAN, METHODS[PLAN].label, chosen.mode, lean_options(chosen.storage), pruned=bool(chosen.kept),
                     planned=True, hidden=dict(chosen.kept))
     return method, f"plan: {chosen.describe()}"
 
@@ -140,6 +145,9 @@ class BenchRow:
     forward_ops: int | None = None  # of which in the network's forward
     unstreamed: str | None = None  # a streamed row's unstreamed twin
     unstreamed_throughput_ratio: float | None = None  # images/s / the twin's images/s
+    largest_images_per_s: float | None = None  # throughput at largest_batch (seed 003: what memory buys)
+    largest_step_seconds: list[float] = field(default_factory=list)  # the steps it is the median of
+    largest_timed_batch: int | None = None  # the batch timed: largest_batch, or the bench's cap
 
 
 @dataclass
@@ -191,15 +199,16 @@ class BenchResult:
     def save_csv(self, path: str | Path) -> None:
         from edgetl.io import atomic_write_text
 
-        cols = [f.name for f in dataclasses.fields(BenchRow) if f.name not in ("lean", "hidden", "step_seconds")]
+        lists = ("step_seconds", "largest_step_seconds")
+        cols = [f.name for f in dataclasses.fields(BenchRow) if f.name not in ("lean", "hidden", *lists)]
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow(cols + ["lean", "hidden", "step_seconds"])
+        writer.writerow(cols + ["lean", "hidden", *lists])
         for r in self.rows:
             d = dataclasses.asdict(r)
             writer.writerow([("" if d[c] is None else d[c]) for c in cols]
-                            + [json.dumps(d["lean"]), json.dumps(d["hidden"]),
-                               " ".join(f"{s:.4f}" for s in d["step_seconds"])])
+                            + [json.dumps(d["lean"]), json.dumps(d["hidden"])]
+                            + [" ".join(f"{s:.4f}" for s in d[name]) for name in lists])
         atomic_write_text(path, buf.getvalue())
 
 
@@ -352,6 +361,8 @@ def bench(
     lr: float = 1e-3,
     seed: int = 0,
     command: str | None = None,
+    largest_steps: int = 3,
+    largest_cap: int = 256,
 ) -> BenchResult:
     """Measure every method side by side.
 
@@ -372,6 +383,10 @@ def bench(
         lr: Adam learning rate of the timed and measured steps.
         seed: seeds the random batches.
         command: the command line that made this result, stored with it.
+        largest_steps: timed steps (after one warm-up step) of each method at its largest
+            batch, for the throughput that batch buys (Liu et al., seed 003); 0: skip.
+        largest_cap: time at most this batch (a streamed row's largest batch can run to
+            thousands of small-input images); the row records the batch it timed.
     """
     from edgetl.memory.meter import count_step_ops, measure_training_memory
     from edgetl.memory.runtime import runtime_report
@@ -386,8 +401,9 @@ def bench(
         raise ConfigError("no methods to bench")
     if len(set(names)) != len(names):
         raise ConfigError(f"methods repeat: {', '.join(names)}")
-    if steps < 1 or warmup < 0 or measure_steps < 1:
-        raise ConfigError(f"need steps >= 1, warmup >= 0, measure_steps >= 1; got {steps}, {warmup}, {measure_steps}")
+    if steps < 1 or warmup < 0 or measure_steps < 1 or largest_steps < 0 or largest_cap < 1:
+        raise ConfigError(f"need steps >= 1, warmup >= 0, measure_steps >= 1, largest_steps >= 0, largest_cap >= 1; "
+                          f"got {steps}, {warmup}, {measure_steps}, {largest_steps}, {largest_cap}")
     if budget_bytes < 1:
         raise ConfigError(f"budget {budget_bytes} bytes is not allowed; give a positive size")
     for name in names:
@@ -403,6 +419,7 @@ def bench(
     )
     verify_pixels = verify_images * 224 * 224
     trainers: dict[str, _Trainer] = {}
+    builders: dict[str, Callable[[torch.device, int], EdgeNet]] = {}
     for name in names:
         method, plan_note = METHODS[name], ""
         if method.planned:
@@ -462,6 +479,7 @@ def bench(
         # the meta network the accounting used, its schedule applied (checkpointed rows have none)
         counted = build("meta", batch_size) if method.checkpoint else meta
         ops = count_step_ops(counted, resolution=resolution, batch_size=batch_size)
+        builders[name] = build
         real = build(device, batch_size)
         trainers[name] = _Trainer(real, resolution=resolution, batch_size=batch_size,
                                   num_classes=num_classes, device=device, lr=lr, seed=seed)
@@ -485,6 +503,21 @@ def bench(
     for row in result.rows:
         row.step_seconds = times[row.method]
         row.images_per_s = batch_size / statistics.median(row.step_seconds)
+    trainers.clear()
+    if largest_steps:
+        for row in result.rows:
+            if row.largest_batch < 1:
+                continue
+            timed = min(row.largest_batch, largest_cap)
+            log.info("%s: %d steps at batch %d (largest %d)", row.method, largest_steps, timed, row.largest_batch)
+            trainer = _Trainer(builders[row.method](device, timed), resolution=resolution,
+                               batch_size=timed, num_classes=num_classes, device=device, lr=lr, seed=seed)
+            trainer.step()  # warm-up
+            seconds = [trainer.step() for _ in range(largest_steps)]
+            row.largest_timed_batch = timed
+            row.largest_step_seconds = seconds
+            row.largest_images_per_s = timed / statistics.median(seconds)
+            del trainer
     set_ratios(result)
     return result
 
@@ -531,6 +564,13 @@ def _ops(row: BenchRow) -> str:
     return "-" if row.step_ops is None else f"{row.step_ops:,} ({row.forward_ops:,})"
 
 
+def _at_largest(row: BenchRow) -> str:
+    if row.largest_images_per_s is None:
+        return "-"
+    capped = f" (at batch {row.largest_timed_batch})" if row.largest_timed_batch != row.largest_batch else ""
+    return f"{row.largest_images_per_s:.1f}{capped}"
+
+
 def has_reserved(result: BenchResult) -> bool:
     """Whether the result comes from a CUDA device (allocated and reserved columns)."""
     return any(r.reserved_bytes is not None for r in result.rows)
@@ -545,14 +585,15 @@ def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     measured = ["allocated MB", "reserved MB"] if cuda else ["measured MB"]
     headers = ["method", "trainable params", "paper MB", "runtime MB", *measured, "memory vs Rep-Net",
                "images/s", "speed vs Rep-Net", "ops/step (forward)",
-               f"largest batch in {result.budget_bytes / MB:g} MB"]
+               f"largest batch in {result.budget_bytes / MB:g} MB", "images/s at largest batch"]
     rows = []
     for r in result.rows:
         batch = str(r.largest_batch) + (" (measured)" if r.largest_batch_source == "measured" else "")
         cells = [_mb(r.measured_bytes), _mb(r.reserved_bytes)] if cuda else [_mb(r.measured_bytes)]
         rows.append([r.label, f"{r.trainable_params:,}", _mb(r.paper_bytes), _mb(r.runtime_bytes),
                      *cells, _ratio(r.memory_ratio), f"{r.images_per_s:.1f}",
-                     _ratio(r.throughput_ratio) + _unstreamed(r), _ops(r), batch])
+                     _ratio(r.throughput_ratio) + _unstreamed(r), _ops(r), batch,
+                     _at_largest(r)])
     return headers, rows
 
 
@@ -583,7 +624,9 @@ def to_markdown(result: BenchResult) -> str:
                  "edgetl's model of what its runtime holds. " + _measured_text(result)
                  + " Ops/step: the aten ops one training step dispatches (each a kernel launch on a "
                  "GPU), counted on the meta device, the forward's in brackets."
-                 + " Largest batch by runtime accounting (\"measured\": by the meter).")
+                 + " Largest batch by runtime accounting (\"measured\": by the meter); images/s at "
+                 "largest batch: the median of a few steps at that batch (at most the bench's cap), each "
+                 "method on its own (Liu et al.: what the memory saved buys).")
     notes = [f"{r.label}: {r.note}" for r in result.rows if r.note]
     if notes:
         lines.append("Notes: " + "; ".join(notes) + ".")
@@ -624,14 +667,23 @@ def plot_bench(result: BenchResult, path: str | Path) -> None:
     ax.set_xticks(idx, labels, rotation=60, ha="right", fontsize=8)
     ax.set_title(f"memory at batch {result.batch_size}")
     ax.legend(fontsize=8)
-    bx.barh(idx, [r.images_per_s for r in rows], color="#5cb85c")
+    bx.barh([i - 0.2 for i in idx], [r.images_per_s for r in rows], height=0.4, color="#5cb85c",
+            label=f"at batch {result.batch_size}")
+    li = [i for i, r in enumerate(rows) if r.largest_images_per_s is not None]
+    if li:
+        bx.barh([i + 0.2 for i in li], [rows[i].largest_images_per_s for i in li], height=0.4,
+                color="#9fd49f", hatch="//", label=f"at the largest batch in {result.budget_bytes / MB:g} MB")
     for i, r in enumerate(rows):
-        bx.annotate(f"{r.images_per_s:.1f}", (r.images_per_s, i), va="center", xytext=(3, 0),
-                    textcoords="offset points", fontsize=8)
+        bx.annotate(f"{r.images_per_s:.1f}", (r.images_per_s, i - 0.2), va="center", xytext=(3, 0),
+                    textcoords="offset points", fontsize=7)
+        if r.largest_images_per_s is not None:
+            bx.annotate(f"{r.largest_images_per_s:.1f} (b{r.largest_timed_batch})", (r.largest_images_per_s, i + 0.2),
+                        va="center", xytext=(3, 0), textcoords="offset points", fontsize=7)
+    bx.legend(fontsize=7, loc="lower right")
     bx.set_yticks(idx, [r.label for r in rows], fontsize=8)
     bx.invert_yaxis()
     bx.set_xlabel("training throughput, images/s (median)")
-    bx.set_title(f"speed at batch {result.batch_size}")
+    bx.set_title("speed")
     fig.suptitle(caption(result), fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()

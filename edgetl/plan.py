@@ -53,7 +53,12 @@ from edgetl.models.backbone import BackboneSpec, build_backbone, hidden_channels
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "edgetl-plan/1"
-MODE = "repnet"
+MODE = "repnet"  # the default planned mode: Rep-Net on a frozen lean backbone
+# Modes a plan can be made for (issue #16 item 4): Rep-Net (pruning, pooling, storage, streaming),
+# bias-only TinyTL-B (streaming, frozen-weight and activation storage) and lean full fine-tuning
+# (each conv's stored input: exact, then pooled by 2, then by 4).
+PLAN_MODES = ("repnet", "bias", "full")
+CONV_STORAGES = ("exact", "pool2", "pool4")  # lean full fine-tuning's ladder, exact first
 OPTIMIZER = "adam"  # the plan's step: edgetl.step.Step.plain(OPTIMIZER) (plan_step)
 POOLS = (1, 2, 4)
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -143,6 +148,7 @@ class Storage:
     precision: str
     frozen_weights: str
     stream: int = 0  # micro-batch of the streamed frozen backbone; 0: not streamed
+    conv_storage: str = "exact"  # lean full fine-tuning: what each trained conv keeps (LeanOptions.storage)
 
 
 @dataclass
@@ -155,6 +161,8 @@ class PlanConfig:
         pool, precision, frozen_weights: lean runtime options (DESIGN 4); BN is folded.
         batch_size: images per training step.
         stream: micro-batch of the streamed frozen backbone (``edgetl.models.stream``); 0: none.
+        mode: the fine-tuning mode planned (``PLAN_MODES``).
+        conv_storage: mode full: what each trained conv keeps for its weight gradient.
     """
 
     kept: dict[int, int]
@@ -164,6 +172,8 @@ class PlanConfig:
     frozen_weights: str
     batch_size: int
     stream: int = 0
+    mode: str = MODE
+    conv_storage: str = "exact"
 
     @property
     def blocks(self) -> list[int]:
@@ -181,21 +191,26 @@ class PlanConfig:
     def describe(self) -> str:
         prune = ", ".join(f"{b}:{self.channels[b]}->{self.kept[b]}" for b in self.blocks) or "none"
         stream = f" | stream {self.stream}" if self.stream else ""
-        return (f"prune {prune} | k={self.pool} | act {self.precision} | frozen {self.frozen_weights} "
+        if self.mode == "full":
+            return f"mode full | storage {self.conv_storage} | batch {self.batch_size}"
+        head = "" if self.mode == MODE else f"mode {self.mode} | "
+        pool = "" if self.mode != MODE else f" | k={self.pool}"
+        return (f"{head}prune {prune}{pool} | act {self.precision} | frozen {self.frozen_weights} "
                 f"| batch {self.batch_size}{stream}")
 
     @property
     def storage(self) -> "Storage":
-        return Storage(self.pool, self.precision, self.frozen_weights, self.stream)
+        return Storage(self.pool, self.precision, self.frozen_weights, self.stream, self.conv_storage)
 
     def to_dict(self) -> dict:
         return {
             "prune": {"blocks": self.blocks, "ratios": self.ratios,
                       "channels": {b: self.channels[b] for b in self.blocks},
                       "kept": {b: self.kept[b] for b in self.blocks}},
-            "finetune": {"mode": MODE, "pool": self.pool, "precision": self.precision,
+            "finetune": {"mode": self.mode, "runtime": "lean", "pool": self.pool, "precision": self.precision,
                          "frozen_weights": self.frozen_weights, "bn": "fold",
-                         "batch_size": self.batch_size, "stream": self.stream},
+                         "batch_size": self.batch_size, "stream": self.stream,
+                         "storage": self.conv_storage},
         }
 
     @classmethod
@@ -203,9 +218,10 @@ class PlanConfig:
         _check_keys(data, {"prune", "finetune"}, where)
         p, f = data["prune"], data["finetune"]
         _check_keys(p, {"blocks", "ratios", "channels", "kept"}, f"{where}.prune")
-        f = {"stream": 0, **f}  # plans written before streaming stream nothing
-        _check_keys(f, {"mode", "pool", "precision", "frozen_weights", "bn", "batch_size", "stream"},
-                    f"{where}.finetune")
+        # plans written before streaming stream nothing; before issue #16 every plan was Rep-Net's
+        f = {"stream": 0, "runtime": "lean", "storage": "exact", **f}
+        _check_keys(f, {"mode", "runtime", "pool", "precision", "frozen_weights", "bn", "batch_size", "stream",
+                        "storage"}, f"{where}.finetune")
         kept = {int(b): int(k) for b, k in p["kept"].items()}
         channels = {int(b): int(c) for b, c in p["channels"].items()}
         if sorted(kept) != sorted(channels) or sorted(kept) != [int(b) for b in p["blocks"]]:
@@ -213,10 +229,14 @@ class PlanConfig:
         for b in kept:
             if b not in prunable_blocks() or not 1 <= kept[b] <= channels[b]:
                 raise ConfigError(f"{where}.prune: block {b} keeps {kept[b]} of {channels[b]} channels")
-        if f["mode"] != MODE or f["bn"] != "fold":
-            raise ConfigError(f"{where}.finetune: only mode {MODE} with bn fold is planned")
+        if f["mode"] not in PLAN_MODES or f["bn"] != "fold" or f["runtime"] != "lean":
+            raise ConfigError(f"{where}.finetune: mode {f['mode']!r}, bn {f['bn']!r}, runtime {f['runtime']!r}; "
+                              f"planned are modes {', '.join(PLAN_MODES)} with bn fold on the lean runtime")
+        if f["storage"] not in CONV_STORAGES or (f["storage"] != "exact" and f["mode"] != "full"):
+            raise ConfigError(f"{where}.finetune.storage: {f['storage']!r}; allowed: {', '.join(CONV_STORAGES)} "
+                              "(mode full), exact (other modes)")
         config = cls(kept, channels, int(f["pool"]), str(f["precision"]), str(f["frozen_weights"]),
-                     int(f["batch_size"]), int(f["stream"]))
+                     int(f["batch_size"]), int(f["stream"]), str(f["mode"]), str(f["storage"]))
         if config.stream < 0:
             raise ConfigError(f"{where}.finetune.stream: {config.stream}; allowed: 0 (off) or >= 1")
         _check_storage(config.pool, config.precision, config.frozen_weights, where)
@@ -463,8 +483,14 @@ def _half_precision_probe() -> str:
 def storage_ladder(*, pool: int | None = None, precision: str | None = None,
                    frozen_weights: str | None = None,
                    stored_pools: Callable[[int], list[int]] | None = None,
-                   half: str | None = None, stream: int | None = None) -> list[Storage]:
+                   half: str | None = None, stream: int | None = None, mode: str = MODE) -> list[Storage]:
     """Storage options from exact to most saving; a fixed dimension never changes.
+
+    Rep-Net (``mode`` "repnet") as below; bias-only TinyTL-B the same without pooling (it
+    has no side network); lean full fine-tuning trains every conv in fp32 with nothing
+    frozen to stream or quantise, so its only lever is what each conv keeps for its weight
+    gradient: exact, then pooled by 2, then by 4 (``CONV_STORAGES``; the compressors store
+    about as little as pool4 at 224 px and are left to the user, ``--storage``).
 
     The order is the measured accuracy cost per byte saved, cheapest first
     (``benchmarks/levers_accuracy.md``: Rep-Net fine-tuning on Fashion-MNIST, 3 seeds; MB
@@ -502,6 +528,10 @@ def storage_ladder(*, pool: int | None = None, precision: str | None = None,
     fp32 copy of a layer's weight plus its half cast) can outweigh what half activations
     save, and half+int8 then predicts more than a step before it.
     """
+    if mode == "full":
+        return [Storage(1, "fp32", "fp32", 0, s) for s in CONV_STORAGES]
+    if mode != MODE:
+        pool = 1
     if half is None:
         half = half_precision()
     if half not in HALF_DTYPES:
@@ -539,28 +569,34 @@ def _stored_pools_of(spec: BackboneSpec, resolution: int) -> Callable[[int], lis
     return lambda k: [effective_pool(k, hw) for hw in sizes]
 
 
+def lean_options(storage: Storage):
+    """The lean runtime options of a planned storage (BN folded)."""
+    from edgetl.models.side import LeanOptions
+
+    return LeanOptions(pool=storage.pool, bn="fold", frozen_weights=storage.frozen_weights,
+                       precision=storage.precision, stream=storage.stream, storage=storage.conv_storage)
+
+
 class _Evaluator:
     """runtime_report of a configuration, cached per configuration (meta networks)."""
 
-    def __init__(self, base: BackboneSpec, resolution: int):
-        self.base, self.resolution = base, resolution
+    def __init__(self, base: BackboneSpec, resolution: int, mode: str = MODE):
+        self.base, self.resolution, self.mode = base, resolution, mode
         self.reports: dict[tuple, object] = {}
         self.nets: dict[tuple, object] = {}
         self.count = 0
 
     def report(self, kept: dict[int, int], storage: Storage, batch: int):
         from edgetl.memory.schedule import predict_step
-        from edgetl.models.side import LeanOptions, build_network
+        from edgetl.models.side import build_network
 
         key = (tuple(sorted(kept.items())), storage, batch)
         if key not in self.reports:
             if key[:2] not in self.nets:
                 spec = dataclasses.replace(self.base, hidden={**self.base.hidden, **kept})
-                lean = LeanOptions(pool=storage.pool, bn="fold", frozen_weights=storage.frozen_weights,
-                                   precision=storage.precision, stream=storage.stream)
-                self.nets[key[:2]] = build_network(spec, MODE, device="meta", lean=lean)
+                self.nets[key[:2]] = build_network(spec, self.mode, device="meta", lean=lean_options(storage))
             net = self.nets[key[:2]]
-            self.reports[key] = predict_step(net, mode=MODE, resolution=self.resolution, batch_size=batch,
+            self.reports[key] = predict_step(net, mode=self.mode, resolution=self.resolution, batch_size=batch,
                                              step=plan_step())
             self.count += 1
             log.debug("evaluated %s %s batch %d: %d bytes", kept, storage, batch,
@@ -656,6 +692,7 @@ def plan(
     blocks: list[int] | None = None,
     max_ratio: float = MAX_RATIO,
     max_batch_size: int = MAX_BATCH_SIZE,
+    mode: str = MODE,
 ) -> Plan:
     """Choose pruning, pooling, precision, frozen-weight storage and batch size to fit a budget.
 
@@ -679,6 +716,9 @@ def plan(
         blocks: blocks pruning may touch; None: the sensitive blocks of the runtime profile.
         max_ratio: most any block may be pruned.
         max_batch_size: upper end of the "auto" search.
+        mode: what fine-tunes (``PLAN_MODES``): "repnet" searches everything above;
+            "bias" the same without pooling and pruning; "full" (lean full fine-tuning)
+            each conv's stored input, exact, pooled by 2, pooled by 4, and the batch.
 
     Raises:
         PlanImpossible: nothing fits; carries the smallest budget that would.
@@ -704,9 +744,21 @@ def plan(
         raise ConfigError(f"stream micro-batch {stream!r} is not allowed; allowed: 0 (never) or an integer >= 1")
     if not 0 <= max_ratio < 1:
         raise ConfigError(f"max ratio {max_ratio} is not allowed; allowed: 0 <= ratio < 1")
+    if mode not in PLAN_MODES:
+        raise ConfigError(f"mode {mode!r} is not planned; allowed: {', '.join(PLAN_MODES)}")
+    if mode == "full":
+        fixed = {"precision": (precision, "fp32"), "frozen_weights": (frozen_weights, "fp32"), "stream": (stream, 0)}
+        for name, (value, allowed) in fixed.items():
+            if value not in (None, allowed):
+                raise ConfigError(f"{name} {value} is not allowed with mode full (its convs train in fp32, "
+                                  f"nothing is frozen); allowed: {allowed}")
+    if mode != MODE and pool not in (None, 1):
+        raise ConfigError(f"pool {pool} is not allowed with mode {mode} (no side network); allowed: 1")
+    if mode != MODE and blocks:
+        raise ConfigError(f"pruning blocks {blocks} is planned for mode {MODE} only; mode {mode} plans no pruning")
     from edgetl.profile import check_options
 
-    check_options(mode=MODE, accounting="runtime", resolution=resolution, batch_size=1)
+    check_options(mode=mode, accounting="runtime", resolution=resolution, batch_size=1)
     base = _resolve_spec(backbone, width, num_classes)
     meta = build_backbone(base, device="meta")
     if blocks is not None:
@@ -718,10 +770,11 @@ def plan(
         tensor_budget = preset.tensor_budget(budget_bytes)
     else:
         tensor_budget = budget_bytes
-    ev = _Evaluator(base, resolution)
+    ev = _Evaluator(base, resolution, mode)
     ladder = storage_ladder(pool=pool, precision=precision, frozen_weights=frozen_weights,
-                            stored_pools=_stored_pools_of(base, resolution), half=half, stream=stream)
-    request = {"batch_size": batch_size, "precision": precision, "pool": pool,
+                            stored_pools=_stored_pools_of(base, resolution) if mode == MODE else None,
+                            half=half, stream=stream, mode=mode)
+    request = {"mode": mode, "batch_size": batch_size, "precision": precision, "pool": pool,
                "frozen_weights": frozen_weights, "stream": stream,
                "blocks": None if blocks is None else list(blocks),
                "max_ratio": max_ratio, "max_batch_size": max_batch_size}
@@ -729,7 +782,7 @@ def plan(
     def config(kept, storage, batch, chan):
         stream = storage.stream if storage.stream < batch else 0  # m >= batch streams nothing
         return PlanConfig(dict(kept), {b: chan[b] for b in kept}, storage.pool, storage.precision,
-                          storage.frozen_weights, batch, stream)
+                          storage.frozen_weights, batch, stream, mode, storage.conv_storage)
 
     def fits(total):
         return total <= tensor_budget
@@ -781,7 +834,7 @@ def plan(
             cand = sorted(blocks)
         floor = {u: max(1, int(chan[u] * (1 - max_ratio))) for u in cand}
         floor = {u: k for u, k in floor.items() if k < chan[u]}
-        if not floor:
+        if not floor or mode != MODE:  # only Rep-Net plans prune
             raise _impossible(total_saving, config({}, saving, path_batch, chan), budget_bytes,
                               tensor_budget, budget_scope, preset, auto, resolution)
         total_floor = record((0, 0), floor, saving, path_batch, chan)  # impossible unless it fits
@@ -958,14 +1011,12 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
 
     from edgetl.memory.meter import measure_training_peak
     from edgetl.memory.schedule import prepare_step
-    from edgetl.models.side import LeanOptions, build_network
+    from edgetl.models.side import build_network
 
     c = plan.chosen
-    lean = LeanOptions(pool=c.pool, bn="fold", frozen_weights=c.frozen_weights, precision=c.precision,
-                       stream=c.stream)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = build_network(copy.deepcopy(plan.spec), MODE, device=device, lean=lean)
+        net = build_network(copy.deepcopy(plan.spec), c.mode, device=device, lean=lean_options(c.storage))
     # the step the plan predicted (and finetune runs): its schedule fitted and applied
     prepare_step(net, resolution=plan.resolution, batch_size=c.batch_size, step=plan_step())
     measured = measure_training_peak(net, resolution=plan.resolution, batch_size=c.batch_size,

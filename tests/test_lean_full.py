@@ -237,3 +237,20 @@ def test_finetune_lean_full_run_folder_exports_the_network_that_trained(calibrat
     x = torch.randn(4, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(exported(x), lean.eval()(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--storage", "pool3"], "invalid choice: 'pool3'"),
+    (["--keep", "1.5"], "1.5 is not allowed; allowed: a fraction in (0, 1]"),
+    (["--set", "model.keep=0"], "model.keep: 0.0 is not allowed; allowed: a fraction in (0, 1]"),
+    (["--runtime", "stock", "--storage", "pool2"], "model.storage need the lean runtime"),
+    (["--mode", "bn+last", "--runtime", "lean"], "the lean runtime allows"),
+])
+def test_finetune_cli_bad_storage_input_exit_2_no_run_folder(args, needle, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["finetune", "--recipe", "fashion_mnist", "--backbone", "mobilenet_v2:random", "--mode", "full",
+            "-o", str(out), *args]
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not out.exists()

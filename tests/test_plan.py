@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -346,3 +347,81 @@ def test_prune_and_finetune_take_the_plan(tmp_path, sweep, capsys):
         recipe_from_args(build_parser(only="finetune").parse_args(
             ["finetune", "--recipe", "fashion_mnist", "--plan", str(path), "--backbone", str(pruned),
              "--set", "data.resolution=96", "-o", str(tmp_path / "run")]))
+
+
+# ----------------------------------------------------------------------------- modes (issue #16 item 4)
+
+
+def mode_total(mode: str, storage: Storage, batch: int = 8) -> int:
+    """Independent runtime accounting of a planned bias or full configuration on TINY."""
+    from edgetl.memory.schedule import prepare_step
+
+    lean = LeanOptions(pool=storage.pool, bn="fold", frozen_weights=storage.frozen_weights,
+                       precision=storage.precision, stream=storage.stream, storage=storage.conv_storage)
+    net = build_network(dataclasses.replace(TINY, num_classes=102), mode, device="meta", lean=lean)
+    prepare_step(net, resolution=RES, batch_size=batch)
+    return runtime_report(net, mode=mode, resolution=RES, batch_size=batch).total_bytes
+
+
+def test_full_plans_the_least_coarse_storage_that_fits_and_is_monotone():
+    """Lean full fine-tuning's ladder is exact -> pool2 -> pool4; a larger budget never stores coarser."""
+    ladder = storage_ladder(mode="full")
+    assert [s.conv_storage for s in ladder] == ["exact", "pool2", "pool4"]
+    totals = [mode_total("full", s) for s in ladder]
+    assert totals[0] > totals[1] > totals[2]
+    chosen = []
+    for budget in (totals[2], (totals[1] + totals[2]) // 2, totals[1], totals[0] - 1, totals[0]):
+        result = tiny_plan(budget, mode="full")
+        c = result.chosen
+        assert (c.mode, c.kept, c.precision, c.frozen_weights, c.stream) == ("full", {}, "fp32", "fp32", 0)
+        assert result.predicted_bytes == mode_total("full", c.storage) <= budget
+        chosen.append(ladder.index(c.storage))
+    assert chosen == [2, 2, 1, 1, 0]
+    with pytest.raises(PlanImpossible, match=re.escape("mode full | storage pool4")):
+        tiny_plan(totals[2] - 1, mode="full")
+
+
+def test_bias_plans_stream_and_storage_but_never_pool_or_prune():
+    ladder = storage_ladder(mode="bias", half="bf16")
+    assert {s.pool for s in ladder} == {1} and ladder[1].stream == 1
+    exact = mode_total("bias", ladder[0])
+    result = tiny_plan(exact - 1, mode="bias")
+    c = result.chosen
+    assert c.mode == "bias" and c.kept == {} and c.pool == 1 and c.stream >= 1  # streaming comes first
+    assert result.predicted_bytes == mode_total("bias", c.storage) <= exact - 1
+    assert tiny_plan(exact, mode="bias").chosen.storage == ladder[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "bias"])
+def test_mode_plans_verify_round_trip_and_reach_finetune(mode, tmp_path):
+    from edgetl.cli import build_parser
+    from edgetl.cli.finetune import recipe_from_args
+
+    ladder = storage_ladder(mode=mode, half="bf16")
+    result = tiny_plan(mode_total(mode, ladder[1]), mode=mode)
+    assert verify_plan(result, steps=2) == result.predicted_bytes
+    path = tmp_path / "plan.yaml"
+    result.save(path)
+    assert load_plan(path).to_dict() == result.to_dict()
+    args = build_parser(only="finetune").parse_args(
+        ["finetune", "--recipe", "fashion_mnist", "--plan", str(path), "--set", f"data.resolution={RES}",
+         "-o", str(tmp_path / "run")])
+    recipe = recipe_from_args(args)
+    c = result.chosen
+    assert (recipe.model.mode, recipe.model.runtime, recipe.model.storage) == (mode, "lean", c.conv_storage)
+    assert (recipe.model.stream, recipe.train.batch_size) == (c.stream, c.batch_size)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(mode="last"), "mode 'last' is not planned; allowed: repnet, bias, full"),
+    (dict(mode="full", precision="bf16"), "precision bf16 is not allowed with mode full"),
+    (dict(mode="full", stream=1), "stream 1 is not allowed with mode full"),
+    (dict(mode="bias", pool=2), "pool 2 is not allowed with mode bias"),
+    (dict(mode="full", blocks=[2]), "planned for mode repnet only"),
+])
+def test_mode_bad_input_is_one_line(kw, needle):
+    from edgetl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        tiny_plan(100 * MB, **kw)
+    assert needle in str(info.value) and "\n" not in str(info.value)

@@ -57,6 +57,10 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=nonnegative_int, help=f"warm-up rounds (default {DEFAULTS['warmup']})")
     p.add_argument("--verify-images", type=nonnegative_int, default=64,
                    help="re-measure the largest batch when batch x resolution^2 <= this x 224^2")
+    p.add_argument("--largest-steps", type=nonnegative_int, default=3,
+                   help="timed steps of each method at its largest batch (images/s at that batch); 0: skip")
+    p.add_argument("--largest-cap", type=positive_int, default=256,
+                   help="time at most this batch for the images/s at the largest batch")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny scale: width {QUICK['width']}, {QUICK['resolution']} px, budget {QUICK['budget']}, "
                         f"{QUICK['steps']} steps (explicit flags still win)")
@@ -81,7 +85,8 @@ def _command(args, pick) -> str:
     """The resolved command line (every value explicit), stored with the result."""
     parts = ["edgetl", "bench", "--resolution", pick("resolution"), "--batch-size", args.batch_size,
              "--num-classes", args.num_classes, "--width", f"{pick('width'):g}", "--budget", pick("budget"),
-             "--steps", pick("steps"), "--warmup", pick("warmup")]
+             "--steps", pick("steps"), "--warmup", pick("warmup"), "--largest-steps", args.largest_steps,
+             "--largest-cap", args.largest_cap]
     if args.device != "cpu":
         parts += ["--device", args.device]
     if args.methods is not None:
@@ -106,7 +111,7 @@ def run(args) -> int:
             resolution=pick("resolution"), batch_size=args.batch_size, num_classes=args.num_classes,
             width=pick("width"), budget_bytes=budget, methods=args.methods, steps=pick("steps"),
             warmup=pick("warmup"), device=args.device, verify_images=args.verify_images,
-            command=_command(args, pick),
+            command=_command(args, pick), largest_steps=args.largest_steps, largest_cap=args.largest_cap,
         )
     if args.markdown:
         print(to_markdown(result), end="")

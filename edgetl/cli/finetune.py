@@ -59,8 +59,9 @@ def add_parser(sub) -> None:
                                "instead of --backbone")
     p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
     p.add_argument("--plan", metavar="PLAN",
-                   help="plan.yaml from edgetl plan: supplies --pool, --precision, --frozen-weights, --stream, "
-                        "--batch-size and --budget (explicit flags win); checks the backbone's pruning")
+                   help="plan.yaml from edgetl plan: supplies --mode, --runtime, --storage, --pool, --precision, "
+                        "--frozen-weights, --stream, --batch-size and --budget (explicit flags win); checks the "
+                        "backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B)")
     p.add_argument("--batch-size", type=positive_int, help="train.batch_size")
@@ -100,7 +101,8 @@ def apply_plan(args) -> None:
     plan = load_plan(args.plan)
     c = plan.chosen
     for name, value in (("pool", c.pool), ("precision", c.precision), ("frozen_weights", c.frozen_weights),
-                        ("stream", c.stream), ("batch_size", c.batch_size), ("budget", plan.tensor_budget_bytes)):
+                        ("stream", c.stream), ("batch_size", c.batch_size), ("budget", plan.tensor_budget_bytes),
+                        ("mode", c.mode), ("runtime", "lean"), ("storage", c.conv_storage)):
         if getattr(args, name) is None:
             setattr(args, name, value)
     want = plan.spec.hidden

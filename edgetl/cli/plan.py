@@ -21,7 +21,7 @@ def batch_type(text: str):
 
 
 def add_parser(sub) -> None:
-    from edgetl.plan import DEVICES, MAX_BATCH_SIZE, MAX_RATIO
+    from edgetl.plan import DEVICES, MAX_BATCH_SIZE, MAX_RATIO, PLAN_MODES
 
     p = sub.add_parser(
         "plan",
@@ -39,7 +39,9 @@ def add_parser(sub) -> None:
             "the exact configuration fits. All plans lie on one path, so a larger budget never "
             "prunes more, pools coarser or shrinks the batch. --verify measures real training "
             "steps of the planned network. An impossible budget exits with code 2 and the "
-            "smallest budget that works."
+            "smallest budget that works. --mode bias plans bias-only TinyTL-B (no pooling or "
+            "pruning); --mode full plans lean full fine-tuning (BN folded, every conv trains), whose "
+            "lever is what each conv keeps for its weight gradient: exact, then pooled by 2, then by 4."
         ),
         epilog="example: edgetl plan --budget 256MB --device orin-nano-8gb --verify -o plan.yaml",
         formatter_class=HelpFormatter,
@@ -51,6 +53,8 @@ def add_parser(sub) -> None:
                         "device overheads (CUDA context, allocator slack), subtracted first")
     p.add_argument("--device", default="none", choices=tuple(DEVICES),
                    help="device preset whose overheads are shown (and subtracted with --budget-scope process)")
+    p.add_argument("--mode", choices=PLAN_MODES, default="repnet",
+                   help="what fine-tunes: Rep-Net side network, bias-only TinyTL-B, or lean full fine-tuning")
     p.add_argument("--batch-size", type=batch_type, default=8, metavar="N|auto",
                    help="fixed batch, or auto: the largest that fits")
     p.add_argument("--max-batch-size", type=positive_int, default=MAX_BATCH_SIZE, help="upper end for auto")
@@ -73,14 +77,20 @@ def add_parser(sub) -> None:
 
 
 def _storage(c) -> str:
+    if c.mode == "full":
+        return f"each conv keeps its input {c.conv_storage}"
     stream = f", backbone streamed by {c.stream}" if c.stream else ""
-    return f"k={c.pool}, activations {c.precision}, frozen weights {c.frozen_weights}{stream}"
+    pool = f"k={c.pool}, " if c.mode == "repnet" else ""
+    return f"{pool}activations {c.precision}, frozen weights {c.frozen_weights}{stream}"
 
 
 def _pruning(c) -> str:
     if not c.kept:
         return "none"
     return ", ".join(f"{b}: {c.channels[b]}->{c.kept[b]}" for b in c.blocks)
+
+
+_MODE_NAMES = {"repnet": "Rep-Net", "bias": "bias-only TinyTL-B", "full": "lean full fine-tuning"}
 
 
 def print_plan(plan) -> None:
@@ -91,7 +101,7 @@ def print_plan(plan) -> None:
         ["ratios (edgetl prune)", ", ".join(f"{r:g}" for r in c.ratios) or "-"],
         ["storage", _storage(c)],
         ["batch size", f"{c.batch_size}" + (" (auto)" if plan.request["batch_size"] == "auto" else "")],
-        ["input", f"{plan.resolution} px, {plan.num_classes} classes, Rep-Net, Adam"],
+        ["input", f"{plan.resolution} px, {plan.num_classes} classes, {_MODE_NAMES[c.mode]}, Adam"],
     ])
     print()
     rows = [[name, fmt_mb(value)] for name, value in plan.breakdown.items()]
@@ -130,7 +140,7 @@ def run(args) -> int:
     result = plan(budget_bytes=args.budget, device_preset=args.device, budget_scope=args.budget_scope,
                   batch_size=args.batch_size, resolution=args.resolution, num_classes=args.num_classes,
                   precision=args.precision, stream=args.stream, backbone=args.backbone, width=args.width,
-                  max_ratio=args.max_ratio, max_batch_size=args.max_batch_size)
+                  max_ratio=args.max_ratio, max_batch_size=args.max_batch_size, mode=args.mode)
     if args.verify:
         verify_plan(result)
     print_plan(result)
