@@ -124,6 +124,7 @@ def profile(
     measure_steps: int = 3,
     runtime: str = "auto",
     lean: LeanOptions | None = None,
+    step_in_backward: bool = False,
 ) -> MemoryReport:
     """Profile the activation memory of fine-tuning MobileNetV2 in ``mode``.
 
@@ -143,7 +144,13 @@ def profile(
             where the mode allows). Paper accounting always walks the stock network.
         lean: lean runtime options (pooling, precision, frozen weights, BN); defaults
             to ``LeanOptions()``.
+        step_in_backward: the step updates each parameter inside backward as soon as its
+            gradient is complete (``edgetl.step.step_in_backward``; runtime accounting and
+            measurement).
     """
+    from edgetl.step import Step
+
+    step = Step.plain(step_in_backward=step_in_backward)
     check_options(mode=mode, accounting=accounting, resolution=resolution,
                   batch_size=batch_size, frozen_bits=frozen_bits)
     spec = resolve_spec(checkpoint=checkpoint, num_classes=num_classes, width=width)
@@ -158,9 +165,9 @@ def profile(
         from edgetl.memory.schedule import prepare_step
 
         net = build_network(spec, mode, device="meta", lean=lean_options)
-        schedule = prepare_step(net, resolution=resolution, batch_size=batch_size)
-        report = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size)
-        ops = count_step_ops(net, resolution=resolution, batch_size=batch_size)
+        schedule = prepare_step(net, resolution=resolution, batch_size=batch_size, step=step)
+        report = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size, step=step)
+        ops = count_step_ops(net, resolution=resolution, batch_size=batch_size, step=step)
         report.step_ops = {"forward": ops.forward, "backward": ops.backward, "optimizer": ops.optimizer}
         if lean_options is not None:
             report.schedule = schedule.to_dict()
@@ -170,9 +177,9 @@ def profile(
         from edgetl.memory.schedule import prepare_step
 
         real = build_network(spec, mode, device=device, lean=lean_options)
-        prepare_step(real, resolution=resolution, batch_size=batch_size)  # the step predicted above
+        prepare_step(real, resolution=resolution, batch_size=batch_size, step=step)  # the step predicted above
         report.measured_peak_bytes = measure_training_peak(
-            real, resolution=resolution, batch_size=batch_size, steps=measure_steps
+            real, resolution=resolution, batch_size=batch_size, steps=measure_steps, step=step
         )
         log.info("measured peak %.2f MB", report.measured_peak_bytes / MB)
     return report

@@ -163,6 +163,11 @@ class OptimConfig:
             launches; temporaries the size of the whole group instead of one parameter).
             PyTorch would pick by device; edgetl sets it, so the memory it predicts is the
             memory the update takes on every device.
+        step_in_backward: update each parameter as soon as its gradient is complete, inside
+            backward (post-accumulate-grad hooks), and free that gradient at once, so not
+            all gradients are alive together (issue #14 item 3). The same weights as the
+            ordinary step; incompatible with gradient accumulation or clipping across
+            parameters, DDP, fp16 loss scaling, foreach and streamed segments (edgetl.step).
     """
 
     name: Literal["adam", "sgd"]
@@ -177,6 +182,7 @@ class OptimConfig:
     decay_norm_and_bias: bool = True
     warmup_epochs: float = 0.0
     foreach: bool = False
+    step_in_backward: bool = False
 
     def check(self, where: str) -> None:
         for name in ("lr", "lr_head", "lr_side"):

@@ -15,6 +15,11 @@ A step is::
     optimizer.step()                         # the recipe's optimizer, foreach set explicitly
     optimizer.zero_grad(set_to_none=True)    # no gradient lives into the next forward
 
+With ``optim.step_in_backward`` (issue #14 item 3) each parameter is updated inside
+``loss.backward()`` as soon as its gradient is complete, and that gradient freed at once
+(``Step.optimizer`` registers the hooks); ``optimizer.step()`` then finds no gradient
+left and does nothing.
+
 ``Step.from_recipe`` takes the optimizer, its parameter groups (side / head learning
 rates, weight decay, no decay for 1-d parameters where asked) and the loss from a recipe;
 ``Step()`` is the plain step the memory tools use when no recipe is given (Adam 1e-3,
@@ -67,6 +72,16 @@ class Step:
             raise ConfigError(f"unknown optimizer {self.optim.name!r}; allowed: {', '.join(OPTIMIZERS)}")
         if self.bn not in BN_MODES:
             raise ConfigError(f"unknown bn mode {self.bn!r}; allowed: {', '.join(BN_MODES)}")
+        if self.in_backward:
+            for on, what in ((self.ddp, "DDP (gradients are all-reduced in buckets after backward)"),
+                             (self.optim.foreach, "optim.foreach (one parameter is updated at a time)")):
+                if on:
+                    raise ConfigError(f"optim.step_in_backward cannot run with {what}; allowed: one of the two")
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether the update runs inside backward, parameter by parameter (``step_in_backward``)."""
+        return self.optim.step_in_backward
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, *, ddp: bool = False) -> "Step":
@@ -92,8 +107,16 @@ class Step:
         return param_groups(model, self.optim)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The optimizer over ``model``'s trainable parameters, in this step's groups."""
-        return build_optimizer(self.param_groups(model), self.optim)
+        """The optimizer over ``model``'s trainable parameters, in this step's groups.
+
+        With ``step_in_backward`` it is also hooked into backward (``step_in_backward``);
+        the hooks of an optimizer made earlier for ``model`` are removed first.
+        """
+        optimizer = build_optimizer(self.param_groups(model), self.optim)
+        for handle in getattr(model, "_edgetl_step_hooks", ()):
+            handle.remove()
+        model._edgetl_step_hooks = step_in_backward(optimizer) if self.in_backward else []
+        return optimizer
 
 
 def resolve_step(step: Step | None, optimizer: str | None = None, lr: float = 1e-3) -> Step:
@@ -144,6 +167,25 @@ def build_optimizer(groups: list[dict], optim: OptimConfig) -> torch.optim.Optim
     raise ConfigError(f"unknown optimizer {optim.name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
+def step_in_backward(optimizer: torch.optim.Optimizer) -> list:
+    """Update each parameter of ``optimizer`` inside backward once its gradient is complete.
+
+    PyTorch's post-accumulate-grad hook pattern: the hook runs right after autograd has
+    accumulated a parameter's gradient, when that parameter is the only one holding a
+    gradient (earlier ones were freed by their hooks, later ones are not accumulated
+    yet), so ``optimizer.step()`` updates exactly it, with its own group's rate and its
+    own state; the gradient is then freed. One optimizer object keeps every state and
+    rate, so schedulers and checkpoints work unchanged. Not for gradient accumulation or
+    clipping across parameters (each update happens before the next gradient exists).
+    Returns the hook handles.
+    """
+    def hook(p: torch.Tensor) -> None:
+        optimizer.step()
+        p.grad = None
+
+    return [p.register_post_accumulate_grad_hook(hook) for g in optimizer.param_groups for p in g["params"]]
+
+
 def set_train_mode(model: nn.Module, bn: str) -> None:
     """train(); with bn "fold", frozen BN layers stay in eval mode (fixed statistics, foldable)."""
     model.train()
@@ -183,6 +225,9 @@ def training_step(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer,
             loss = mix(loss, logits)
     del logits
     if scaler is not None:
+        if step.in_backward:
+            raise ConfigError("optim.step_in_backward cannot run with fp16 loss scaling (the scaler checks "
+                              "every gradient before any update); allowed: bf16 or fp32")
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()

@@ -273,3 +273,70 @@ def test_a_bf16_lean_run_records_bf16_and_resumes_in_bf16(tmp_path, monkeypatch)
     model = json.loads((out / "model.json").read_text())
     assert model["recipe"]["model"]["precision"] == "bf16" and model["lean"]["precision"] == "bf16"
     assert model["lean"]["schedule"]["batch_size"] == BATCH
+
+
+# ----------------------------------------------------------------------------- step in backward (issue #14 item 3)
+
+IN_BACKWARD_NETS = {
+    "repnet-lean": ("repnet", LeanOptions(pool=2)),
+    "repnet-lean-stream": ("repnet", LeanOptions(pool=1, stream=1)),
+    "bias-lean-stream": ("bias", LeanOptions(pool=1, stream=1)),
+    "full-lean-pool2": ("full", LeanOptions(storage="pool2")),
+    "full-stock": ("full", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_BACKWARD_NETS))
+def test_step_in_backward_gives_the_ordinary_steps_weights(name):
+    """Bit for bit the weights of the ordinary step after three steps (Adam with weight
+    decay, SGD with momentum), and no gradient left once backward returns."""
+    import copy
+
+    from edgetl.step import training_step
+
+    mode, lean = IN_BACKWARD_NETS[name]
+    torch.manual_seed(0)
+    net = build_network(SPEC, mode, lean=lean)
+    x, y = torch.randn(BATCH, 3, RES, RES), torch.randint(0, 10, (BATCH,))
+    for opt, kw in (("adam", dict(weight_decay=1e-4)), ("sgd", dict(momentum=0.9))):
+        a, b = copy.deepcopy(net), copy.deepcopy(net)
+        plain, hooked = Step.plain(opt, 1e-2, **kw), Step.plain(opt, 1e-2, step_in_backward=True, **kw)
+        for model, step in ((a, plain), (b, hooked)):
+            prepare_step(model, resolution=RES, batch_size=BATCH, step=step)
+        oa = plain.optimizer(a)
+        hooked.optimizer(b)  # an optimizer made again for the same model replaces the first one's hooks
+        ob = hooked.optimizer(b)
+        for i in range(3):
+            torch.manual_seed(i)  # the classifier's dropout draws the same mask
+            training_step(a, plain, oa, x, y)
+            torch.manual_seed(i)
+            training_step(b, hooked, ob, x, y)
+            assert all(p.grad is None for p in b.parameters())
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p, q), (name, opt, n)
+
+
+@pytest.mark.parametrize("name", sorted(IN_BACKWARD_NETS))
+def test_step_in_backward_is_predicted_exactly(name):
+    """Each update inside backward (its own temporaries, then its gradient freed) is in the
+    runtime accounting: equal to the meter to the byte."""
+    mode, lean = IN_BACKWARD_NETS[name]
+    step = Step.plain("adam", weight_decay=1e-4, step_in_backward=True)
+    torch.manual_seed(0)
+    net = build_network(SPEC, mode, lean=lean)
+    prepare_step(net, resolution=RES, batch_size=BATCH, step=step)
+    predicted = runtime_report(net, mode=mode, resolution=RES, batch_size=BATCH, step=step).total_bytes
+    assert predicted == measure_training_peak(net, resolution=RES, batch_size=BATCH, steps=2, step=step)
+    assert optimizer_cost(net, step).param_step_bytes is not None
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(foreach=True), "optim.step_in_backward cannot run with optim.foreach"),
+])
+def test_step_in_backward_refuses_what_it_cannot_run(changes, needle):
+    from edgetl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        Step.plain("adam", step_in_backward=True, **changes)
+    with pytest.raises(ConfigError, match="cannot run with DDP"):
+        Step(optim=Step.plain("adam", step_in_backward=True).optim, ddp=True)

@@ -83,6 +83,9 @@ def add_parser(sub) -> None:
                         "for its weight gradient: its input exact, pooled by 2 or 4, or compressed")
     p.add_argument("--keep", type=keep_type, metavar="FRACTION",
                    help="model.keep: share of each map's coefficients a compressor storage keeps, in (0, 1]")
+    p.add_argument("--step-in-backward", action="store_true", default=None,
+                   help="optim.step_in_backward: update each parameter inside backward as soon as its gradient "
+                        "is complete and free the gradient (same weights; not with DDP, foreach or fp16 scaling)")
     p.add_argument("--set", dest="overrides", action="append", type=override, default=[],
                    metavar="KEY=VALUE", help="any recipe value, e.g. --set optim.lr_side=1e-3")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
@@ -125,7 +128,7 @@ def recipe_from_args(args):
              "model.pool": args.pool, "model.precision": args.precision,
              "model.frozen_weights": args.frozen_weights, "model.stream": args.stream,
              "model.mode": args.mode, "model.runtime": args.runtime, "model.storage": args.storage,
-             "model.keep": args.keep}
+             "model.keep": args.keep, "optim.step_in_backward": args.step_in_backward}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     recipe = load_recipe(args.recipe, overrides=overrides)
     planned = getattr(args, "plan_resolution", None)

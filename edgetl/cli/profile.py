@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
                            "(haar, db3, dct, threshold; keeping --keep of each map's coefficients)")
     lean.add_argument("--keep", type=keep_type, default=0.1, metavar="FRACTION",
                       help="share of each map's coefficients a compressor storage keeps, in (0, 1]")
+    lean.add_argument("--step-in-backward", action="store_true",
+                      help="update each parameter inside backward as soon as its gradient is complete and free "
+                           "the gradient (not all gradients alive at once; same weights)")
     p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune) or a weights name (mobilenet_v2:IMAGENET1K_V1)")
     p.add_argument("--measure", action="store_true",
                    help="also run real training steps (forward, backward, Adam) and measure the peak")
@@ -148,6 +151,7 @@ def run(args) -> int:
         lean=LeanOptions(pool=args.pool, bn=args.bn, frozen_weights=args.frozen_weights,
                          precision=args.precision, stream=args.stream, storage=args.storage,
                          keep=args.keep),
+        step_in_backward=args.step_in_backward,
     )
     print_report(report)
     if args.json:

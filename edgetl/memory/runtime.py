@@ -240,11 +240,15 @@ class OptimizerCost:
 
     state_bytes: int
     step_extra_bytes: int
+    # step_in_backward: id of each trainable parameter of the network -> what updating it
+    # alone allocates on top of params, grads and state (None: the ordinary step)
+    param_step_bytes: dict[int, int] | None = None
 
 
 def optimizer_cost(net: nn.Module, step: Step) -> OptimizerCost:
     """Run the step's real optimizer twice on meta stand-ins of ``net``'s trainable parameters
-    (same groups, shapes, dtypes) under the storage meter: exact for any optimizer setting."""
+    (same groups, shapes, dtypes) under the storage meter: exact for any optimizer setting.
+    With ``step_in_backward`` each parameter is updated alone, as its hook does."""
     from edgetl.memory.meter import StorageMeter
     from edgetl.step import build_optimizer
 
@@ -256,6 +260,8 @@ def optimizer_cost(net: nn.Module, step: Step) -> OptimizerCost:
     meter = StorageMeter()
     meter.register(params)
     peaks = []
+    if step.in_backward:
+        return _in_backward_cost(optimizer, meter, stand)
     try:
         with meter:
             for _ in range(2):
@@ -271,6 +277,29 @@ def optimizer_cost(net: nn.Module, step: Step) -> OptimizerCost:
     (base1, peak1, after1), (base2, peak2, _) = peaks
     state = after1 - base1
     return OptimizerCost(state, max(peak1 - base1 - state, peak2 - base2, 0))
+
+
+def _in_backward_cost(optimizer, meter, stand: dict[int, nn.Parameter]) -> OptimizerCost:
+    """``optimizer_cost`` of ``edgetl.step.step_in_backward``: each parameter updated alone
+    (the first round creates the state, the second is the steady step), its gradient then freed."""
+    extra: dict[int, int] = {}
+    try:
+        with meter:
+            base0 = meter.current_bytes
+            for round_ in range(2):
+                for key, p in stand.items():
+                    p.grad = torch.empty_like(p)
+                    base = meter.current_bytes
+                    meter.reset_peak()
+                    optimizer.step()
+                    if round_:
+                        extra[key] = meter.peak_bytes - base
+                    p.grad = None
+                if not round_:
+                    state = meter.current_bytes - base0
+    finally:
+        meter.close()
+    return OptimizerCost(state, 0, extra)
 
 
 # ----------------------------------------------------------------------------- data flow
@@ -726,13 +755,29 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
             mem.unref(g_out)
         for v, key in outs:
             deliver(v, key)
+        if g_out is not None and opt.param_step_bytes is not None and op.module is not None:
+            # step_in_backward: each parameter's hook updates it and frees its gradient, in
+            # the order the engine reaches them: a layer's backward returns its parameters'
+            # gradients in their order, except nn.Linear's weight, which comes through a
+            # transpose node after the bias (checked against the meter, tests/test_step.py)
+            params = leaf_parameters(op.module)
+            if isinstance(op.module, nn.Linear):
+                params.reverse()
+            for p in params:
+                if p.requires_grad:
+                    mem.alloc(("ostep", id(p)), opt.param_step_bytes[id(p)])
+                    sample(f"update {op.name}", op.block, False)
+                    _drop(mem, ("ostep", id(p)))
+                    grads["bytes"] -= p.numel() * p.element_size()
 
     replay(loss.backward[ops_end:], False, "backward")  # e.g. the engine's ones_like root grad
-    # ---- optimizer step: everything but params' grads and state is gone (``OptimizerCost``)
-    res.optimizer_peak_bytes = static + train_bytes + opt.step_extra_bytes + mem.bytes
+    # ---- optimizer step: everything but params' grads and state is gone (``OptimizerCost``);
+    # with step_in_backward the gradients are gone too and the step finds nothing to do
+    left = train_bytes if opt.param_step_bytes is None else grads["bytes"]
+    res.optimizer_peak_bytes = static + left + opt.step_extra_bytes + mem.bytes
     if res.optimizer_peak_bytes > res.peak_bytes:
         res.peak_bytes, res.peak_at = res.optimizer_peak_bytes, "optimizer step"
-        res.peak_parts = {**parts, "grads": train_bytes, "saved": 0, "extra": opt.step_extra_bytes + mem.bytes}
+        res.peak_parts = {**parts, "grads": left, "saved": 0, "extra": opt.step_extra_bytes + mem.bytes}
     for k in step_keys:
         mem.unref(k)
     return res
