@@ -648,7 +648,7 @@ def plot_bench(result: BenchResult, path: str | Path) -> None:
     rows = result.rows
     idx = list(range(len(rows)))
     labels = [r.label.replace(", ", ",\n").replace(" + ", "\n+ ") for r in rows]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5.5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(17, 7.5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
     ax.bar(idx, [r.measured_bytes / MB for r in rows], color="#337ab7",
            label="allocated peak (CUDA)" if has_reserved(result) else "measured peak")
     pi = [i for i, r in enumerate(rows) if r.paper_bytes is not None]
@@ -664,7 +664,7 @@ def plot_bench(result: BenchResult, path: str | Path) -> None:
                     xytext=(0, 3), textcoords="offset points", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("training memory, MB (10^6 B), log scale")
-    ax.set_xticks(idx, labels, rotation=60, ha="right", fontsize=8)
+    ax.set_xticks(idx, labels, rotation=70, ha="right", fontsize=7)
     ax.set_title(f"memory at batch {result.batch_size}")
     ax.legend(fontsize=8)
     bx.barh([i - 0.2 for i in idx], [r.images_per_s for r in rows], height=0.4, color="#5cb85c",
