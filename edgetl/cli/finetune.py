@@ -39,7 +39,9 @@ def add_parser(sub) -> None:
         description=(
             "Fine-tune only the Rep-Net side network and the classifier on a frozen backbone, on "
             "edgetl's lean runtime (BN folded, frozen convs keep no input, 1-bit ReLU6 masks, "
-            "side activations stored average-pooled by --pool). Before training, the runtime "
+            "side activations stored average-pooled by --pool); or, with --mode, another method "
+            "(--mode full --runtime lean: every conv trains with BN folded, its input kept by "
+            "--storage). Before training, the runtime "
             "accounting predicts the peak memory of a step; above --budget the run is refused "
             "with the breakdown and the largest batch that fits. Resumable with --resume."
         ),
