@@ -747,11 +747,9 @@ def plan(
     if mode not in PLAN_MODES:
         raise ConfigError(f"mode {mode!r} is not planned; allowed: {', '.join(PLAN_MODES)}")
     if mode == "full":
-        fixed = {"precision": (precision, "fp32"), "frozen_weights": (frozen_weights, "fp32"), "stream": (stream, 0)}
-        for name, (value, allowed) in fixed.items():
-            if value not in (None, allowed):
-                raise ConfigError(f"{name} {value} is not allowed with mode full (its convs train in fp32, "
-                                  f"nothing is frozen); allowed: {allowed}")
+        from edgetl.models.lean_full import check_full_options
+
+        check_full_options("mode full", precision=precision, frozen_weights=frozen_weights, stream=stream)
     if mode != MODE and pool not in (None, 1):
         raise ConfigError(f"pool {pool} is not allowed with mode {mode} (no side network); allowed: 1")
     if mode != MODE and blocks:
@@ -823,6 +821,9 @@ def plan(
                 bad = mid
         chosen = config({}, ladder[good], path_batch, chan)
         chosen_pos = (1, top - good)
+    elif mode != MODE:  # only Rep-Net plans prune: the ladder's end was the last chance
+        raise _impossible(total_saving, config({}, saving, path_batch, chan), budget_bytes,
+                          tensor_budget, budget_scope, preset, auto, resolution)
     else:
         # The path's per-block model reads batch-1 peaks without frozen-weight dequantisation
         # temporaries: those do not grow with the batch and would mislead the model.
@@ -834,7 +835,7 @@ def plan(
             cand = sorted(blocks)
         floor = {u: max(1, int(chan[u] * (1 - max_ratio))) for u in cand}
         floor = {u: k for u, k in floor.items() if k < chan[u]}
-        if not floor or mode != MODE:  # only Rep-Net plans prune
+        if not floor:
             raise _impossible(total_saving, config({}, saving, path_batch, chan), budget_bytes,
                               tensor_budget, budget_scope, preset, auto, resolution)
         total_floor = record((0, 0), floor, saving, path_batch, chan)  # impossible unless it fits

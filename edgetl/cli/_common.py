@@ -51,14 +51,17 @@ def positive_float(text: str) -> float:
 
 
 def keep_type(text: str) -> float:
-    """A share of coefficients to keep: a number in (0, 1]."""
+    """A share of coefficients to keep: a number in (0, 1] (``edgetl.models.compress.check_fraction``)."""
+    from edgetl.models.compress import check_fraction
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a fraction in (0, 1]") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: a fraction in (0, 1]")
-    return value
+    try:
+        return check_fraction(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def writable_file(text: str) -> Path:

@@ -259,9 +259,9 @@ def optimizer_cost(net: nn.Module, step: Step) -> OptimizerCost:
     optimizer = build_optimizer(meta_groups, step.optim)
     meter = StorageMeter()
     meter.register(params)
-    peaks = []
     if step.in_backward:
         return _in_backward_cost(optimizer, meter, stand)
+    peaks = []
     try:
         with meter:
             for _ in range(2):

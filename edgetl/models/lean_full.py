@@ -60,6 +60,21 @@ def check_storage(storage: str, keep: float) -> tuple[str, float]:
     return storage, check_fraction(keep)
 
 
+# Options lean full fine-tuning cannot change: its convs train in fp32 with BN folded,
+# and nothing is frozen to stream or quantise
+FULL_FIXED = {"bn": "fold", "precision": "fp32", "frozen_weights": "fp32", "stream": 0}
+
+
+def check_full_options(context: str, **given) -> None:
+    """Raise a one-line ConfigError for an option of ``FULL_FIXED`` given another value
+    (None: not given). ``context`` names the caller, e.g. "mode full"."""
+    for name, value in given.items():
+        allowed = FULL_FIXED[name]
+        if value is not None and value != allowed:
+            raise ConfigError(f"{name} {value} is not allowed with {context} (its convs train in fp32 with "
+                              f"BN folded, nothing frozen); allowed: {allowed}")
+
+
 def stored_conv(conv: nn.Conv2d, storage: str, keep: float = DEFAULT_KEEP) -> nn.Conv2d:
     """``conv`` (weights, trainability kept) as the conv that keeps its input by ``storage``."""
     check_storage(storage, keep)

@@ -244,14 +244,10 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
     from edgetl.models.lean_side import leanify_network
 
     if trains_backbone_convs(net):
-        from edgetl.models.lean_full import leanify_full
+        from edgetl.models.lean_full import check_full_options, leanify_full
 
-        refused = {"bn": (lean.bn, "fold"), "precision": (lean.precision, "fp32"),
-                   "frozen_weights": (lean.frozen_weights, "fp32"), "stream": (lean.stream, 0)}
-        for name, (value, allowed) in refused.items():
-            if value != allowed:
-                raise ConfigError(f"{name} {value} is not allowed with lean full fine-tuning (its convs "
-                                  f"train in fp32 with BN folded); allowed: {allowed}")
+        check_full_options("lean full fine-tuning", bn=lean.bn, precision=lean.precision,
+                           frozen_weights=lean.frozen_weights, stream=lean.stream)
         leanify_full(net, storage=lean.storage, keep=lean.keep)
         net.micro_batch = None
         return net
