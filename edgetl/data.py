@@ -40,11 +40,10 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
 from edgetl.errors import ConfigError, DataError, ResourceError
+from edgetl.imagenet import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger(__name__)
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
 FASHION_MNIST_DIRS = ("/usr/share/datasets/fashion-mnist",)
 FASHION_MNIST_CLASSES = (
@@ -62,27 +61,37 @@ BAD_IMAGE_POLICIES = ("error", "skip")
 # --- transforms (DESIGN 3) -------------------------------------------------------------
 
 
-def train_transform(resolution: int):
-    """RandomResizedCrop(scale 0.22-1) + horizontal flip + ImageNet normalisation."""
+def _to_tensor(uint8: bool) -> list:
+    """The last steps: ImageNet normalisation into fp32, or the uint8 pixels themselves for a
+    network that normalises its own batch (``edgetl.models.lean.InputNorm``, the same values)."""
+    from torchvision import transforms as T
+
+    if uint8:
+        return [T.PILToTensor()]
+    return [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+
+
+def train_transform(resolution: int, uint8: bool = False):
+    """RandomResizedCrop(scale 0.22-1) + horizontal flip + ImageNet normalisation (``uint8``:
+    left to the network)."""
     from torchvision import transforms as T
 
     return T.Compose([
         T.RandomResizedCrop(resolution, scale=(0.22, 1.0)),
         T.RandomHorizontalFlip(),
-        T.ToTensor(),
-        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        *_to_tensor(uint8),
     ])
 
 
-def eval_transform(resolution: int):
-    """Resize the short side to resolution / 0.875, centre crop, ImageNet normalisation."""
+def eval_transform(resolution: int, uint8: bool = False):
+    """Resize the short side to resolution / 0.875, centre crop, ImageNet normalisation
+    (``uint8``: left to the network)."""
     from torchvision import transforms as T
 
     return T.Compose([
         T.Resize(int(math.floor(resolution / 0.875))),
         T.CenterCrop(resolution),
-        T.ToTensor(),
-        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        *_to_tensor(uint8),
     ])
 
 
@@ -806,12 +815,15 @@ def build_datasets(
     seed: int = 0,
     on_bad_image: str = "error",
     check: bool = True,
+    uint8: bool = False,
 ) -> DataSplits:
     """Train/val datasets of a preset with DESIGN 3 transforms, class subset and caps applied.
 
     Args:
         on_bad_image: "error" or "skip": what an unreadable image file does (``check_images``).
         check: check every image file now (``check_images``); False leaves it to the caller.
+        uint8: images come as uint8 pixels, to be normalised by the network
+            (``model.uint8_input``); else as the normalised fp32 tensor.
     """
     if on_bad_image not in BAD_IMAGE_POLICIES:
         raise ConfigError(f"data.on_bad_image: {on_bad_image!r} is not allowed; allowed: {', '.join(BAD_IMAGE_POLICIES)}")
@@ -821,8 +833,8 @@ def build_datasets(
         raise DataError(f"{preset} at {root}: no samples left after selecting classes {list(classes or [])}")
     skip = on_bad_image == "skip"
     splits = DataSplits(
-        train=TransformedDataset(train, train_transform(resolution), seed=seed, skip_bad=skip),
-        val=TransformedDataset(val, eval_transform(resolution), seed=seed, skip_bad=skip),
+        train=TransformedDataset(train, train_transform(resolution, uint8), seed=seed, skip_bad=skip),
+        val=TransformedDataset(val, eval_transform(resolution, uint8), seed=seed, skip_bad=skip),
         classes=list(train.classes),
     )
     return check_images(splits, on_bad_image) if check else splits
@@ -835,6 +847,7 @@ def datasets_from_recipe(recipe, check: bool = True) -> DataSplits:
         preset=d.preset, resolution=d.resolution, root=d.root, classes=d.classes,
         max_samples=d.max_samples, max_val_samples=d.max_val_samples, download=d.download,
         seed=recipe.train.seed, on_bad_image=d.on_bad_image, check=check,
+        uint8=bool(getattr(recipe.model, "uint8_input", False)),
     )
 
 

@@ -149,6 +149,13 @@ class Storage:
     frozen_weights: str
     stream: int = 0  # micro-batch of the streamed frozen backbone; 0: not streamed
     conv_storage: str = "exact"  # lean full fine-tuning: what each trained conv keeps (LeanOptions.storage)
+    recompute: bool = False  # streamed segments may run forward again in backward (LeanOptions.recompute)
+
+    @property
+    def uint8_input(self) -> bool:
+        """A streamed plan keeps the batch as uint8 pixels until each micro-batch needs them:
+        the same values, 1 byte a value (``LeanOptions.uint8_input``)."""
+        return self.stream > 0
 
 
 @dataclass
@@ -163,6 +170,8 @@ class PlanConfig:
         stream: micro-batch of the streamed frozen backbone (``edgetl.models.stream``); 0: none.
         mode: the fine-tuning mode planned (``PLAN_MODES``).
         conv_storage: mode full: what each trained conv keeps for its weight gradient.
+        recompute: streamed segments may keep their input and run forward again in
+            backward where that lowers the peak (``LeanOptions.recompute``).
     """
 
     kept: dict[int, int]
@@ -174,6 +183,7 @@ class PlanConfig:
     stream: int = 0
     mode: str = MODE
     conv_storage: str = "exact"
+    recompute: bool = False
 
     @property
     def blocks(self) -> list[int]:
@@ -191,6 +201,7 @@ class PlanConfig:
     def describe(self) -> str:
         prune = ", ".join(f"{b}:{self.channels[b]}->{self.kept[b]}" for b in self.blocks) or "none"
         stream = f" | stream {self.stream}" if self.stream else ""
+        stream += " (recompute)" if self.recompute else ""
         if self.mode == "full":
             return f"mode full | storage {self.conv_storage} | batch {self.batch_size}"
         head = "" if self.mode == MODE else f"mode {self.mode} | "
@@ -199,8 +210,13 @@ class PlanConfig:
                 f"| batch {self.batch_size}{stream}")
 
     @property
+    def uint8_input(self) -> bool:
+        return self.storage.uint8_input
+
+    @property
     def storage(self) -> "Storage":
-        return Storage(self.pool, self.precision, self.frozen_weights, self.stream, self.conv_storage)
+        return Storage(self.pool, self.precision, self.frozen_weights, self.stream, self.conv_storage,
+                       self.recompute)
 
     def to_dict(self) -> dict:
         return {
@@ -210,6 +226,7 @@ class PlanConfig:
             "finetune": {"mode": self.mode, "runtime": "lean", "pool": self.pool, "precision": self.precision,
                          "frozen_weights": self.frozen_weights, "bn": "fold",
                          "batch_size": self.batch_size, "stream": self.stream,
+                         "uint8_input": self.uint8_input, "recompute": self.recompute,
                          "storage": self.conv_storage},
         }
 
@@ -219,9 +236,9 @@ class PlanConfig:
         p, f = data["prune"], data["finetune"]
         _check_keys(p, {"blocks", "ratios", "channels", "kept"}, f"{where}.prune")
         # plans written before streaming stream nothing; before issue #16 every plan was Rep-Net's
-        f = {"stream": 0, "runtime": "lean", "storage": "exact", **f}
+        f = {"stream": 0, "runtime": "lean", "storage": "exact", "recompute": False, **f}
         _check_keys(f, {"mode", "runtime", "pool", "precision", "frozen_weights", "bn", "batch_size", "stream",
-                        "storage"}, f"{where}.finetune")
+                        "storage", "recompute", "uint8_input"} - ({"uint8_input"} - set(f)), f"{where}.finetune")
         kept = {int(b): int(k) for b, k in p["kept"].items()}
         channels = {int(b): int(c) for b, c in p["channels"].items()}
         if sorted(kept) != sorted(channels) or sorted(kept) != [int(b) for b in p["blocks"]]:
@@ -236,9 +253,15 @@ class PlanConfig:
             raise ConfigError(f"{where}.finetune.storage: {f['storage']!r}; allowed: {', '.join(CONV_STORAGES)} "
                               "(mode full), exact (other modes)")
         config = cls(kept, channels, int(f["pool"]), str(f["precision"]), str(f["frozen_weights"]),
-                     int(f["batch_size"]), int(f["stream"]), str(f["mode"]), str(f["storage"]))
+                     int(f["batch_size"]), int(f["stream"]), str(f["mode"]), str(f["storage"]),
+                     bool(f["recompute"]))
+        if config.recompute and not config.stream:
+            raise ConfigError(f"{where}.finetune.recompute: true needs stream >= 1 (it applies to streamed segments)")
         if config.stream < 0:
             raise ConfigError(f"{where}.finetune.stream: {config.stream}; allowed: 0 (off) or >= 1")
+        if f.get("uint8_input", config.uint8_input) != config.uint8_input:
+            raise ConfigError(f"{where}.finetune.uint8_input: {f['uint8_input']!r}; a plan keeps the batch uint8 "
+                              f"exactly when it streams (allowed here: {config.uint8_input})")
         _check_storage(config.pool, config.precision, config.frozen_weights, where)
         if config.batch_size < 1:
             raise ConfigError(f"{where}.finetune.batch_size: {config.batch_size}; allowed: >= 1")
@@ -546,6 +569,7 @@ def storage_ladder(*, pool: int | None = None, precision: str | None = None,
 
     if stream is None:  # streaming first: it costs no accuracy (issue #14), only speed
         step(stream=1)
+        step(recompute=True)  # then forward again in backward where masks outweigh inputs
 
     if frozen_weights is None:
         step(frozen_weights="fp16")
@@ -574,7 +598,8 @@ def lean_options(storage: Storage):
     from edgetl.models.side import LeanOptions
 
     return LeanOptions(pool=storage.pool, bn="fold", frozen_weights=storage.frozen_weights,
-                       precision=storage.precision, stream=storage.stream, storage=storage.conv_storage)
+                       precision=storage.precision, stream=storage.stream, storage=storage.conv_storage,
+                       uint8_input=storage.uint8_input, recompute=storage.recompute)
 
 
 class _Evaluator:
@@ -780,7 +805,8 @@ def plan(
     def config(kept, storage, batch, chan):
         stream = storage.stream if storage.stream < batch else 0  # m >= batch streams nothing
         return PlanConfig(dict(kept), {b: chan[b] for b in kept}, storage.pool, storage.precision,
-                          storage.frozen_weights, batch, stream, mode, storage.conv_storage)
+                          storage.frozen_weights, batch, stream, mode, storage.conv_storage,
+                          storage.recompute and stream > 0)
 
     def fits(total):
         return total <= tensor_budget
@@ -858,8 +884,10 @@ def plan(
         chosen_pos = (0, i)
 
     if chosen.stream and stream is None:
-        chosen = _largest_micro_batch(chosen, lambda c: ev.total(c.kept, c.storage, c.batch_size),
-                                      tensor_budget)
+        total_of = lambda c: ev.total(c.kept, c.storage, c.batch_size)  # noqa: E731
+        if chosen.recompute and total_of(dataclasses.replace(chosen, recompute=False)) <= tensor_budget:
+            chosen = dataclasses.replace(chosen, recompute=False)  # recomputing costs speed
+        chosen = _largest_micro_batch(chosen, total_of, tensor_budget)
     report = ev.report(chosen.kept, chosen.storage, chosen.batch_size)
     runners = _runners_up(evaluated, chosen_pos, chosen, tensor_budget)
     notes = []

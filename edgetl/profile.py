@@ -125,6 +125,7 @@ def profile(
     runtime: str = "auto",
     lean: LeanOptions | None = None,
     step_in_backward: bool = False,
+    fused: bool = False,
 ) -> MemoryReport:
     """Profile the activation memory of fine-tuning MobileNetV2 in ``mode``.
 
@@ -147,10 +148,11 @@ def profile(
         step_in_backward: the step updates each parameter inside backward as soon as its
             gradient is complete (``edgetl.step.step_in_backward``; runtime accounting and
             measurement).
+        fused: the step's optimizer runs fused kernels (``optim.fused``).
     """
     from edgetl.step import Step
 
-    step = Step.plain(step_in_backward=step_in_backward)
+    step = Step.plain(step_in_backward=step_in_backward, fused=fused)
     check_options(mode=mode, accounting=accounting, resolution=resolution,
                   batch_size=batch_size, frozen_bits=frozen_bits)
     spec = resolve_spec(checkpoint=checkpoint, num_classes=num_classes, width=width)

@@ -110,6 +110,10 @@ class ModelConfig:
         storage: lean full fine-tuning: what each backbone conv keeps for its weight
             gradient (exact, pool2, pool4, haar, db3, dct, threshold).
         keep: share of each map's coefficients a compressor storage keeps, in (0, 1].
+        uint8_input: the loaders yield uint8 pixels and the network normalises them, micro-batch
+            by micro-batch where it streams (lean frozen backbone; ``LeanOptions.uint8_input``).
+        recompute: streamed segments keep their input and run forward again in backward where
+            that lowers the peak (``LeanOptions.recompute``); needs stream.
     """
 
     mode: Mode
@@ -123,6 +127,8 @@ class ModelConfig:
     runtime: Literal["auto", "lean", "stock"] = "auto"
     storage: str = "exact"
     keep: float = 0.1
+    uint8_input: bool = False
+    recompute: bool = False
 
     def check(self, where: str) -> None:
         from edgetl.models.lean_full import STORAGES
@@ -137,6 +143,8 @@ class ModelConfig:
             raise ConfigError(f"{where}.pool: {self.pool} is not allowed; allowed: >= 1")
         if self.stream < 0:
             raise ConfigError(f"{where}.stream: {self.stream} is not allowed; allowed: 0 (off) or >= 1")
+        if self.recompute and not self.stream:
+            raise ConfigError(f"{where}.recompute needs {where}.stream >= 1 (it applies to streamed segments)")
         if self.stream and self.bn != "fold":
             raise ConfigError(f"{where}.stream: {self.stream} needs {where}.bn fold (got {self.bn}): "
                               "with batch statistics the samples of a batch depend on each other")
@@ -163,11 +171,15 @@ class OptimConfig:
             launches; temporaries the size of the whole group instead of one parameter).
             PyTorch would pick by device; edgetl sets it, so the memory it predicts is the
             memory the update takes on every device.
+        fused: one fused kernel per parameter (PyTorch's ``fused=True``, CPU and CUDA): no
+            temporaries beyond the state, where the single-tensor update allocates two of a
+            parameter's size. The same update up to float rounding (not bit for bit the
+            unfused one); not with foreach.
         step_in_backward: update each parameter as soon as its gradient is complete, inside
             backward (post-accumulate-grad hooks), and free that gradient at once, so not
             all gradients are alive together (issue #14 item 3). The same weights as the
             ordinary step; incompatible with gradient accumulation or clipping across
-            parameters, DDP, fp16 loss scaling, foreach and streamed segments (edgetl.step).
+            parameters, DDP, fp16 loss scaling and foreach (edgetl.step).
     """
 
     name: Literal["adam", "sgd"]
@@ -182,6 +194,7 @@ class OptimConfig:
     decay_norm_and_bias: bool = True
     warmup_epochs: float = 0.0
     foreach: bool = False
+    fused: bool = False
     step_in_backward: bool = False
 
     def check(self, where: str) -> None:
@@ -191,6 +204,8 @@ class OptimConfig:
                 raise ConfigError(f"{where}.{name}: {value} is not allowed; allowed: > 0")
         if self.lr is None and self.lr_head is None:
             raise ConfigError(f"{where}: missing learning rate; set {where}.lr or {where}.lr_head")
+        if self.fused and self.foreach:
+            raise ConfigError(f"{where}.fused and {where}.foreach are both on; allowed: one of the two")
         if self.weight_decay < 0:
             raise ConfigError(f"{where}.weight_decay: {self.weight_decay} is not allowed; allowed: >= 0")
         if not 0 <= self.label_smoothing < 1:

@@ -156,13 +156,15 @@ def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
 
 def build_optimizer(groups: list[dict], optim: OptimConfig) -> torch.optim.Optimizer:
     """The optimizer ``optim`` names, with ``foreach`` set explicitly (PyTorch's default
-    differs by device: multi-tensor on CUDA, whose temporaries are a whole group's size)."""
+    differs by device: multi-tensor on CUDA, whose temporaries are a whole group's size), or
+    fused kernels (``optim.fused``)."""
+    kind = dict(foreach=optim.foreach, fused=True) if optim.fused else dict(foreach=optim.foreach)
     if optim.name == "adam":
-        return torch.optim.Adam(groups, weight_decay=optim.weight_decay, foreach=optim.foreach)
+        return torch.optim.Adam(groups, weight_decay=optim.weight_decay, **kind)
     if optim.name == "sgd":
         return torch.optim.SGD(
             groups, lr=groups[0]["lr"], momentum=optim.momentum or 0.0,
-            nesterov=optim.nesterov, weight_decay=optim.weight_decay, foreach=optim.foreach,
+            nesterov=optim.nesterov, weight_decay=optim.weight_decay, **kind,
         )
     raise ConfigError(f"unknown optimizer {optim.name!r}; allowed: {', '.join(OPTIMIZERS)}")
 

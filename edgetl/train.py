@@ -60,10 +60,12 @@ LAST, BEST = "last.pt", "best.pt"
 RECIPE_FILE = "recipe.yaml"
 METRICS_CSV, METRICS_JSONL = "metrics.csv", "metrics.jsonl"
 # Recipe keys that may change between a run and its resume without changing the result.
+# Streaming, recomputing and a uint8 batch change where the bytes go, not what is computed.
 RESUME_MAY_CHANGE = ("data.root", "data.download", "data.on_bad_image", "train.workers",
-                     "model.stream")  # streaming changes where the bytes go, not what is computed
+                     "model.stream", "model.uint8_input", "model.recompute")
 # settings added after checkpoints were first written: one that a checkpoint lacks ran as this
-ADDED_SETTINGS = {"optim.foreach": False, "model.stream": 0}
+ADDED_SETTINGS = {"optim.foreach": False, "model.stream": 0, "model.uint8_input": False,
+                  "model.recompute": False, "optim.fused": False}
 # Upper bounds of what torch.save adds to the tensor data: zip headers, 64-byte alignment and
 # pickled key names per tensor (about 330 B measured), the pickle, recipe and RNG states.
 FILE_BYTES_PER_TENSOR = 512

@@ -70,12 +70,13 @@ def test_ratios_against_stock_repnet(result):
     assert result.row("repnet-lean").memory_ratio < 0.5
     assert result.row("repnet-pruned-pool2-bf16-int8").memory_ratio < result.row("repnet-lean").memory_ratio
     # streamed rows (issue #14): less memory than their unstreamed twins, speed against them
-    for name in ("repnet-lean-stream", "repnet-pruned-pool2-bf16-int8-stream"):
+    for name in ("repnet-lean-stream", "repnet-pruned-pool2-bf16-int8-stream", "bias-lean-stream"):
         row = result.row(name)
         twin = result.row(row.unstreamed)
         assert row.measured_bytes <= twin.measured_bytes  # at 64 px the pruned peak is elsewhere
         assert row.unstreamed_throughput_ratio == pytest.approx(row.images_per_s / twin.images_per_s)
     assert result.row("repnet-lean-stream").measured_bytes < result.row("repnet-lean").measured_bytes
+    assert result.row("bias-lean-stream").measured_bytes < result.row("bias-lean").measured_bytes
     assert all(r.unstreamed_throughput_ratio is None for r in result.rows if not r.unstreamed)
     # lean TinyTL-B (issue #16 item 1) beside its stock row
     assert result.row("bias-lean").measured_bytes < result.row("bias").measured_bytes
@@ -175,7 +176,8 @@ def test_plan_row_is_the_plan_for_the_budget(result):
     row = result.row(PLAN)
     c = chosen.chosen
     assert row.lean == {"pool": c.pool, "bn": "fold", "frozen_weights": c.frozen_weights, "precision": c.precision,
-                        "stream": c.stream, "storage": "exact", "keep": 0.1}
+                        "stream": c.stream, "storage": "exact", "keep": 0.1, "uint8_input": c.uint8_input,
+                        "recompute": c.recompute}
     assert row.hidden == {str(b): k for b, k in c.kept.items()}
     assert row.runtime_bytes == chosen.predicted_bytes <= BUDGET
     assert c.describe() in row.note

@@ -197,7 +197,7 @@ def test_streamed_finetune_trains_as_the_unstreamed_run_and_records_its_segments
         assert runs[m].measured_peak_bytes == runs[m].predicted.total_bytes
     assert runs[1].predicted.total_bytes < runs[0].predicted.total_bytes
     schedule = json.loads((tmp_path / "m1" / "model.json").read_text())["lean"]["schedule"]
-    assert [s["micro_batch"] for s in schedule["streamed_segments"]] == [1] * 13
+    assert [s["micro_batch"] for s in schedule["streamed_segments"]] == [1] * 12
     assert len(losses[0]) == len(losses[1]) == 8
     assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-5)
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)

@@ -340,3 +340,51 @@ def test_step_in_backward_refuses_what_it_cannot_run(changes, needle):
         Step.plain("adam", step_in_backward=True, **changes)
     with pytest.raises(ConfigError, match="cannot run with DDP"):
         Step(optim=Step.plain("adam", step_in_backward=True).optim, ddp=True)
+
+
+# ----------------------------------------------------------------------------- fused optimizer kernels (issue #14)
+
+
+@pytest.mark.parametrize("optimizer, kw", [("adam", dict(weight_decay=1e-4)), ("sgd", dict(momentum=0.9))])
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_fused_updates_are_predicted_exactly_and_allocate_nothing(optimizer, kw, in_backward):
+    """Fused kernels (no meta implementation: the accounting runs them on CPU zeros) add no
+    temporaries beyond the state; the whole step equals the meter to the byte."""
+    step = Step.plain(optimizer, 1e-2, fused=True, step_in_backward=in_backward, **kw)
+    torch.manual_seed(0)
+    net = build_network(SPEC, "repnet", lean=LeanOptions(pool=1, stream=1, uint8_input=True))
+    cost = optimizer_cost(net, step)
+    assert cost.step_extra_bytes == 0 and not any((cost.param_step_bytes or {}).values())
+    prepare_step(net, resolution=RES, batch_size=BATCH, step=step)
+    predicted = runtime_report(net, mode="repnet", resolution=RES, batch_size=BATCH, step=step).total_bytes
+    assert predicted == measure_training_peak(net, resolution=RES, batch_size=BATCH, steps=2, step=step)
+
+
+def test_fused_in_backward_gives_the_ordinary_fused_weights_and_unfused_ones_nearly():
+    import copy
+
+    from edgetl.step import training_step
+
+    torch.manual_seed(0)
+    net = build_network(SPEC, "repnet", lean=LeanOptions(pool=2))
+    x, y = torch.randn(BATCH, 3, RES, RES), torch.randint(0, 10, (BATCH,))
+    nets = [copy.deepcopy(net) for _ in range(3)]
+    steps = [Step.plain("adam", 1e-2, fused=True), Step.plain("adam", 1e-2, fused=True, step_in_backward=True),
+             Step.plain("adam", 1e-2)]
+    optimizers = [s.optimizer(n) for s, n in zip(steps, nets)]
+    for i in range(3):
+        for n, s, o in zip(nets, steps, optimizers):
+            torch.manual_seed(i)
+            training_step(n, s, o, x, y)
+    for (name, p), q, r in zip(nets[0].named_parameters(), nets[1].parameters(), nets[2].parameters()):
+        assert torch.equal(p, q), name
+        # unfused: another rounding, within a tenth of one step's size (lr) after 3 steps
+        assert (p - r).abs().max() < 1e-3, name
+
+
+def test_fused_and_foreach_are_refused_together():
+    from edgetl.errors import ConfigError
+    from edgetl.recipe import load_recipe
+
+    with pytest.raises(ConfigError, match="optim.fused and optim.foreach are both on"):
+        load_recipe("fashion_mnist", {"optim.fused": True, "optim.foreach": True})

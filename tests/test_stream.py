@@ -109,8 +109,9 @@ def test_streaming_is_data_in_the_schedule():
 
 
 def test_segments_end_where_the_side_network_reads_or_writes():
+    """The first side module reads the image, not its tap block's input: blocks 0-2 are one."""
     assert segments_of(19, (2, 4, 7, 11, 14, 17)) == (
-        (0, 2), (2, 3), (3, 4), (4, 5), (5, 7), (7, 8), (8, 11), (11, 12), (12, 14), (14, 15),
+        (0, 3), (3, 4), (4, 5), (5, 7), (7, 8), (8, 11), (11, 12), (12, 14), (14, 15),
         (15, 17), (17, 18), (18, 19))
     assert segments_of(19, ()) == ((0, 19),)
 
@@ -122,12 +123,12 @@ def test_streaming_needs_folded_bn():
         LeanOptions(stream=-1)
     net = build_network(SPEC, "repnet", lean=LeanOptions(bn="batch"), device="meta")
     with pytest.raises(ConfigError, match="needs BN folded"):
-        apply_streams(net, {0: (2, 1)})
+        apply_streams(net, {0: (3, 1)})
     net = build_network(SPEC, "repnet", lean=LeanOptions(stream=1), device="meta")
     with pytest.raises(ConfigError, match="needs bn fold"):
         fit_schedule(net, resolution=RES, batch_size=4, step=Step(bn="batch"))
     with pytest.raises(ConfigError, match="not a streamable segment"):
-        apply_streams(net, {0: (3, 1)})
+        apply_streams(net, {0: (2, 1)})
 
 
 def test_recipe_and_cli_refuse_streaming_with_batch_statistics(tmp_path, capsys):
@@ -150,7 +151,7 @@ def test_profile_prints_the_streamed_segments(capsys):
                  "--batch-size", "4", "--num-classes", "10", "--stream", "1", "--measure"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "backbone streamed in micro-batches of 1 (segments 0:2 2:3 3:4" in out
+    assert "backbone streamed in micro-batches of 1 (segments 0:3 3:4 4:5" in out
     assert "prediction vs measured: +0.0%" in out
 
 
@@ -175,3 +176,48 @@ def test_a_big_batch_is_measured_at_two_small_ones_and_still_exact(mode, batch, 
     prepare_step(net, resolution=RES, batch_size=batch)
     predicted = runtime_report(net, mode=mode, resolution=RES, batch_size=batch).total_bytes
     assert predicted == measure_training_peak(net, resolution=RES, batch_size=batch, steps=2)
+
+
+@pytest.mark.parametrize("mode", ["repnet", "bias"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_recomputed_segments_give_the_streamed_results_bit_for_bit(mode, m):
+    """A recomputing segment runs each micro-batch's forward again in backward: the same
+    masks, so the same gradients as keeping them."""
+    torch.manual_seed(0)
+    kept = build_network(SPEC, mode, lean=LeanOptions(pool=2, precision="bf16", frozen_weights="int8"))
+    again = copy.deepcopy(kept)
+    taps = tuple(kept.side.taps) if kept.side is not None else ()
+    segments = {a: (b, m) for a, b in segments_of(len(kept.features), taps)}
+    apply_streams(kept, segments)
+    apply_streams(again, segments, recompute=tuple(segments))
+    assert all(s.recompute for s in again.streams.values())
+    x, y = torch.randn(5, 3, RES, RES).to(torch.bfloat16), torch.randint(0, CLASSES, (5,))
+    out_a, grads_a = _grads(kept, x, y)
+    out_b, grads_b = _grads(again, x, y)
+    assert torch.equal(out_b, out_a)
+    for name in grads_a:
+        assert torch.equal(grads_b[name], grads_a[name]), name
+
+
+@pytest.mark.parametrize("mode, batch, m, uint8", [("repnet", 4, 1, True), ("repnet", 5, 2, False),
+                                                   ("bias", 4, 1, True), ("bias", 13, 3, False)])
+def test_recompute_is_chosen_where_it_lowers_the_peak_and_predicted_exactly(mode, batch, m, uint8):
+    torch.manual_seed(0)
+    lean = dict(pool=2, stream=m, precision="bf16", frozen_weights="int8", uint8_input=uint8)
+    net = build_network(SPEC, mode, lean=LeanOptions(**lean, recompute=True))
+    schedule = prepare_step(net, resolution=RES, batch_size=batch)
+    assert schedule.recompute and Schedule.from_dict(json.loads(json.dumps(schedule.to_dict()))) == schedule
+    assert {s.start for s in net.streams.values() if s.recompute} == set(schedule.recompute)
+    predicted = runtime_report(net, mode=mode, resolution=RES, batch_size=batch).total_bytes
+    assert predicted == measure_training_peak(net, resolution=RES, batch_size=batch, steps=2)
+    plain = build_network(SPEC, mode, lean=LeanOptions(**lean), device="meta")
+    prepare_step(plain, resolution=RES, batch_size=batch)
+    assert predicted < runtime_report(plain, mode=mode, resolution=RES, batch_size=batch).total_bytes
+
+
+def test_recompute_needs_streaming():
+    with pytest.raises(ConfigError, match="recompute applies to streamed segments"):
+        LeanOptions(recompute=True)
+    net = build_network(SPEC, "repnet", lean=LeanOptions(stream=1), device="meta")
+    with pytest.raises(ConfigError, match="recomputes but is not a streamed segment"):
+        apply_streams(net, {0: (3, 1)}, recompute=(3,))

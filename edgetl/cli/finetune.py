@@ -62,8 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
     p.add_argument("--plan", metavar="PLAN",
                    help="plan.yaml from edgetl plan: supplies --mode, --runtime, --storage, --pool, --precision, "
-                        "--frozen-weights, --stream, --batch-size and --budget (explicit flags win); checks the "
-                        "backbone's pruning")
+                        "--frozen-weights, --stream, --recompute, --uint8-input, --batch-size and --budget "
+                        "(explicit flags win); checks the backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B)")
     p.add_argument("--batch-size", type=positive_int, help="train.batch_size")
@@ -85,6 +85,15 @@ def add_parser(sub) -> None:
                         "for its weight gradient: its input exact, pooled by 2 or 4, or compressed")
     p.add_argument("--keep", type=keep_type, metavar="FRACTION",
                    help="model.keep: share of each map's coefficients a compressor storage keeps, in (0, 1]")
+    p.add_argument("--uint8-input", action="store_true", default=None,
+                   help="model.uint8_input: the loaders yield uint8 pixels and the network normalises them, "
+                        "micro-batch by micro-batch where it streams (same values, 1 byte a value)")
+    p.add_argument("--recompute", action="store_true", default=None,
+                   help="model.recompute, with --stream: segments whose saved masks outweigh their input keep "
+                        "the input and run forward again in backward, where that lowers the peak (same results)")
+    p.add_argument("--fused", action="store_true", default=None,
+                   help="optim.fused: fused optimizer kernels, no update temporaries (same update up to float "
+                        "rounding; not with foreach)")
     p.add_argument("--step-in-backward", action="store_true", default=None,
                    help="optim.step_in_backward: update each parameter inside backward as soon as its gradient "
                         "is complete and free the gradient (same weights; not with DDP, foreach or fp16 scaling)")
@@ -107,7 +116,8 @@ def apply_plan(args) -> None:
     c = plan.chosen
     for name, value in (("pool", c.pool), ("precision", c.precision), ("frozen_weights", c.frozen_weights),
                         ("stream", c.stream), ("batch_size", c.batch_size), ("budget", plan.tensor_budget_bytes),
-                        ("mode", c.mode), ("runtime", "lean"), ("storage", c.conv_storage)):
+                        ("mode", c.mode), ("runtime", "lean"), ("storage", c.conv_storage),
+                        ("uint8_input", c.uint8_input or None), ("recompute", c.recompute or None)):
         if getattr(args, name) is None:
             setattr(args, name, value)
     want = plan.spec.hidden
@@ -130,7 +140,9 @@ def recipe_from_args(args):
              "model.pool": args.pool, "model.precision": args.precision,
              "model.frozen_weights": args.frozen_weights, "model.stream": args.stream,
              "model.mode": args.mode, "model.runtime": args.runtime, "model.storage": args.storage,
-             "model.keep": args.keep, "optim.step_in_backward": args.step_in_backward}
+             "model.keep": args.keep, "model.uint8_input": args.uint8_input,
+             "model.recompute": args.recompute, "optim.fused": args.fused,
+             "optim.step_in_backward": args.step_in_backward}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     recipe = load_recipe(args.recipe, overrides=overrides)
     planned = getattr(args, "plan_resolution", None)

@@ -62,6 +62,14 @@ def add_parser(sub) -> None:
                            "(haar, db3, dct, threshold; keeping --keep of each map's coefficients)")
     lean.add_argument("--keep", type=keep_type, default=0.1, metavar="FRACTION",
                       help="share of each map's coefficients a compressor storage keeps, in (0, 1]")
+    lean.add_argument("--uint8-input", action="store_true",
+                      help="keep the batch as uint8 pixels and normalise inside the network, micro-batch by "
+                           "micro-batch where it streams (same values, 1 byte a value)")
+    lean.add_argument("--recompute", action="store_true",
+                      help="with --stream: segments whose saved masks outweigh their input keep the input and "
+                           "run forward again in backward, where that lowers the peak (same results, slower)")
+    lean.add_argument("--fused", action="store_true",
+                      help="fused optimizer kernels: no update temporaries (same update up to float rounding)")
     lean.add_argument("--step-in-backward", action="store_true",
                       help="update each parameter inside backward as soon as its gradient is complete and free "
                            "the gradient (not all gradients alive at once; same weights)")
@@ -150,8 +158,9 @@ def run(args) -> int:
         runtime=args.runtime,
         lean=LeanOptions(pool=args.pool, bn=args.bn, frozen_weights=args.frozen_weights,
                          precision=args.precision, stream=args.stream, storage=args.storage,
-                         keep=args.keep),
+                         keep=args.keep, uint8_input=args.uint8_input, recompute=args.recompute),
         step_in_backward=args.step_in_backward,
+        fused=args.fused,
     )
     print_report(report)
     if args.json:

@@ -221,7 +221,10 @@ def measure_training_memory(
     set_train_mode(net, step.bn)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
-    image = image.to(device, getattr(net, "input_dtype", torch.float32))
+    dtype = getattr(net, "input_dtype", torch.float32)
+    if dtype == torch.uint8:  # raw images (LeanOptions.uint8_input): the same draw, as pixels
+        image = image.mul_(64).add_(128).clamp_(0, 255)
+    image = image.to(device, dtype)
     labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
     for p in trainable:
         p.grad = None

@@ -46,6 +46,8 @@ class Schedule:
             mask packing, where more than one sample fits (others: one at a time).
         streams: first block -> (stop block, micro-batch) of each streamed frozen segment
             (``edgetl.models.stream``); the convs inside one are not scheduled one by one.
+        recompute: the first blocks of the streamed segments that keep their input and run
+            forward again in backward (``LeanOptions.recompute``; where that lowers the peak).
     """
 
     batch_size: int
@@ -54,6 +56,7 @@ class Schedule:
     sample_by_sample: tuple[str, ...] = ()
     mask_chunks: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     streams: dict[int, tuple[int, int]] = field(default_factory=dict)
+    recompute: tuple[int, ...] = ()
 
     @property
     def decisions(self) -> dict[str, bool]:
@@ -68,7 +71,7 @@ class Schedule:
                 "sample_by_sample_backward": list(self.sample_by_sample),
                 "forward_mask_chunks": {k: {"shape": list(shape), "chunk": chunk}
                                         for k, (shape, chunk) in self.mask_chunks.items()},
-                "streamed_segments": [{"blocks": [a, b], "micro_batch": m}
+                "streamed_segments": [{"blocks": [a, b], "micro_batch": m, "recompute": a in self.recompute}
                                       for a, (b, m) in sorted(self.streams.items())]}
 
     @classmethod
@@ -79,9 +82,10 @@ class Schedule:
                   for k, v in data.get("forward_mask_chunks", {}).items()}
         streams = {int(s["blocks"][0]): (int(s["blocks"][1]), int(s["micro_batch"]))
                    for s in data.get("streamed_segments", ())}
+        again = tuple(int(s["blocks"][0]) for s in data.get("streamed_segments", ()) if s.get("recompute"))
         return cls(int(data["batch_size"]), int(data["resolution"]),
                    {k: tuple(int(d) for d in v) for k, v in data.get("whole_batch_backward", {}).items()},
-                   tuple(data.get("sample_by_sample_backward", ())), chunks, streams)
+                   tuple(data.get("sample_by_sample_backward", ())), chunks, streams, again)
 
 
 def _frozen_convs(net: nn.Module) -> dict[str, FrozenConvBNAct]:
@@ -92,7 +96,7 @@ def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
     """Set every lean frozen conv of ``net`` as ``schedule`` says (others: sample by sample),
     and stream the segments it names (no others)."""
     if schedule.streams or getattr(net, "streams", None) is not None:
-        apply_streams(net, schedule.streams)
+        apply_streams(net, schedule.streams, schedule.recompute)
     convs = _frozen_convs(net)
     unknown = sorted((set(schedule.whole_batch) | set(schedule.mask_chunks)) - set(convs))
     if unknown:
@@ -119,6 +123,9 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
         for conv in convs.values():
             conv.whole_batch_shapes, conv.mask_chunks = frozenset(), {}
         res = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
+        again: tuple[int, ...] = ()
+        if streams and getattr(net, "recompute", False):
+            again, res = _fit_recompute(net, res, streams, resolution, batch_size, step)
         whole, kept = _fit_backward(res, names)
         chunks = _fit_forward(res, names)
     finally:
@@ -126,7 +133,32 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
             conv.whole_batch_shapes, conv.mask_chunks = saved[name]
         if streams or saved_streams is not None:
             net.streams = saved_streams
-    return Schedule(batch_size, resolution, whole, tuple(kept), chunks, streams)
+    return Schedule(batch_size, resolution, whole, tuple(kept), chunks, streams, again)
+
+
+def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: Step):
+    """The streamed segments worth recomputing, and the simulation with them: those whose
+    backward runs and whose saved bytes exceed the input they would keep instead (a uint8
+    image is kept anyway), taken together when that lowers the predicted peak."""
+    from edgetl.memory.cost import numel
+    from edgetl.models.stream import StreamedSegment
+
+    again = []
+    for module, args in res.layer_args.values():
+        if not isinstance(module, StreamedSegment) or not args["output_requires_grad"]:
+            continue
+        saved = layer_cost(module, **args).saved_new_bytes
+        kept = 0 if args["in_bytes"] == 1 else numel(args["in_shape"]) * args["in_bytes"]
+        if saved > kept:
+            again.append(module.start)
+    if not again:
+        return (), res
+    apply_streams(net, streams, tuple(again))
+    trial = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
+    if trial.peak_bytes < res.peak_bytes:
+        return tuple(sorted(again)), trial
+    apply_streams(net, streams)
+    return (), res
 
 
 def stream_segments(net: nn.Module, batch_size: int, step: Step) -> dict[int, tuple[int, int]]:

@@ -196,7 +196,8 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
         if len(list(module.children())) == 0:
             handles.append(module.register_forward_hook(record(name)))
 
-    x = torch.empty(batch_size, 3, resolution, resolution, device="meta")
+    x = torch.empty(batch_size, 3, resolution, resolution, device="meta",
+                    dtype=getattr(net, "input_dtype", torch.float32))
     try:
         with torch.no_grad():
             out = meta(x)

@@ -99,28 +99,41 @@ class EdgeNet(nn.Module):
         # streamed segments by first block (edgetl.models.stream.apply_streams); they hold
         # their blocks unregistered, so the state_dict is the same with or without them
         self.streams: nn.ModuleDict | None = None
+        # a uint8 batch's normalisation (edgetl.models.lean.InputNorm, LeanOptions.uint8_input)
+        self.input_norm: nn.Module | None = None
 
     def attach_side(self, side: nn.Module | None) -> None:
         self.side = side
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
-        x = image
         side = self.side
         taps = side.taps if side is not None else ()
         streams = self.streams if self.streams is not None else {}
+        x = image
+        norm = getattr(self, "input_norm", None)
+        if norm is not None and "0" not in streams:
+            # a uint8 batch (edgetl.models.lean.InputNorm) normalised here, unless the first
+            # streamed segment and the side's image pool take it micro-batch by micro-batch
+            x = norm(image)
+        first = x if taps else None  # the side's first module reads the (normalised) image
         i = 0
+        pooled = False  # the last streamed segment may end with the global pool (its tail)
         while i < len(self.features):
             segment = streams[str(i)] if str(i) in streams else None
             block = segment if segment is not None else self.features[i]
-            if i in taps:
-                j = taps.index(i)
-                side_in = image if j == 0 else x
+            last = segment.stop - 1 if segment is not None else i  # a segment may end at a tap
+            if last in taps:
+                j = taps.index(last)
+                side_in = first if j == 0 else x
+                first = None
                 x = block(x)
                 x = x + side.blocks[j](side_in, x.shape[-2:])
             else:
                 x = block(x)
+            pooled = segment is not None and segment.tail is not None
             i = segment.stop if segment is not None else i + 1
-        x = self.pool(x)
+        if not pooled:
+            x = self.pool(x)
         x = torch.flatten(x, 1)
         return self.classifier(x)
 

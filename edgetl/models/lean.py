@@ -45,6 +45,7 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import CapabilityError, ConfigError
+from edgetl.imagenet import IMAGENET_MEAN, IMAGENET_STD
 from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
 
 POOLS = (1, 2, 4)
@@ -53,6 +54,9 @@ POOLS = (1, 2, 4)
 MIN_POOLED_SIDE = 4
 BN_MODES = ("fold", "batch")
 WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
+# fp32 values per chunk when an int8 weight is dequantised into a half one: the fp32 copy of
+# the widest frozen conv (1280 x 320) alone would be 1.6 MB at the streamed step's peak
+DEQUANT_CHUNK = 1 << 16
 ACT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -419,6 +423,94 @@ class LeanAvgPool2d(nn.AvgPool2d):
         return LayerCost()
 
 
+class InputNorm(nn.Module):
+    """uint8 images (0-255, NCHW) in, the loaders' normalised batch out in ``out_dtype``
+    (issue #14 item 2): the same values as torchvision's ``ToTensor`` + ``Normalize`` and a
+    cast, bit for bit (``x.float() / 255``, then ``- mean``, ``/ std`` in fp32).
+
+    The batch then stays uint8 (1 byte a value) until a micro-batch of the first streamed
+    segment, or the side network's image pool, needs it. A half output is filled one sample
+    at a time through an fp32 sample. A float batch (already normalised: export, a caller's
+    own tensors) passes through unchanged. The statistics are non-persistent buffers, so
+    checkpoints and the exported model, whose input stays the normalised float batch the
+    preprocessing metadata describes, do not change."""
+
+    saved_rule = "none"
+
+    def __init__(self, mean=None, std=None, out_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean or IMAGENET_MEAN).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std or IMAGENET_STD).view(1, -1, 1, 1), persistent=False)
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` without module hooks: for callers that are one leaf of the accounting."""
+        if x.dtype != torch.uint8:
+            return x
+        if self.out_dtype == torch.float32:
+            return x.float().div_(255).sub_(self.mean).div_(self.std)
+        out = torch.empty(x.shape, dtype=self.out_dtype, device=x.device)
+        for i in range(x.shape[0]):
+            out[i:i + 1].copy_(x[i:i + 1].float().div_(255).sub_(self.mean).div_(self.std))
+        return out
+
+    def sample_temp_bytes(self, in_shape) -> int:
+        """The fp32 sample a half output is filled through (0 for an fp32 output)."""
+        return 0 if self.out_dtype == torch.float32 else _numel(in_shape[1:]) * 4
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        return LayerCost(forward_temp_bytes=self.sample_temp_bytes(in_shape) if in_bytes == 1 else 0,
+                         grad_input=False)
+
+
+class ImagePool(LeanAvgPool2d):
+    """The side network's pool of the image; a uint8 image is normalised (``norm``) and pooled
+    ``micro_batch`` samples at a time into the batch-sized pooled map, so no normalised
+    batch-sized image exists (``edgetl.models.stream.apply_streams`` sets both)."""
+
+    def __init__(self, kernel_size: int):
+        super().__init__(kernel_size)
+        self._norm: tuple[InputNorm, ...] = ()
+        self.micro_batch: int | None = None
+
+    def set_input(self, norm: InputNorm | None, micro_batch: int | None) -> None:
+        self._norm = (norm,) if norm is not None else ()
+        self.micro_batch = micro_batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.uint8:
+            return super().forward(x)
+        if not self._norm:
+            raise ConfigError("a uint8 image reached the side network's image pool without its normalisation")
+        norm, n = self._norm[0], x.shape[0]
+        m = self.micro_batch or n
+        out = None
+        for i in range(0, n, m):
+            part = F.avg_pool2d(norm.normalize(x[i:i + m]), self.kernel_size)
+            if out is None:
+                out = part.new_empty((n, *part.shape[1:]))
+            out[i:i + part.shape[0]].copy_(part)
+            del part
+        return out
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        if in_bytes != 1:
+            return super().runtime_cost(in_shape=in_shape, out_shape=out_shape, act_bytes=act_bytes,
+                                        input_requires_grad=input_requires_grad,
+                                        output_requires_grad=output_requires_grad, in_bytes=in_bytes)
+        n, norm = int(in_shape[0]), self._norm[0]
+        m = min(self.micro_batch or n, n)
+        # one micro-batch normalised (through its fp32 sample), then its pooled rows
+        rows = _numel((m, *in_shape[1:])) * act_bytes
+        phases = [rows + norm.sample_temp_bytes(in_shape), rows + _numel((m, *out_shape[1:])) * act_bytes]
+        return LayerCost(forward_temp_bytes=max(phases), grad_input=False)
+
+
 class _GlobalPoolFn(Function):
     @staticmethod
     def forward(ctx, x, out_dtype):
@@ -556,8 +648,21 @@ class FrozenConvBNAct(nn.Module):
         dtype = dtype or self.act_dtype
         if self.weight_scale is None:
             return self.weight.to(dtype)
-        w = self.weight.float()  # one fp32 buffer, scaled in place (same values as codes * scale)
-        return w.mul_(self.weight_scale.view(-1, 1, 1, 1)).to(dtype)
+        scale = self.weight_scale.view(-1, 1, 1, 1)
+        if dtype == torch.float32:  # one fp32 buffer, scaled in place (same values as codes * scale)
+            return self.weight.float().mul_(scale)
+        # a half weight: dequantised a few output channels at a time through a small fp32
+        # chunk (the same values as the whole weight in fp32 cast at once)
+        out = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+        rows = self._dequant_rows()
+        for i in range(0, out.shape[0], rows):
+            out[i:i + rows].copy_(self.weight[i:i + rows].float().mul_(scale[i:i + rows]))
+        return out
+
+    def _dequant_rows(self) -> int:
+        """Output channels dequantised at a time into a half weight (``DEQUANT_CHUNK`` values)."""
+        per_row = self.weight[0].numel()
+        return max(1, min(self.weight.shape[0], DEQUANT_CHUNK // per_row))
 
     def _uses_batch_stats(self) -> bool:
         return self.bn_mode == "batch" and self.training
@@ -582,10 +687,10 @@ class FrozenConvBNAct(nn.Module):
     def _dequant_bytes(self, dtype_bytes: int) -> tuple[int, int]:
         """(bytes of the dequantised weight, peak bytes while dequantising) in the act dtype."""
         w = self.weight.numel()
-        if self.weight_scale is not None:  # int8: one fp32 buffer scaled in place, then cast
-            if dtype_bytes == 4:
+        if self.weight_scale is not None:  # int8: one fp32 buffer scaled in place, or a half
+            if dtype_bytes == 4:           # weight filled through an fp32 chunk
                 return w * 4, w * 4
-            return w * dtype_bytes, w * (4 + dtype_bytes)
+            return w * dtype_bytes, w * dtype_bytes + self._dequant_rows() * self.weight[0].numel() * 4
         if self.weight.dtype == self.act_dtype:
             return 0, 0
         return w * dtype_bytes, w * dtype_bytes

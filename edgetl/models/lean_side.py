@@ -28,7 +28,7 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
-from edgetl.models.lean import LeanAvgPool2d, PooledConv2d, _check_pool
+from edgetl.models.lean import ImagePool, LeanAvgPool2d, PooledConv2d, _check_pool
 from edgetl.units import round_up
 
 _C = (1, -1, 1, 1)
@@ -236,7 +236,7 @@ class LeanSideModule(nn.Module):
         super().__init__()
         mid = mid_channels if mid_channels is not None else round_up(in_channels, 8)
         self.in_channels, self.mid_channels, self.out_channels = in_channels, mid, out_channels
-        self.pre_pool = LeanAvgPool2d(image_pool) if image_pool > 1 else None
+        self.pre_pool = ImagePool(image_pool) if image_pool > 1 else None
         self.pool = LeanAvgPool2d(2)
         self.conv1 = PooledConv2d(
             in_channels, mid, kernel_size, padding=kernel_size // 2, groups=groups, bias=False,

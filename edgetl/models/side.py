@@ -186,6 +186,14 @@ class LeanOptions:
         storage: mode full only: what each backbone conv keeps for its weight gradient
             (``edgetl.models.lean_full.STORAGES``: exact, pool2, pool4 or a compressor).
         keep: share of each map's coefficients a compressor storage keeps, in (0, 1].
+        uint8_input: the batch stays uint8 images (0-255) and the network normalises it
+            (``edgetl.models.lean.InputNorm``): micro-batch by micro-batch where the first
+            segment streams, else once, sample by sample into the activation dtype. The
+            loaders then yield uint8 (``edgetl.data``); same values as normalising there.
+        recompute: streamed segments whose saved masks outweigh their input keep the input
+            instead and run their forward again in backward, where that lowers the step's
+            peak (``edgetl.memory.schedule``); the same results, one more forward of those
+            blocks. Needs ``stream``.
     """
 
     pool: int = 2
@@ -195,6 +203,8 @@ class LeanOptions:
     stream: int = 0
     storage: str = "exact"
     keep: float = 0.1
+    uint8_input: bool = False
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         from edgetl.models.lean_full import check_storage
@@ -202,6 +212,8 @@ class LeanOptions:
         check_storage(self.storage, self.keep)
         if not isinstance(self.stream, int) or isinstance(self.stream, bool) or self.stream < 0:
             raise ConfigError(f"stream micro-batch {self.stream!r} is not allowed; allowed: 0 (off) or an integer >= 1")
+        if self.recompute and not self.stream:
+            raise ConfigError("recompute applies to streamed segments; allowed: recompute with stream >= 1")
         if self.stream and self.bn != "fold":
             raise ConfigError(f"streaming (micro-batch {self.stream}) needs bn fold: with bn {self.bn} "
                               "the samples of a batch depend on each other; allowed: bn fold, or stream 0")
@@ -246,6 +258,10 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
     if trains_backbone_convs(net):
         from edgetl.models.lean_full import check_full_options, leanify_full
 
+        if lean.uint8_input:
+            raise ConfigError("uint8 input is for a frozen lean backbone; lean full fine-tuning takes "
+                              "the float batch (allowed: uint8_input off with mode full)")
+
         check_full_options("lean full fine-tuning", bn=lean.bn, precision=lean.precision,
                            frozen_weights=lean.frozen_weights, stream=lean.stream)
         leanify_full(net, storage=lean.storage, keep=lean.keep)
@@ -257,5 +273,17 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
     leanify_network(
         net, pool=lean.pool, bn=lean.bn, weight_dtype=lean.frozen_weights, act_dtype=lean.precision
     )
+    if lean.uint8_input:
+        from edgetl.models.lean import ACT_DTYPES, InputNorm
+
+        norm = InputNorm(out_dtype=ACT_DTYPES[lean.precision]).to(next(net.parameters()).device)
+        pool = getattr(net.side.blocks[0], "pre_pool", None) if net.side is not None else None
+        if net.side is not None and not hasattr(pool, "set_input"):
+            raise ConfigError("uint8 input needs the side network's image pool (a lean Rep-Net side network)")
+        net.input_norm = norm
+        net.input_dtype = torch.uint8
+        if pool is not None:
+            pool.set_input(norm, None)
     net.micro_batch = lean.stream or None  # read by edgetl.memory.schedule.fit_schedule
+    net.recompute = lean.recompute
     return net

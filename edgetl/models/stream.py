@@ -7,9 +7,11 @@ A frozen backbone with folded BN has no dependency between the samples of a batc
 segment of blocks can run sample group by sample group and write into a batch-sized output.
 Batch-sized tensors then exist only at the segment's ends; inside it, a block's input,
 expanded hidden map and output exist for m samples at a time. Segments end wherever the
-side network reads or writes a batch-level tensor (the input and the output of every tap
-block: the side modules' BN uses batch statistics, so they stay whole-batch), see
-``segments_of``.
+side network reads or writes a batch-level tensor (the output of every tap block, and the
+input of every tap block but the first, whose side module reads the image: the side
+modules' BN uses batch statistics, so they stay whole-batch), see ``segments_of``. The
+last segment ends with the global pool, the first may start with the uint8 batch's
+normalisation (``edgetl.models.lean.InputNorm``).
 
 How one segment runs (``_StreamFn``):
 
@@ -63,12 +65,25 @@ class _StreamFn(Function):
     @staticmethod
     def forward(ctx, x, segment: "StreamedSegment", *params):
         n, m = x.shape[0], segment.micro_batch
-        anchor = x.new_empty(0).requires_grad_()  # 0 bytes: makes every entry a graph node
+        ctx.in_shape, ctx.in_dtype = tuple(x.shape), x.dtype
+        if segment.recompute:  # keep the input only; backward runs each micro-batch again
+            out = None
+            for i in range(0, n, m):
+                y = segment.run_blocks(segment.enter(x[i:i + m]))
+                if out is None:
+                    out = y.new_empty((n, *y.shape[1:]))
+                out[i:i + m].copy_(y)
+                del y
+            ctx.save_for_backward(x)
+            ctx.segment, ctx.params, ctx.edges = segment, params, None
+            return out
+        # 0 bytes: makes every entry a graph node (float: a uint8 batch cannot require grad)
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
         out = None
         edges = []
         with torch.enable_grad():
             for i in range(0, n, m):
-                entry = _Entry.apply(x[i:i + m].detach(), anchor)
+                entry = _Entry.apply(segment.enter(x[i:i + m].detach()), anchor)
                 y = segment.run_blocks(entry)
                 if out is None:
                     out = y.new_empty((n, *y.shape[1:]))
@@ -76,7 +91,6 @@ class _StreamFn(Function):
                 edges.append((get_gradient_edge(y), get_gradient_edge(entry), y.shape[0]))
                 del entry, y
         ctx.edges, ctx.params = edges, params
-        ctx.in_shape, ctx.in_dtype = tuple(x.shape), x.dtype
         return out
 
     @staticmethod
@@ -85,12 +99,23 @@ class _StreamFn(Function):
         need_x = ctx.needs_input_grad[0]
         gx = gy.new_empty(ctx.in_shape, dtype=ctx.in_dtype) if need_x else None
         gps = [torch.zeros_like(p) for p in params]
+        if edges is None:  # recompute: each micro-batch's forward again, then its backward
+            x, = ctx.saved_tensors
+            m = ctx.segment.micro_batch
+            edges = [(None, None, min(m, x.shape[0] - i)) for i in range(0, x.shape[0], m)]
         stop = ctx.in_shape[0]
         for out_edge, in_edge, rows in reversed(edges):
             start = stop - rows
+            if out_edge is None:
+                with torch.enable_grad():
+                    in_edge = ctx.segment.enter(x[start:stop].detach())
+                    if need_x:
+                        in_edge = in_edge.detach().requires_grad_()
+                    out_edge = ctx.segment.run_blocks(in_edge)
             inputs = ([in_edge] if need_x else []) + list(params)
             grads = torch.autograd.grad([out_edge], inputs, grad_outputs=[gy[start:stop]],
                                         allow_unused=True)
+            del out_edge, in_edge
             if need_x:
                 gx[start:stop].copy_(grads[0])
                 grads = grads[1:]
@@ -113,19 +138,38 @@ class StreamedSegment(nn.Module):
 
     accounting_kind = "streamed_segment"
 
-    def __init__(self, blocks: list[nn.Module], start: int, micro_batch: int):
+    def __init__(self, blocks: list[nn.Module], start: int, micro_batch: int, tail: nn.Module | None = None,
+                 head: nn.Module | None = None, recompute: bool = False):
         super().__init__()
         if micro_batch < 1:
             raise ConfigError(f"micro-batch {micro_batch} is not allowed; allowed: an integer >= 1")
         self._blocks = tuple(blocks)
+        # the network's global pool when this segment ends the backbone: then only the
+        # pooled (batch x channels) tensor and its gradient are batch-sized, not the last
+        # block's map (``EdgeNet.forward`` skips its own pool)
+        self._tail = (tail,) if tail is not None else ()
+        # the network's input normalisation when this segment starts the backbone and the
+        # batch stays uint8 (``edgetl.models.lean.InputNorm``): applied to each micro-batch
+        self._head = (head,) if head is not None else ()
+        # keep the batch-sized input instead of what the blocks save (1-bit masks), and run
+        # each micro-batch's forward again in backward (``LeanOptions.recompute``)
+        self.recompute = bool(recompute)
         self.start, self.stop = start, start + len(blocks)
         self.micro_batch = int(micro_batch)
         # tracing on meta needs only the output's shape: the blocks run once on the whole
         # batch instead of micro-batch by micro-batch (``mark_shapes_only``)
         self.shapes_only = False
 
+    @property
+    def tail(self) -> nn.Module | None:
+        return self._tail[0] if self._tail else None
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """A micro-batch as the first block takes it (normalised, when the batch is uint8)."""
+        return self._head[0](x) if self._head else x
+
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self._blocks:
+        for block in self._blocks + self._tail:
             x = block(x)
         return x
 
@@ -139,13 +183,13 @@ class StreamedSegment(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if self.micro_batch >= n or self.shapes_only:
-            return self.run_blocks(x)
+            return self.run_blocks(self.enter(x))
         params = self.trainable()
         if torch.is_grad_enabled() and (x.requires_grad or params):
             return _StreamFn.apply(x, self, *params)
         out = None
         for i in range(0, n, self.micro_batch):
-            part = self.run_blocks(x[i:i + self.micro_batch])
+            part = self.run_blocks(self.enter(x[i:i + self.micro_batch]))
             if out is None:
                 out = part.new_empty((n, *part.shape[1:]))
             out[i:i + part.shape[0]].copy_(part)
@@ -167,7 +211,7 @@ class StreamedSegment(nn.Module):
         """Everything the measured cost depends on besides the input: each module's kind and
         execution settings, and the shape, dtype and trainability of its tensors."""
         settings = []
-        for b in self._blocks:
+        for b in self._head + self._blocks + self._tail:
             for m in b.modules():
                 tensors = [(tuple(t.shape), t.dtype, t.requires_grad)
                            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
@@ -175,10 +219,12 @@ class StreamedSegment(nn.Module):
                                  tuple(sorted(getattr(m, "mask_chunks", {}).items())),
                                  getattr(m, "bn_mode", None), getattr(m, "act_dtype", None),
                                  bool(getattr(m, "training", False)), tuple(tensors)))
-        return (self.start, self.stop, self.micro_batch, tuple(settings))
+        return (self.start, self.stop, self.micro_batch, self.recompute, tuple(settings))
 
     def extra_repr(self) -> str:
-        return f"features[{self.start}:{self.stop}], micro_batch={self.micro_batch}"
+        tail = f", then {type(self.tail).__name__}" if self._tail else ""
+        again = ", recompute" if self.recompute else ""
+        return f"features[{self.start}:{self.stop}]{tail}, micro_batch={self.micro_batch}{again}"
 
 
 def _half(segment: StreamedSegment) -> torch.dtype:
@@ -213,7 +259,7 @@ def _measured_cost(key: tuple, in_shape: tuple, dtype: torch.dtype, input_grad: 
     if (two.forward_temp_bytes, two.backward_temp_bytes) != (three.forward_temp_bytes, three.backward_temp_bytes):
         return _cached(key, in_shape, dtype, input_grad, output_grad, segment)
     share = three.saved_new_bytes - two.saved_new_bytes
-    return LayerCost(saved_new_bytes=two.saved_new_bytes + (q - 2) * share,
+    return LayerCost(saved_new_bytes=two.saved_new_bytes + (q - 2) * share, saves_input=two.saves_input,
                      forward_temp_bytes=two.forward_temp_bytes, backward_temp_bytes=two.backward_temp_bytes)
 
 
@@ -232,10 +278,12 @@ def _measure(segment: StreamedSegment, in_shape: tuple, dtype: torch.dtype, inpu
     """Run a meta copy of ``segment`` once, forward and backward, under the storage meter."""
     from edgetl.memory.meter import StorageMeter
 
-    blocks = copy.deepcopy(list(segment._blocks))
+    blocks = copy.deepcopy(list(segment._head + segment._blocks + segment._tail))
     for b in blocks:
         b.to("meta")
-    meta = StreamedSegment(blocks, segment.start, segment.micro_batch)
+    head = blocks.pop(0) if segment._head else None
+    tail = blocks.pop() if segment._tail else None
+    meta = StreamedSegment(blocks, segment.start, segment.micro_batch, tail, head, segment.recompute)
     params = meta.trainable()
     x = torch.empty(in_shape, dtype=dtype, device="meta", requires_grad=input_grad)
     meter = StorageMeter()
@@ -253,6 +301,8 @@ def _measure(segment: StreamedSegment, in_shape: tuple, dtype: torch.dtype, inpu
             saved = kept - out.untyped_storage().nbytes()
             if not output_grad:
                 return LayerCost(forward_temp_bytes=fwd_temp)
+            # a recomputing segment keeps its input (the simulation holds it; not new bytes)
+            again = segment.recompute
             gy = torch.empty_like(out)
             edge = get_gradient_edge(out)
             del out  # the simulation holds the output apart
@@ -265,14 +315,17 @@ def _measure(segment: StreamedSegment, in_shape: tuple, dtype: torch.dtype, inpu
             del grads, gy, edge
     finally:
         meter.close()
-    return LayerCost(saved_new_bytes=saved, forward_temp_bytes=fwd_temp, backward_temp_bytes=bwd_temp)
+    return LayerCost(saved_new_bytes=saved, saves_input=again, forward_temp_bytes=fwd_temp,
+                     backward_temp_bytes=bwd_temp)
 
 
 @functools.lru_cache(maxsize=None)
 def segments_of(num_blocks: int, taps: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """Maximal runs of backbone blocks with no batch-level boundary inside: every tap block
-    alone (its input and output meet the side network), and the runs between taps."""
-    cuts = sorted({0, num_blocks, *taps, *(t + 1 for t in taps)})
+    """Maximal runs of backbone blocks with no batch-level boundary inside: each segment ends
+    at a tap block's output (the side network adds to it) and every tap block after the first
+    starts one (the side network reads its input); the first side module reads the image,
+    so the blocks before the first tap run in one segment with it."""
+    cuts = sorted({0, num_blocks, *taps[1:], *(t + 1 for t in taps)})
     return tuple((a, b) for a, b in zip(cuts, cuts[1:]) if a < b)
 
 
@@ -291,21 +344,42 @@ def check_streamable(net: nn.Module) -> None:
                               "use --bn fold or do not stream")
 
 
-def apply_streams(net: nn.Module, segments: dict[int, tuple[int, int]]) -> None:
-    """Stream ``net``'s backbone: ``segments`` maps a first block to (stop block, micro-batch).
+def apply_streams(net: nn.Module, segments: dict[int, tuple[int, int]], recompute=()) -> None:
+    """Stream ``net``'s backbone: ``segments`` maps a first block to (stop block, micro-batch);
+    the segments whose first block is in ``recompute`` keep their input and run forward
+    again in backward instead of keeping what their blocks save.
 
     Segments must be runs of ``segments_of`` (no batch-level boundary inside). An empty
     mapping removes streaming."""
+    norm = getattr(net, "input_norm", None)
+    image_pool = _image_pool(net)
     if not segments:
         net.streams = None
+        if image_pool is not None:
+            image_pool.set_input(norm, None)
         return
     check_streamable(net)
     taps = tuple(getattr(net.side, "taps", ())) if net.side is not None else ()
     allowed = {a: b for a, b in segments_of(len(net.features), taps)}
+    unknown = sorted(set(recompute) - set(segments))
+    if unknown:
+        raise ConfigError(f"features[{unknown[0]}:] recomputes but is not a streamed segment")
     built = {}
     for start, (stop, m) in sorted(segments.items()):
         if allowed.get(start) != stop:
             raise ConfigError(f"features[{start}:{stop}] is not a streamable segment of this network; "
                               f"allowed: {', '.join(f'{a}:{b}' for a, b in allowed.items())}")
-        built[str(start)] = StreamedSegment(list(net.features[start:stop]), start, m)
+        tail = net.pool if stop == len(net.features) else None
+        head = norm if start == 0 else None
+        built[str(start)] = StreamedSegment(list(net.features[start:stop]), start, m, tail, head,
+                                            start in recompute)
+        if start == 0 and image_pool is not None:
+            image_pool.set_input(norm, m)  # the side reads the image micro-batch by micro-batch too
     net.streams = nn.ModuleDict(built)
+
+
+def _image_pool(net: nn.Module):
+    """The side network's pool of the image when it takes a uint8 batch (``ImagePool``)."""
+    side = getattr(net, "side", None)
+    pool = getattr(side.blocks[0], "pre_pool", None) if side is not None else None
+    return pool if hasattr(pool, "set_input") else None
