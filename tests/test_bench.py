@@ -140,7 +140,7 @@ def test_trainable_params_equal_independent_count(result):
     side = _side_params(tv)
     expected = {
         "full": sum(p.numel() for p in tv.parameters()), "full-ckpt": sum(p.numel() for p in tv.parameters()),
-        "last": head, "bias": head + bn_betas, "bias-lean": head + bn_betas,
+        "last": head, "bias": head + bn_betas, "bias-lean": head + bn_betas, "bias-lean-stream": head + bn_betas,
     }
     # lean full: each conv with its BN folded in trains a weight and a bias (the BN's gamma is folded)
     convs = sum(m.weight.numel() for m in tv.features.modules() if isinstance(m, torch.nn.Conv2d))
