@@ -156,8 +156,8 @@ class StreamedSegment(nn.Module):
         self.recompute = bool(recompute)
         self.start, self.stop = start, start + len(blocks)
         self.micro_batch = int(micro_batch)
-        # tracing on meta needs only the output's shape: the blocks run once on the whole
-        # batch instead of micro-batch by micro-batch (``mark_shapes_only``)
+        # tracing on meta needs only the output's shape: the blocks run once on one sample
+        # and the output is made batch-sized (``mark_shapes_only``)
         self.shapes_only = False
 
     @property
@@ -182,8 +182,11 @@ class StreamedSegment(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        if self.micro_batch >= n or self.shapes_only:
+        if self.micro_batch >= n:
             return self.run_blocks(self.enter(x))
+        if self.shapes_only:  # one sample gives the shape (a big batch's masks would cost minutes on meta)
+            one = self.run_blocks(self.enter(x[:1]))
+            return one.new_empty((n, *one.shape[1:]))
         params = self.trainable()
         if torch.is_grad_enabled() and (x.requires_grad or params):
             return _StreamFn.apply(x, self, *params)
