@@ -321,6 +321,9 @@ def retrain(
     out_dir = Path(out_dir)
     if recipe.model.mode != "full":
         raise ConfigError(f"model.mode is {recipe.model.mode!r}; retraining trains the whole backbone: use 'full'")
+    if recipe.model.uint8_input:
+        raise ConfigError("model.uint8_input is for finetune's lean runtime; retrain trains stock modules on the "
+                          "normalised float batch (allowed here: false)")
     if recipe.model.backbone is not None and weights is not None:
         raise ConfigError("--weights is for --backbone mobilenet_v2; a backbone folder has its own weights")
     _check_out_dir(out_dir, resume)

@@ -158,3 +158,13 @@ def test_a_copy_of_a_uint8_network_keeps_its_normalisation():
     twin.eval()
     with torch.no_grad():
         assert torch.equal(twin(pixels), net(pixels))
+
+
+def test_retrain_refuses_a_uint8_batch(tmp_path):
+    from edgetl.recipe import load_recipe
+    from edgetl.retrain import retrain
+
+    recipe = load_recipe("fashion_mnist", {"model.mode": "full", "model.uint8_input": True})
+    with pytest.raises(ConfigError, match="model.uint8_input is for finetune's lean runtime"):
+        retrain(recipe=recipe, out_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
