@@ -388,3 +388,20 @@ def test_fused_and_foreach_are_refused_together():
 
     with pytest.raises(ConfigError, match="optim.fused and optim.foreach are both on"):
         load_recipe("fashion_mnist", {"optim.fused": True, "optim.foreach": True})
+
+
+def test_fused_steps_count_their_ops():
+    """Fused kernels cannot run on meta; their update's ops are counted on CPU zeros: a
+    handful per step, against a few per parameter unfused; forward and backward unchanged."""
+    from edgetl.memory.meter import count_step_ops
+
+    net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
+    prepare_step(net, resolution=RES, batch_size=BATCH)
+    plain = count_step_ops(net, resolution=RES, batch_size=BATCH, step=Step.plain("adam"))
+    fused = count_step_ops(net, resolution=RES, batch_size=BATCH, step=Step.plain("adam", fused=True))
+    inside = count_step_ops(net, resolution=RES, batch_size=BATCH,
+                            step=Step.plain("adam", fused=True, step_in_backward=True))
+    assert (fused.forward, fused.backward) == (plain.forward, plain.backward)
+    trainable = sum(1 for p in net.parameters() if p.requires_grad)
+    assert 0 < fused.optimizer < trainable < plain.optimizer
+    assert inside.backward == plain.backward and inside.optimizer >= trainable

@@ -283,7 +283,15 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
     exists. ``net`` itself is not touched."""
     import copy
 
+    import dataclasses
+
     step = resolve_step(step)
+    if step.optim.fused:  # fused kernels have no meta implementation: their ops are counted apart
+        # (inside backward too: then "optimizer" is the per-parameter updates backward runs)
+        plain = dataclasses.replace(step.optim, fused=False, step_in_backward=False)
+        unfused = dataclasses.replace(step, optim=plain)
+        ops = count_step_ops(net, resolution=resolution, batch_size=batch_size, step=unfused)
+        return StepOps(ops.forward, ops.backward, _fused_update_ops(net, step))
     meta = copy.deepcopy(net).to("meta")
     opt = step.optimizer(meta)
     set_train_mode(meta, step.bn)
@@ -304,6 +312,32 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
             h.remove()
     return StepOps(marks["forward"] - marks["start"], marks["backward"] - marks["forward"],
                    counter.count - marks["backward"])
+
+
+def _fused_update_ops(net: nn.Module, step: Step) -> int:
+    """The aten ops of a fused optimizer's steady update (the second), run on CPU zeros shaped
+    like ``net``'s trainable parameters in the step's groups; with ``step_in_backward`` one
+    update per parameter, as its hook runs them."""
+    from edgetl.step import build_optimizer
+
+    groups = step.param_groups(net)
+    stand = [[nn.Parameter(torch.zeros_like(p, device="cpu")) for p in g["params"]] for g in groups]
+    optimizer = build_optimizer([{**g, "params": ps} for g, ps in zip(groups, stand)], step.optim)
+    params = [p for ps in stand for p in ps]
+    counter = _OpCounter()
+    for round_ in range(2):
+        batches = [[p] for p in params] if step.in_backward else [params]
+        for batch in batches:
+            for p in batch:
+                p.grad = torch.zeros_like(p)
+            if round_:
+                with counter:
+                    optimizer.step()
+            else:
+                optimizer.step()
+            for p in batch:
+                p.grad = None
+    return counter.count
 
 
 def _prepare_cuda(device: torch.device, net: nn.Module, *tensors: torch.Tensor) -> int:
