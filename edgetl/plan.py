@@ -615,6 +615,8 @@ class _Evaluator:
         from edgetl.memory.schedule import predict_step
         from edgetl.models.side import build_network
 
+        if storage.stream >= batch:  # streams nothing (so no uint8 batch): as ``plan``'s config runs it
+            storage = dataclasses.replace(storage, stream=0, recompute=False)
         key = (tuple(sorted(kept.items())), storage, batch)
         if key not in self.reports:
             if key[:2] not in self.nets:
