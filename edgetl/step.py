@@ -106,6 +106,21 @@ class Step:
     def param_groups(self, model: nn.Module) -> list[dict]:
         return param_groups(model, self.optim)
 
+    def stand_in_optimizer(self, model: nn.Module) -> tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]:
+        """This step's optimizer over stand-ins of ``model``'s trainable parameters (same
+        groups, shapes, dtypes), and the stand-ins by original ``id``: on meta, or CPU zeros
+        for fused kernels, which have no meta implementation."""
+        def stand_in(p: nn.Parameter) -> nn.Parameter:
+            if self.optim.fused:
+                return nn.Parameter(torch.zeros_like(p, device="cpu"))
+            return nn.Parameter(torch.empty_like(p, device="meta"))
+
+        groups = self.param_groups(model)
+        stand = {id(p): stand_in(p) for g in groups for p in g["params"]}
+        optimizer = build_optimizer([{**g, "params": [stand[id(p)] for p in g["params"]]} for g in groups],
+                                    self.optim)
+        return optimizer, stand
+
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The optimizer over ``model``'s trainable parameters, in this step's groups.
 

@@ -318,12 +318,8 @@ def _fused_update_ops(net: nn.Module, step: Step) -> int:
     """The aten ops of a fused optimizer's steady update (the second), run on CPU zeros shaped
     like ``net``'s trainable parameters in the step's groups; with ``step_in_backward`` one
     update per parameter, as its hook runs them."""
-    from edgetl.step import build_optimizer
-
-    groups = step.param_groups(net)
-    stand = [[nn.Parameter(torch.zeros_like(p, device="cpu")) for p in g["params"]] for g in groups]
-    optimizer = build_optimizer([{**g, "params": ps} for g, ps in zip(groups, stand)], step.optim)
-    params = [p for ps in stand for p in ps]
+    optimizer, stand = step.stand_in_optimizer(net)  # CPU zeros: the step is fused
+    params = list(stand.values())
     counter = _OpCounter()
     for round_ in range(2):
         batches = [[p] for p in params] if step.in_backward else [params]

@@ -251,18 +251,9 @@ def optimizer_cost(net: nn.Module, step: Step) -> OptimizerCost:
     exact for any optimizer setting.
     With ``step_in_backward`` each parameter is updated alone, as its hook does."""
     from edgetl.memory.meter import StorageMeter
-    from edgetl.step import build_optimizer
 
-    groups = step.param_groups(net)
-    def stand_in(p: nn.Parameter) -> nn.Parameter:
-        if step.optim.fused:  # fused kernels have no meta implementation: real zeros, on the CPU
-            return nn.Parameter(torch.zeros_like(p, device="cpu"))
-        return nn.Parameter(torch.empty_like(p, device="meta"))
-
-    stand = {id(p): stand_in(p) for g in groups for p in g["params"]}
-    meta_groups = [{**g, "params": [stand[id(p)] for p in g["params"]]} for g in groups]
+    optimizer, stand = step.stand_in_optimizer(net)
     params = list(stand.values())
-    optimizer = build_optimizer(meta_groups, step.optim)
     meter = StorageMeter()
     meter.register(params)
     if step.in_backward:

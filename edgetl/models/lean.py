@@ -423,6 +423,20 @@ class LeanAvgPool2d(nn.AvgPool2d):
         return LayerCost()
 
 
+def by_micro_batch(x: torch.Tensor, m: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` over ``m`` rows of ``x`` at a time, each part copied into one batch-sized output
+    (allocated once the first part shows its shape) and dropped."""
+    n = x.shape[0]
+    out = None
+    for i in range(0, n, m):
+        part = fn(x[i:i + m])
+        if out is None:
+            out = part.new_empty((n, *part.shape[1:]))
+        out[i:i + part.shape[0]].copy_(part)
+        del part
+    return out
+
+
 class InputNorm(nn.Module):
     """uint8 images (0-255, NCHW) in, the loaders' normalised batch out in ``out_dtype``
     (issue #14 item 2): the same values as torchvision's ``ToTensor`` + ``Normalize`` and a
@@ -486,16 +500,9 @@ class ImagePool(LeanAvgPool2d):
             return super().forward(x)
         if not self._norm:
             raise ConfigError("a uint8 image reached the side network's image pool without its normalisation")
-        norm, n = self._norm[0], x.shape[0]
-        m = self.micro_batch or n
-        out = None
-        for i in range(0, n, m):
-            part = F.avg_pool2d(norm.normalize(x[i:i + m]), self.kernel_size)
-            if out is None:
-                out = part.new_empty((n, *part.shape[1:]))
-            out[i:i + part.shape[0]].copy_(part)
-            del part
-        return out
+        norm = self._norm[0]
+        return by_micro_batch(x, self.micro_batch or x.shape[0],
+                              lambda rows: F.avg_pool2d(norm.normalize(rows), self.kernel_size))
 
     def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
                      output_requires_grad, in_bytes=None) -> LayerCost:

@@ -46,6 +46,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from edgetl.errors import ConfigError
 from edgetl.memory.cost import LayerCost
+from edgetl.models.lean import by_micro_batch
 
 
 class _Entry(Function):
@@ -67,13 +68,7 @@ class _StreamFn(Function):
         n, m = x.shape[0], segment.micro_batch
         ctx.in_shape, ctx.in_dtype = tuple(x.shape), x.dtype
         if segment.recompute:  # keep the input only; backward runs each micro-batch again
-            out = None
-            for i in range(0, n, m):
-                y = segment.run_blocks(segment.enter(x[i:i + m]))
-                if out is None:
-                    out = y.new_empty((n, *y.shape[1:]))
-                out[i:i + m].copy_(y)
-                del y
+            out = by_micro_batch(x, m, segment.run)
             ctx.save_for_backward(x)
             ctx.segment, ctx.params, ctx.edges = segment, params, None
             return out
@@ -168,6 +163,10 @@ class StreamedSegment(nn.Module):
         """A micro-batch as the first block takes it (normalised, when the batch is uint8)."""
         return self._head[0](x) if self._head else x
 
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of the input through the segment: entered, then its blocks."""
+        return self.run_blocks(self.enter(x))
+
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self._blocks + self._tail:
             x = block(x)
@@ -183,21 +182,14 @@ class StreamedSegment(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if self.micro_batch >= n:
-            return self.run_blocks(self.enter(x))
+            return self.run(x)
         if self.shapes_only:  # one sample gives the shape (a big batch's masks would cost minutes on meta)
-            one = self.run_blocks(self.enter(x[:1]))
+            one = self.run(x[:1])
             return one.new_empty((n, *one.shape[1:]))
         params = self.trainable()
         if torch.is_grad_enabled() and (x.requires_grad or params):
             return _StreamFn.apply(x, self, *params)
-        out = None
-        for i in range(0, n, self.micro_batch):
-            part = self.run_blocks(self.enter(x[i:i + self.micro_batch]))
-            if out is None:
-                out = part.new_empty((n, *part.shape[1:]))
-            out[i:i + part.shape[0]].copy_(part)
-            del part
-        return out
+        return by_micro_batch(x, self.micro_batch, self.run)
 
     def runtime_cost(self, *, in_shape, out_shape, act_bytes, in_bytes=None, input_requires_grad,
                      output_requires_grad) -> LayerCost:
