@@ -702,6 +702,179 @@ def _resolve_spec(backbone, width: float, num_classes: int) -> BackboneSpec:
     return dataclasses.replace(backbone_spec(backbone, width=width), num_classes=num_classes)
 
 
+def _check_budget(budget_bytes, device_preset, budget_scope: str, batch_size, max_batch_size) -> DevicePreset:
+    """Refuse an unknown device or scope, or a budget or batch that is no positive integer;
+    returns the device preset."""
+    preset = device_preset if isinstance(device_preset, DevicePreset) else DEVICES.get(device_preset)
+    if preset is None:
+        raise ConfigError(f"unknown device {device_preset!r}; allowed: {', '.join(DEVICES)}")
+    if budget_scope not in BUDGET_SCOPES:
+        raise ConfigError(f"unknown budget scope {budget_scope!r}; allowed: {', '.join(BUDGET_SCOPES)}")
+    if not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ConfigError(f"budget {budget_bytes!r} is not allowed; allowed: a positive number of bytes")
+    if batch_size != "auto" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        raise ConfigError(f"batch size {batch_size!r} is not allowed; allowed: an integer >= 1 or 'auto'")
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ConfigError(f"max batch size {max_batch_size!r} is not allowed; allowed: an integer >= 1")
+    return preset
+
+
+def _check_levers(*, precision, pool, frozen_weights, stream, max_ratio: float, mode: str, blocks) -> None:
+    """Refuse fixed levers (storage, streaming, pruning) that are unknown or not planned for ``mode``."""
+    _check_storage(1 if pool is None else pool, precision or "fp32", frozen_weights or "fp32", "plan")
+    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream < 0):
+        raise ConfigError(f"stream micro-batch {stream!r} is not allowed; allowed: 0 (never) or an integer >= 1")
+    if not 0 <= max_ratio < 1:
+        raise ConfigError(f"max ratio {max_ratio} is not allowed; allowed: 0 <= ratio < 1")
+    if mode not in PLAN_MODES:
+        raise ConfigError(f"mode {mode!r} is not planned; allowed: {', '.join(PLAN_MODES)}")
+    if mode == "full":
+        from edgetl.models.lean_full import check_full_options
+
+        check_full_options("mode full", precision=precision, frozen_weights=frozen_weights, stream=stream)
+    if mode != MODE and pool not in (None, 1):
+        raise ConfigError(f"pool {pool} is not allowed with mode {mode} (no side network); allowed: 1")
+    if mode != MODE and blocks:
+        raise ConfigError(f"pruning blocks {blocks} is planned for mode {MODE} only; mode {mode} plans no pruning")
+
+
+def _input_backbone(backbone, width: float, num_classes: int, blocks) -> tuple[BackboneSpec, object]:
+    """The backbone to plan for, its spec and a meta network (to read its channels);
+    refuses ``blocks`` pruning may not touch."""
+    base = _resolve_spec(backbone, width, num_classes)
+    meta = build_backbone(base, device="meta")
+    if blocks is not None:
+        from edgetl.prune import check_plan
+
+        check_plan(list(blocks), [0.0] * len(blocks))
+    return base, meta
+
+
+@dataclass
+class _Search:
+    """The walk along the plan's path (see the module docstring), remembering every candidate.
+
+    Path positions order candidates, larger is less degraded: (stage, index), stage 0
+    pruning (index 0 the floor, ``path.last`` no pruning), 1 storage (index from the
+    saving end of the ladder), 2 batch (the batch).
+    """
+
+    ev: _Evaluator
+    ladder: list[Storage]
+    chan: dict[int, int]  # channels of every prunable block of the input backbone (ratios are relative to them)
+    batch: int  # the path's batch: 1 with batch_size "auto"
+    mode: str
+    tensor_budget: int
+    impossible: Callable[[int, PlanConfig], PlanImpossible]  # (total, most saving config) -> the error
+    evaluated: list[tuple[tuple, PlanConfig, int]] = field(default_factory=list)  # (path position, config, total)
+
+    def config(self, kept, storage: Storage, batch: int) -> PlanConfig:
+        """The configuration of a path element."""
+        stream = storage.stream if storage.stream < batch else 0  # m >= batch streams nothing
+        return PlanConfig(dict(kept), {b: self.chan[b] for b in kept}, storage.pool, storage.precision,
+                          storage.frozen_weights, batch, stream, self.mode, storage.conv_storage,
+                          storage.recompute and stream > 0)
+
+    def fits(self, total: int) -> bool:
+        """Whether a predicted total is within the tensor budget."""
+        return total <= self.tensor_budget
+
+    def record(self, pos: tuple, kept, storage: Storage, batch: int) -> int:
+        """The predicted total of a candidate, remembered for the runners-up."""
+        total = self.ev.total(kept, storage, batch)
+        self.evaluated.append((pos, self.config(kept, storage, batch), total))
+        return total
+
+    def walk(self, *, auto: bool, max_batch_size: int, blocks, max_ratio: float) -> tuple[PlanConfig, tuple]:
+        """The least degraded path element that fits, and its path position."""
+        ladder = self.ladder
+        saving, exact, top = ladder[-1], ladder[0], len(ladder) - 1
+        if self.fits(self.record((1, top), {}, exact, self.batch)):
+            return self.grow_batch(auto, max_batch_size)
+        if self.fits(total_saving := self.record((1, 0), {}, saving, self.batch)):
+            return self.least_degraded_storage()
+        if self.mode != MODE:  # only Rep-Net plans prune: the ladder's end was the last chance
+            raise self.impossible(total_saving, self.config({}, saving, self.batch))
+        return self.prune(total_saving, blocks, max_ratio)
+
+    def grow_batch(self, auto: bool, max_batch_size: int) -> tuple[PlanConfig, tuple]:
+        """The exact storage fits: with batch "auto", the largest batch that does."""
+        exact, top = self.ladder[0], len(self.ladder) - 1
+        chosen = self.config({}, exact, self.batch)
+        chosen_pos = (1, top)
+        if auto:
+            best = _largest_batch(lambda b: self.record((2, b), {}, exact, b), self.tensor_budget,
+                                  max_batch_size)
+            chosen = self.config({}, exact, best)
+            chosen_pos = (2, best)
+        return chosen, chosen_pos
+
+    def least_degraded_storage(self) -> tuple[PlanConfig, tuple]:
+        """The most saving storage fits: bisect the ladder (totals fall along it)."""
+        ladder, top = self.ladder, len(self.ladder) - 1
+        good, bad = top, 0
+        while good - bad > 1:
+            mid = (good + bad) // 2
+            if self.fits(self.record((1, top - mid), {}, ladder[mid], self.batch)):
+                good = mid
+            else:
+                bad = mid
+        return self.config({}, ladder[good], self.batch), (1, top - good)
+
+    def prune(self, total_saving: int, blocks, max_ratio: float) -> tuple[PlanConfig, tuple]:
+        """Nothing fits unpruned: the least pruning along the path at the most saving storage."""
+        saving = self.ladder[-1]
+        # The path's per-block model reads batch-1 peaks without frozen-weight dequantisation
+        # temporaries: those do not grow with the batch and would mislead the model.
+        shape = dataclasses.replace(saving, frozen_weights="fp32")
+        report = self.ev.report({}, shape, 1)
+        if blocks is None:
+            cand = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(prunable_blocks()))
+        else:
+            cand = sorted(blocks)
+        floor = {u: max(1, int(self.chan[u] * (1 - max_ratio))) for u in cand}
+        floor = {u: k for u, k in floor.items() if k < self.chan[u]}
+        if not floor:
+            raise self.impossible(total_saving, self.config({}, saving, self.batch))
+        total_floor = self.record((0, 0), floor, saving, self.batch)  # impossible unless it fits
+        if not self.fits(total_floor):
+            raise self.impossible(total_floor, self.config(floor, saving, self.batch))
+        path = _PruningPath(self.chan, floor, report, self.ev.report(floor, shape, 1), list(floor))
+        last = path.last
+        top_cap = max((m[1] for m in path.model.values()), default=path.cap(last))
+        # first guess: the peak image's activations shrink by the cap cut, times the batch;
+        # index i = last - level: 0 is the floor (fits), last is no pruning (does not fit)
+        first = last - _level_of(path, top_cap - (total_saving - self.tensor_budget) / self.batch)
+        i = _largest_fitting(lambda i: self.record((0, i), path.kept(last - i), saving, self.batch),
+                             0, last, self.tensor_budget, first)
+        return self.config(path.kept(last - i), saving, self.batch), (0, i)
+
+
+def _fastest_stream(chosen: PlanConfig, ev: _Evaluator, budget: int) -> PlanConfig:
+    """A streamed pick without recomputing if that fits (recomputing costs speed), then at
+    the largest micro-batch that fits."""
+    total_of = lambda c: ev.total(c.kept, c.storage, c.batch_size)  # noqa: E731
+    if chosen.recompute and total_of(dataclasses.replace(chosen, recompute=False)) <= budget:
+        chosen = dataclasses.replace(chosen, recompute=False)  # recomputing costs speed
+    return _largest_micro_batch(chosen, total_of, budget)
+
+
+def _notes_and_overheads(chosen: PlanConfig, half: str, preset: DevicePreset,
+                  total_bytes: int) -> tuple[list[str], dict[str, int], int | None]:
+    """The plan's notes, the device's overheads for ``total_bytes`` of tensors and its process limit."""
+    notes = []
+    if chosen.precision == half != HALF_DTYPES[0]:
+        notes.append(f"half activations are {half}: this machine's torch runs no {HALF_DTYPES[0]} "
+                     f"convolutions on the CPU (where --verify measures); same bytes")
+    overheads = preset.overheads(total_bytes)
+    limit = preset.process_limit_bytes()
+    process_total = total_bytes + sum(overheads.values())
+    if limit is not None and process_total > limit:
+        notes.append(f"tensors + overheads {process_total / MB:.1f} MB exceed what {preset.name} leaves "
+                     f"for a process ({limit / MB:.1f} MB after the OS share)")
+    return notes, overheads, limit
+
+
 def plan(
     *,
     budget_bytes: int,
@@ -751,45 +924,17 @@ def plan(
         PlanImpossible: nothing fits; carries the smallest budget that would.
     """
     start = time.perf_counter()
-    preset = device_preset if isinstance(device_preset, DevicePreset) else DEVICES.get(device_preset)
-    if preset is None:
-        raise ConfigError(f"unknown device {device_preset!r}; allowed: {', '.join(DEVICES)}")
-    if budget_scope not in BUDGET_SCOPES:
-        raise ConfigError(f"unknown budget scope {budget_scope!r}; allowed: {', '.join(BUDGET_SCOPES)}")
-    if not isinstance(budget_bytes, int) or budget_bytes < 1:
-        raise ConfigError(f"budget {budget_bytes!r} is not allowed; allowed: a positive number of bytes")
+    preset = _check_budget(budget_bytes, device_preset, budget_scope, batch_size, max_batch_size)
     auto = batch_size == "auto"
-    if not auto and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
-        raise ConfigError(f"batch size {batch_size!r} is not allowed; allowed: an integer >= 1 or 'auto'")
-    if not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise ConfigError(f"max batch size {max_batch_size!r} is not allowed; allowed: an integer >= 1")
     half = half_precision()
     if precision == "half":
         precision = half
-    _check_storage(1 if pool is None else pool, precision or "fp32", frozen_weights or "fp32", "plan")
-    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream < 0):
-        raise ConfigError(f"stream micro-batch {stream!r} is not allowed; allowed: 0 (never) or an integer >= 1")
-    if not 0 <= max_ratio < 1:
-        raise ConfigError(f"max ratio {max_ratio} is not allowed; allowed: 0 <= ratio < 1")
-    if mode not in PLAN_MODES:
-        raise ConfigError(f"mode {mode!r} is not planned; allowed: {', '.join(PLAN_MODES)}")
-    if mode == "full":
-        from edgetl.models.lean_full import check_full_options
-
-        check_full_options("mode full", precision=precision, frozen_weights=frozen_weights, stream=stream)
-    if mode != MODE and pool not in (None, 1):
-        raise ConfigError(f"pool {pool} is not allowed with mode {mode} (no side network); allowed: 1")
-    if mode != MODE and blocks:
-        raise ConfigError(f"pruning blocks {blocks} is planned for mode {MODE} only; mode {mode} plans no pruning")
+    _check_levers(precision=precision, pool=pool, frozen_weights=frozen_weights, stream=stream,
+                  max_ratio=max_ratio, mode=mode, blocks=blocks)
     from edgetl.profile import check_options
 
     check_options(mode=mode, accounting="runtime", resolution=resolution, batch_size=1)
-    base = _resolve_spec(backbone, width, num_classes)
-    meta = build_backbone(base, device="meta")
-    if blocks is not None:
-        from edgetl.prune import check_plan
-
-        check_plan(list(blocks), [0.0] * len(blocks))
+    base, meta = _input_backbone(backbone, width, num_classes, blocks)
 
     if budget_scope == "process":
         tensor_budget = preset.tensor_budget(budget_bytes)
@@ -804,104 +949,18 @@ def plan(
                "blocks": None if blocks is None else list(blocks),
                "max_ratio": max_ratio, "max_batch_size": max_batch_size}
 
-    def config(kept, storage, batch, chan):
-        stream = storage.stream if storage.stream < batch else 0  # m >= batch streams nothing
-        return PlanConfig(dict(kept), {b: chan[b] for b in kept}, storage.pool, storage.precision,
-                          storage.frozen_weights, batch, stream, mode, storage.conv_storage,
-                          storage.recompute and stream > 0)
+    def impossible(total: int, cfg: PlanConfig) -> PlanImpossible:
+        return _impossible(total, cfg, budget_bytes, tensor_budget, budget_scope, preset, auto, resolution)
 
-    def fits(total):
-        return total <= tensor_budget
-
-    evaluated: list[tuple[tuple, PlanConfig, int]] = []  # (path position, config, total)
-
-    def record(pos, kept, storage, batch, chan):
-        total = ev.total(kept, storage, batch)
-        evaluated.append((pos, config(kept, storage, batch, chan), total))
-        return total
-
-    # channels of every prunable block of the input backbone (ratios are relative to them)
-    chan = {b: hidden_channels(meta, b) for b in prunable_blocks()}
-    path_batch = 1 if auto else batch_size
-    saving = ladder[-1]
-    chosen_pos = None
-    # path positions: (0, storage index from the saving end... ) -> we order as tuples where larger
-    # means less degraded: (stage, index): stage 0 pruning (index = -level), 1 storage, 2 batch.
-    exact = ladder[0]
-    top = len(ladder) - 1
-    total_exact = record((1, top), {}, exact, path_batch, chan)
-    if fits(total_exact):
-        chosen = config({}, exact, path_batch, chan)
-        chosen_pos = (1, top)
-        if auto:
-            best = _largest_batch(lambda b: record((2, b), {}, exact, b, chan), tensor_budget,
-                                  max_batch_size)
-            chosen = config({}, exact, best, chan)
-            chosen_pos = (2, best)
-    elif fits(total_saving := record((1, 0), {}, saving, path_batch, chan)):
-        # least degraded storage that fits: totals fall along the ladder
-        good, bad = top, 0
-        while good - bad > 1:
-            mid = (good + bad) // 2
-            if fits(record((1, top - mid), {}, ladder[mid], path_batch, chan)):
-                good = mid
-            else:
-                bad = mid
-        chosen = config({}, ladder[good], path_batch, chan)
-        chosen_pos = (1, top - good)
-    elif mode != MODE:  # only Rep-Net plans prune: the ladder's end was the last chance
-        raise _impossible(total_saving, config({}, saving, path_batch, chan), budget_bytes,
-                          tensor_budget, budget_scope, preset, auto, resolution)
-    else:
-        # The path's per-block model reads batch-1 peaks without frozen-weight dequantisation
-        # temporaries: those do not grow with the batch and would mislead the model.
-        shape = dataclasses.replace(saving, frozen_weights="fp32")
-        report = ev.report({}, shape, 1)
-        if blocks is None:
-            cand = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(prunable_blocks()))
-        else:
-            cand = sorted(blocks)
-        floor = {u: max(1, int(chan[u] * (1 - max_ratio))) for u in cand}
-        floor = {u: k for u, k in floor.items() if k < chan[u]}
-        if not floor:
-            raise _impossible(total_saving, config({}, saving, path_batch, chan), budget_bytes,
-                              tensor_budget, budget_scope, preset, auto, resolution)
-        total_floor = record((0, 0), floor, saving, path_batch, chan)  # impossible unless it fits
-        if not fits(total_floor):
-            raise _impossible(total_floor, config(floor, saving, path_batch, chan), budget_bytes,
-                              tensor_budget, budget_scope, preset, auto, resolution)
-        path = _PruningPath(chan, floor, report, ev.report(floor, shape, 1), list(floor))
-        last = path.last
-        # index i = last - level: 0 is the floor (fits), last is no pruning (does not fit)
-        top_cap = max((m[1] for m in path.model.values()), default=path.cap(last))
-        # first guess: the peak image's activations shrink by the cap cut, times the batch;
-        # index i = last - level: 0 is the floor, last is no pruning (does not fit)
-        def i_of(x):
-            return last - _level_of(path, x)
-
-        first = i_of(top_cap - (total_saving - tensor_budget) / path_batch)
-        i = _largest_fitting(lambda i: record((0, i), path.kept(last - i), saving, path_batch, chan),
-                             0, last, tensor_budget, first)
-        chosen = config(path.kept(last - i), saving, path_batch, chan)
-        chosen_pos = (0, i)
-
+    search = _Search(ev, ladder, {b: hidden_channels(meta, b) for b in prunable_blocks()},
+                     1 if auto else batch_size, mode, tensor_budget, impossible)
+    chosen, chosen_pos = search.walk(auto=auto, max_batch_size=max_batch_size, blocks=blocks,
+                                     max_ratio=max_ratio)
     if chosen.stream and stream is None:
-        total_of = lambda c: ev.total(c.kept, c.storage, c.batch_size)  # noqa: E731
-        if chosen.recompute and total_of(dataclasses.replace(chosen, recompute=False)) <= tensor_budget:
-            chosen = dataclasses.replace(chosen, recompute=False)  # recomputing costs speed
-        chosen = _largest_micro_batch(chosen, total_of, tensor_budget)
+        chosen = _fastest_stream(chosen, ev, tensor_budget)
     report = ev.report(chosen.kept, chosen.storage, chosen.batch_size)
-    runners = _runners_up(evaluated, chosen_pos, chosen, tensor_budget)
-    notes = []
-    if chosen.precision == half != HALF_DTYPES[0]:
-        notes.append(f"half activations are {half}: this machine's torch runs no {HALF_DTYPES[0]} "
-                     f"convolutions on the CPU (where --verify measures); same bytes")
-    overheads = preset.overheads(report.total_bytes)
-    limit = preset.process_limit_bytes()
-    process_total = report.total_bytes + sum(overheads.values())
-    if limit is not None and process_total > limit:
-        notes.append(f"tensors + overheads {process_total / MB:.1f} MB exceed what {preset.name} leaves "
-                     f"for a process ({limit / MB:.1f} MB after the OS share)")
+    runners = _runners_up(search.evaluated, chosen_pos, chosen, tensor_budget)
+    notes, overheads, limit = _notes_and_overheads(chosen, half, preset, report.total_bytes)
     elapsed = time.perf_counter() - start
     log.info("plan: %s, predicted %d bytes, %d evaluations in %.1f s", chosen.describe(),
              report.total_bytes, ev.count, elapsed)

@@ -514,6 +514,270 @@ def _distill_mix(distill, teacher: nn.Module, images: torch.Tensor) -> Callable:
     return mix
 
 
+def _check_fit(sampler, recipe: Recipe, teacher: nn.Module | None, world: int) -> None:
+    """Refuse a call whose process group, loader sharding and distillation settings disagree."""
+    if torchrun_env() is not None and world == 1:
+        raise ConfigError("started by torchrun but no process group: call edgetl.train.setup_distributed() first")
+    if getattr(sampler, "num_replicas", 1) != world:
+        raise ConfigError(
+            f"the training loader is sharded for {getattr(sampler, 'num_replicas', 1)} processes but "
+            f"{world} are running; build loaders after setup_distributed()"
+        )
+    if teacher is not None and recipe.distill is None:
+        raise ConfigError("a teacher was given but the recipe has no distill section")
+    if recipe.distill is not None and teacher is None:
+        raise ConfigError("the recipe's distill section needs a teacher model (distill.teacher)")
+
+
+def _check_run_folder(out_dir: Path, resume: bool) -> None:
+    """A resumed run needs ``last.pt``; a new one must not find one."""
+    last_path = out_dir / LAST
+    if resume and not last_path.is_file():
+        raise DataError(f"nothing to resume: {last_path} does not exist")
+    if not resume and last_path.is_file():
+        raise ConfigError(f"{out_dir} already holds a run ({LAST}); resume it or choose another folder")
+
+
+def _optimizer_and_schedule(model: nn.Module, train_loader, sampler, recipe: Recipe, step_spec: Step,
+                            param_groups: list[dict] | None, optimizer_factory) -> tuple[Any, Any, int]:
+    """The optimizer over ``param_groups`` (default: the step's), its per-iteration schedule
+    and the steps of an epoch (a loader without batches is refused)."""
+    groups = param_groups if param_groups is not None else step_spec.param_groups(model)
+    optimizer = (optimizer_factory or (lambda g: build_optimizer(g, recipe.optim)))(groups)
+    if hasattr(sampler, "set_start"):
+        sampler.set_start(0)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise DataError("the training loader yields no batches (fewer samples than one batch?)")
+    scheduler = build_scheduler(optimizer, recipe.optim, steps_per_epoch, recipe.train.epochs)
+    return optimizer, scheduler, steps_per_epoch
+
+
+@dataclass
+class _Progress:
+    """Where a fit call stands: what last.pt records and what the loop has gathered."""
+
+    start_epoch: int = 0
+    start_step: int = 0
+    best_acc1: float | None = None
+    best_epoch: int | None = None
+    # train loss sum, correct, count of the epoch in progress
+    sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    history: list[dict] = field(default_factory=list)
+    rank_rng: dict | None = None  # this rank's RNG states from last.pt
+    saved: tuple[int, int] | None = None  # where the newest last.pt resumes
+    created: list[Path] = field(default_factory=list)  # what this call made, removed if it fails before its first last.pt
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _resume(out_dir: Path, recipe: Recipe, model: nn.Module, optimizer, scheduler, scaler,
+            rank: int, world: int) -> _Progress:
+    """Load ``out_dir/last.pt`` into the model, optimizer, scheduler and scaler; where it left off."""
+    last_path = out_dir / LAST
+    progress = _Progress()
+    ckpt = load_checkpoint(last_path)
+    diff = _recipe_differences(ckpt["recipe"], recipe.to_dict())
+    if diff:
+        raise ConfigError(
+            f"cannot resume {out_dir}: the recipe differs in {', '.join(diff[:4])}"
+            f"{' ...' if len(diff) > 4 else ''} (see {out_dir / RECIPE_FILE})"
+        )
+    if ckpt["step_in_epoch"] > 0 and ckpt["world_size"] != world:
+        raise ConfigError(
+            f"cannot resume {last_path} mid-epoch with {world} processes; it was written by "
+            f"{ckpt['world_size']} (the data order depends on it)"
+        )
+    unwrap(model).load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    if scaler is not None and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    progress.start_epoch, progress.start_step = ckpt["epoch"], ckpt["step_in_epoch"]
+    progress.best_acc1, progress.best_epoch = ckpt["best_acc1"], ckpt["best_epoch"]
+    states = ckpt["rank_state"]
+    if rank < len(states) and ckpt["world_size"] == world:
+        progress.rank_rng = states[rank]["rng"]
+        progress.sums = [float(v) for v in states[rank]["sums"].tolist()]
+    progress.history = [r for r in read_metrics(out_dir) if r["epoch"] <= progress.start_epoch]
+    log.info("resuming %s at epoch %d step %d", out_dir, progress.start_epoch + 1, progress.start_step)
+    if is_main_process():
+        _restore_best(out_dir, ckpt)
+    return progress
+
+
+def _start_run_folder(out_dir: Path, recipe: Recipe, model: nn.Module, optimizer, world: int,
+                      final_files: dict[str, int] | None) -> list[Path]:
+    """Check the disk, make the folder and write recipe.yaml (rank 0); returns what it created."""
+    created: list[Path] = []
+    if is_main_process():
+        check_disk(out_dir, {LAST: checkpoint_bytes(model, optimizer, world),
+                             BEST: checkpoint_bytes(model, None), **(final_files or {})})
+        if not out_dir.exists():
+            created.append(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        created += [out_dir / n for n in (RECIPE_FILE, METRICS_CSV, METRICS_JSONL, BEST) if not (out_dir / n).exists()]
+        atomic_write_text(out_dir / RECIPE_FILE, recipe.to_yaml())
+    return created
+
+
+@dataclass
+class _Loop:
+    """What a fit call trains with, and its progress; the methods are the loop's parts."""
+
+    model: nn.Module
+    net: nn.Module  # ``model``, or its DDP wrapper
+    teacher: nn.Module | None
+    train_loader: Any
+    sampler: Any  # the training loader's
+    skipping: bool  # the training set skips unreadable images (data.on_bad_image: skip)
+    val_loader: Any
+    recipe: Recipe
+    out_dir: Path
+    device: torch.device
+    world: int
+    step_spec: Step
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    autocast: Callable
+    amp_precision: str
+    steps_per_epoch: int
+    on_step: Callable[[dict], None] | None
+    on_epoch: Callable[[dict], None] | None
+    progress: _Progress
+
+    def save(self, epoch: int, step: int, best: bool = False) -> None:
+        """last.pt, then (``best``) best.pt: weights only, as nothing resumes from it."""
+        p = self.progress
+        # Collective (gathers every rank's RNG state), so every rank calls it.
+        state = _gather({"rng": rng_state(), "sums": torch.tensor(p.sums, dtype=torch.float64)})
+        if not is_main_process():
+            return
+        ckpt = {
+            "format": CHECKPOINT_FORMAT,
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "epoch": epoch,
+            "step_in_epoch": step,
+            "global_step": epoch * self.steps_per_epoch + step,
+            "best_acc1": p.best_acc1,
+            "best_epoch": p.best_epoch,
+            "world_size": self.world,
+            "rank_state": state,
+            "recipe": self.recipe.to_dict(),
+        }
+        atomic_torch_save(ckpt, self.out_dir / LAST)
+        p.saved = (epoch, step)
+        p.created.clear()  # from here on the folder is a resumable run
+        if best:
+            atomic_torch_save(best_checkpoint(ckpt), self.out_dir / BEST)
+
+    def save_mid_epoch(self, epoch: int, step: int) -> None:
+        """last.pt after step ``step`` (0-based) when ``train.checkpoint_every`` says so."""
+        every = self.recipe.train.checkpoint_every
+        if every and (step + 1) % every == 0 and step + 1 < self.steps_per_epoch:
+            self.save(epoch, step + 1)
+
+    def train_epoch(self, epoch: int) -> tuple[float, int]:
+        """One epoch's steps (from a resumed run's step on); returns its start time and images seen."""
+        p, sampler, loader = self.progress, self.sampler, self.train_loader
+        first = p.start_step if epoch == p.start_epoch else 0
+        if epoch != p.start_epoch:
+            p.sums = [0.0, 0.0, 0.0]
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        if hasattr(sampler, "set_start"):
+            sampler.set_start(first * loader.batch_size)
+        batches = iter(loader)
+        if first and not hasattr(sampler, "set_start"):
+            log.warning("loader cannot start mid-epoch; skipping %d batches", first)
+            for _ in range(first):
+                next(batches)
+        set_train_mode(self.net, self.recipe.model.bn)
+        t0, seen = time.perf_counter(), 0
+        for step, batch in enumerate(batches, start=first):
+            seen += self.train_step(epoch, step, batch)
+        return t0, seen
+
+    def train_step(self, epoch: int, step: int, batch) -> int:
+        """One optimizer step on ``batch`` (skipped if too few of its images were readable);
+        returns the images it trained on."""
+        p, device = self.progress, self.device
+        note_skipped(batch, p.skipped)
+        images, labels = batch
+        # every image (or all but one: BatchNorm needs two) of this batch was unreadable
+        too_few = images is None or len(labels) < min(2, self.train_loader.batch_size)
+        if self.world > 1 and self.skipping:  # every rank skips the step, or none (DDP all-reduces)
+            too_few = _all_reduce_sum([float(too_few)], device)[0] > 0
+        if too_few:
+            log.warning("epoch %d step %d: too few readable images left; step skipped", epoch + 1, step + 1)
+            self.scheduler.step()
+            self.save_mid_epoch(epoch, step)
+            return 0
+        images = images.to(device, dtype=input_dtype(self.model), non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        mix = None
+        if self.recipe.distill is not None:
+            mix = _distill_mix(self.recipe.distill, self.teacher, images)
+        loss, correct = training_step(self.net, self.step_spec, self.optimizer, images, labels,
+                                      autocast=self.autocast, scaler=self.scaler, mix=mix)
+        self.scheduler.step()
+        loss_value = loss.item()
+        n = labels.numel()
+        p.sums[0] += loss_value * n
+        p.sums[1] += correct.item()
+        p.sums[2] += n
+        if self.on_step is not None:
+            self.on_step({
+                "epoch": epoch, "epochs": self.recipe.train.epochs, "step": step + 1,
+                "steps": self.steps_per_epoch, "global_step": epoch * self.steps_per_epoch + step + 1,
+                "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"],
+            })
+        self.save_mid_epoch(epoch, step)
+        return n
+
+    def end_epoch(self, epoch: int, t0: float, seen: int) -> None:
+        """The epoch's metrics row (evaluated when due), metrics files, last.pt and best.pt."""
+        p = self.progress
+        loss_sum, correct, count = _all_reduce_sum(p.sums, self.device)
+        elapsed = time.perf_counter() - t0
+        row: dict[str, Any] = {
+            "epoch": epoch + 1,
+            "global_step": (epoch + 1) * self.steps_per_epoch,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "train_loss": loss_sum / max(count, 1),
+            "train_acc1": 100.0 * correct / max(count, 1),
+            "val_loss": None,
+            "val_acc1": None,
+            "epoch_time_s": elapsed,
+            "images_per_s": seen * self.world / elapsed if elapsed > 0 else None,
+        }
+        improved = self.evaluate_epoch(epoch, row)
+        p.history.append(row)
+        p.sums = [0.0, 0.0, 0.0]
+        if is_main_process():
+            _write_metrics(self.out_dir, p.history)
+            log.info("epoch %d/%d: %s", epoch + 1, self.recipe.train.epochs, row)
+        self.save(epoch + 1, 0, best=improved)
+        if self.on_epoch is not None:
+            self.on_epoch(row)
+
+    def evaluate_epoch(self, epoch: int, row: dict[str, Any]) -> bool:
+        """Evaluate when ``train.eval_every`` (or the last epoch) says so, into ``row``;
+        returns whether the accuracy is the best yet."""
+        p, epochs = self.progress, self.recipe.train.epochs
+        if not ((epoch + 1) % self.recipe.train.eval_every == 0 or epoch + 1 == epochs):
+            return False
+        metrics = evaluate(self.net, self.val_loader, self.device, self.amp_precision, p.skipped)
+        row["val_loss"], row["val_acc1"] = metrics["loss"], metrics["acc1"]
+        if p.best_acc1 is None or metrics["acc1"] > p.best_acc1:
+            p.best_acc1, p.best_epoch = metrics["acc1"], epoch + 1
+            return True
+        return False
+
+
 def fit(
     *,
     model: nn.Module,
@@ -560,27 +824,11 @@ def fit(
     device = torch.device(device)
     out_dir = Path(out_dir)
     rank, world = get_rank(), get_world_size()
-    if torchrun_env() is not None and world == 1:
-        raise ConfigError("started by torchrun but no process group: call edgetl.train.setup_distributed() first")
     sampler = getattr(train_loader, "sampler", None)
-    if getattr(sampler, "num_replicas", 1) != world:
-        raise ConfigError(
-            f"the training loader is sharded for {getattr(sampler, 'num_replicas', 1)} processes but "
-            f"{world} are running; build loaders after setup_distributed()"
-        )
-    if teacher is not None and recipe.distill is None:
-        raise ConfigError("a teacher was given but the recipe has no distill section")
-    if recipe.distill is not None and teacher is None:
-        raise ConfigError("the recipe's distill section needs a teacher model (distill.teacher)")
+    _check_fit(sampler, recipe, teacher, world)
     amp_precision = recipe.model.precision if amp else "fp32"
     autocast, scaler = _autocast(device, amp_precision)
-    epochs = recipe.train.epochs
-
-    last_path = out_dir / LAST
-    if resume and not last_path.is_file():
-        raise DataError(f"nothing to resume: {last_path} does not exist")
-    if not resume and last_path.is_file():
-        raise ConfigError(f"{out_dir} already holds a run ({LAST}); resume it or choose another folder")
+    _check_run_folder(out_dir, resume)
 
     model.to(device)
     if teacher is not None:
@@ -588,184 +836,36 @@ def fit(
         for p in teacher.parameters():
             p.requires_grad_(False)
     step_spec = Step.from_recipe(recipe, ddp=world > 1)
-    groups = param_groups if param_groups is not None else step_spec.param_groups(model)
-    optimizer = (optimizer_factory or (lambda g: build_optimizer(g, recipe.optim)))(groups)
-    if hasattr(sampler, "set_start"):
-        sampler.set_start(0)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise DataError("the training loader yields no batches (fewer samples than one batch?)")
-    scheduler = build_scheduler(optimizer, recipe.optim, steps_per_epoch, epochs)
+    optimizer, scheduler, steps_per_epoch = _optimizer_and_schedule(
+        model, train_loader, sampler, recipe, step_spec, param_groups, optimizer_factory)
 
-    start_epoch, start_step, best_acc1, best_epoch = 0, 0, None, None
-    sums = [0.0, 0.0, 0.0]  # train loss sum, correct, count of the epoch in progress
-    history: list[dict] = []
-    rank_rng: dict | None = None
+    progress = _Progress()
     if resume:
-        ckpt = load_checkpoint(last_path)
-        diff = _recipe_differences(ckpt["recipe"], recipe.to_dict())
-        if diff:
-            raise ConfigError(
-                f"cannot resume {out_dir}: the recipe differs in {', '.join(diff[:4])}"
-                f"{' ...' if len(diff) > 4 else ''} (see {out_dir / RECIPE_FILE})"
-            )
-        if ckpt["step_in_epoch"] > 0 and ckpt["world_size"] != world:
-            raise ConfigError(
-                f"cannot resume {last_path} mid-epoch with {world} processes; it was written by "
-                f"{ckpt['world_size']} (the data order depends on it)"
-            )
-        unwrap(model).load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        if scaler is not None and ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, start_step = ckpt["epoch"], ckpt["step_in_epoch"]
-        best_acc1, best_epoch = ckpt["best_acc1"], ckpt["best_epoch"]
-        states = ckpt["rank_state"]
-        if rank < len(states) and ckpt["world_size"] == world:
-            rank_rng = states[rank]["rng"]
-            sums = [float(v) for v in states[rank]["sums"].tolist()]
-        history = [r for r in read_metrics(out_dir) if r["epoch"] <= start_epoch]
-        log.info("resuming %s at epoch %d step %d", out_dir, start_epoch + 1, start_step)
-        if is_main_process():
-            _restore_best(out_dir, ckpt)
-        del ckpt
-    created: list[Path] = []  # what this call made, removed if it fails before its first last.pt
-    if is_main_process():
-        check_disk(out_dir, {LAST: checkpoint_bytes(model, optimizer, world),
-                             BEST: checkpoint_bytes(model, None), **(final_files or {})})
-        if not out_dir.exists():
-            created.append(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        created += [out_dir / n for n in (RECIPE_FILE, METRICS_CSV, METRICS_JSONL, BEST) if not (out_dir / n).exists()]
-        atomic_write_text(out_dir / RECIPE_FILE, recipe.to_yaml())
-    saved = (start_epoch, start_step) if resume else None  # where the newest last.pt resumes
-    skipped: dict[str, str] = {}
-
+        progress = _resume(out_dir, recipe, model, optimizer, scheduler, scaler, rank, world)
+    progress.created = _start_run_folder(out_dir, recipe, model, optimizer, world, final_files)
+    progress.saved = (progress.start_epoch, progress.start_step) if resume else None
     net = ddp_wrap(model, step_spec, device) if step_spec.ddp else model
 
-    def save(epoch: int, step: int, best: bool = False) -> None:
-        """last.pt, then (``best``) best.pt: weights only, as nothing resumes from it."""
-        nonlocal saved
-        # Collective (gathers every rank's RNG state), so every rank calls it.
-        state = _gather({"rng": rng_state(), "sums": torch.tensor(sums, dtype=torch.float64)})
-        if not is_main_process():
-            return
-        ckpt = {
-            "format": CHECKPOINT_FORMAT,
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "epoch": epoch,
-            "step_in_epoch": step,
-            "global_step": epoch * steps_per_epoch + step,
-            "best_acc1": best_acc1,
-            "best_epoch": best_epoch,
-            "world_size": world,
-            "rank_state": state,
-            "recipe": recipe.to_dict(),
-        }
-        atomic_torch_save(ckpt, last_path)
-        saved = (epoch, step)
-        created.clear()  # from here on the folder is a resumable run
-        if best:
-            atomic_torch_save(best_checkpoint(ckpt), out_dir / BEST)
-
-    if rank_rng is not None:
-        set_rng_state(rank_rng)
-    elif not resume or start_step == 0:
+    if progress.rank_rng is not None:
+        set_rng_state(progress.rank_rng)
+    elif not resume or progress.start_step == 0:
         # Dropout etc. differ between ranks but are fixed by the seed.
         seed_everything(recipe.train.seed + rank)
 
-    every = recipe.train.checkpoint_every
-    distill = recipe.distill
     skipping = getattr(train_loader.dataset, "skip_bad", False)  # data.on_bad_image: skip
-    try:
-        for epoch in range(start_epoch, epochs):
-            first = start_step if epoch == start_epoch else 0
-            if epoch != start_epoch:
-                sums = [0.0, 0.0, 0.0]
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-            if hasattr(sampler, "set_start"):
-                sampler.set_start(first * train_loader.batch_size)
-            batches = iter(train_loader)
-            if first and not hasattr(sampler, "set_start"):
-                log.warning("loader cannot start mid-epoch; skipping %d batches", first)
-                for _ in range(first):
-                    next(batches)
-            set_train_mode(net, recipe.model.bn)
-            t0, seen = time.perf_counter(), 0
-            for step, batch in enumerate(batches, start=first):
-                note_skipped(batch, skipped)
-                images, labels = batch
-                # every image (or all but one: BatchNorm needs two) of this batch was unreadable
-                too_few = images is None or len(labels) < min(2, train_loader.batch_size)
-                if world > 1 and skipping:  # every rank skips the step, or none (DDP all-reduces)
-                    too_few = _all_reduce_sum([float(too_few)], device)[0] > 0
-                if too_few:
-                    log.warning("epoch %d step %d: too few readable images left; step skipped", epoch + 1, step + 1)
-                    scheduler.step()
-                    if every and (step + 1) % every == 0 and step + 1 < steps_per_epoch:
-                        save(epoch, step + 1)
-                    continue
-                images = images.to(device, dtype=input_dtype(model), non_blocking=True)
-                labels = labels.to(device, non_blocking=True)
-                mix = None
-                if distill is not None:
-                    mix = _distill_mix(distill, teacher, images)
-                loss, correct = training_step(net, step_spec, optimizer, images, labels,
-                                              autocast=autocast, scaler=scaler, mix=mix)
-                scheduler.step()
-                loss_value = loss.item()
-                n = labels.numel()
-                sums[0] += loss_value * n
-                sums[1] += correct.item()
-                sums[2] += n
-                seen += n
-                if on_step is not None:
-                    on_step({
-                        "epoch": epoch, "epochs": epochs, "step": step + 1, "steps": steps_per_epoch,
-                        "global_step": epoch * steps_per_epoch + step + 1, "loss": loss_value,
-                        "lr": optimizer.param_groups[0]["lr"],
-                    })
-                if every and (step + 1) % every == 0 and step + 1 < steps_per_epoch:
-                    save(epoch, step + 1)
+    loop = _Loop(model, net, teacher, train_loader, sampler, skipping, val_loader, recipe, out_dir, device,
+                 world, step_spec, optimizer, scheduler, scaler, autocast, amp_precision, steps_per_epoch,
+                 on_step, on_epoch, progress)
 
-            loss_sum, correct, count = _all_reduce_sum(sums, device)
-            elapsed = time.perf_counter() - t0
-            row: dict[str, Any] = {
-                "epoch": epoch + 1,
-                "global_step": (epoch + 1) * steps_per_epoch,
-                "lr": optimizer.param_groups[0]["lr"],
-                "train_loss": loss_sum / max(count, 1),
-                "train_acc1": 100.0 * correct / max(count, 1),
-                "val_loss": None,
-                "val_acc1": None,
-                "epoch_time_s": elapsed,
-                "images_per_s": seen * world / elapsed if elapsed > 0 else None,
-            }
-            evaluated = (epoch + 1) % recipe.train.eval_every == 0 or epoch + 1 == epochs
-            improved = False
-            if evaluated:
-                metrics = evaluate(net, val_loader, device, amp_precision, skipped)
-                row["val_loss"], row["val_acc1"] = metrics["loss"], metrics["acc1"]
-                if best_acc1 is None or metrics["acc1"] > best_acc1:
-                    best_acc1, best_epoch, improved = metrics["acc1"], epoch + 1, True
-            history.append(row)
-            sums = [0.0, 0.0, 0.0]
-            if is_main_process():
-                _write_metrics(out_dir, history)
-                log.info("epoch %d/%d: %s", epoch + 1, epochs, row)
-            save(epoch + 1, 0, best=improved)
-            if on_epoch is not None:
-                on_epoch(row)
+    try:
+        for epoch in range(progress.start_epoch, recipe.train.epochs):
+            t0, seen = loop.train_epoch(epoch)
+            loop.end_epoch(epoch, t0, seen)
     except BaseException as exc:
-        failure = _after_failure(exc, out_dir, created, saved)
+        failure = _after_failure(exc, out_dir, progress.created, progress.saved)
         if failure is not exc:
             raise failure from None
         raise
-    return FitResult(out_dir=out_dir, best_acc1=best_acc1, best_epoch=best_epoch, history=history,
-                     skipped=skipped)
+    return FitResult(out_dir=out_dir, best_acc1=progress.best_acc1, best_epoch=progress.best_epoch,
+                     history=progress.history, skipped=progress.skipped)
 

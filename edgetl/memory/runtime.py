@@ -351,128 +351,169 @@ def _leaf_now(module: nn.Module, inputs: list[torch.Tensor]) -> bool:
     return True
 
 
-def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
-    """Trace ``net`` on meta, recording for each op which tensors it reads and writes."""
-    # BN in eval mode for tracing only: shapes are the same, and a batch-1 train-mode BN
-    # on a 1x1 map refuses to run; the rules read training flags from ``net`` itself
+def _skey(t: torch.Tensor) -> int:
+    """The key of a tensor's storage."""
+    return t.untyped_storage()._cdata
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    """The tensors among a call's arguments."""
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+class _FlowRecorder(TorchFunctionMode):
+    """Records a meta forward as ops and values: leaf modules through their hooks, the
+    functions called between them (adds, views, casts) as a torch function mode."""
+
+    def __init__(self, originals: dict[str, nn.Module], leaves: list[Leaf]) -> None:
+        super().__init__()
+        self.originals = originals
+        self.leaf_iter = iter(leaves)
+        self.keep: list[torch.Tensor] = []  # keeps meta storages alive so their keys stay unique
+        self.values: list[_Value] = []
+        self.latest: dict[int, int] = {}  # storage key -> newest value id
+        self.ops: list[_Op] = []
+        self.spans: list[tuple[int, int, int]] = []  # (storage, first op, last op) of module inputs
+        self.stack: list[tuple[int | None, int, bool]] = []
+        self.ignored: list[bool] = []  # per module call: inside a streamed segment (its own leaf)
+        self.busy = False  # inside a hook: its own tensor calls are no ops
+        self.leaf_depth = 0
+
+    def value_of(self, t: torch.Tensor) -> int:
+        """The newest value of ``t``'s storage (a new one for a storage not seen yet)."""
+        key = _skey(t)
+        if key not in self.latest:
+            self.keep.append(t)
+            self.values.append(_Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size()))
+            self.latest[key] = len(self.values) - 1
+        return self.latest[key]
+
+    def new_value(self, t: torch.Tensor, producer: int) -> int:
+        """A new value for ``t``, written by op ``producer``."""
+        self.keep.append(t)
+        self.values.append(_Value(_skey(t), t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(),
+                                  producer=producer))
+        self.latest[_skey(t)] = len(self.values) - 1
+        return len(self.values) - 1
+
+    def pre(self, name: str, is_leaf: bool):
+        """The forward pre-hook of module ``name``: opens its call."""
+        def hook(module, args):
+            self.ignored.append(bool(self.leaf_depth))
+            if self.ignored[-1]:
+                return
+            self.busy = True
+            ts = _tensors(args)
+            leaf = is_leaf and _leaf_now(module, ts)
+            self.stack.append((_skey(ts[0]) if ts else None, len(self.ops), leaf))
+            if leaf:
+                self.leaf_depth += 1
+            self.busy = False
+
+        return hook
+
+    def post(self, name: str, is_leaf: bool):
+        """The forward hook of module ``name``: records a leaf's op and the span of its input."""
+        def hook(module, args, output):
+            if self.ignored.pop():
+                return
+            self.busy = True
+            key, first, leaf_call = self.stack.pop()
+            if leaf_call:
+                self.leaf_depth -= 1
+                self.record_leaf(name, module, args, output)
+            if key is not None and len(self.ops) > first:
+                self.spans.append((key, first, len(self.ops) - 1))
+            self.busy = False
+
+        return hook
+
+    def record_leaf(self, name: str, module: nn.Module, args, output) -> None:
+        """The op of a leaf call; a leaf returning its input unchanged is an identity."""
+        leaf = next(self.leaf_iter)
+        if leaf.name != name:
+            raise RuntimeError(f"trace order mismatch: {leaf.name} vs {name}")
+        ins = [self.value_of(t) for t in _tensors(args)]
+        if any(output is t for t in _tensors(args)) and not getattr(module, "inplace", False):
+            self.latest[_skey(output)] = ins[0]  # identity (e.g. Resize to the same size)
+            self.ops.append(_Op(name, leaf.block, leaf.part, ins, ins[0], self.originals[name], leaf,
+                                func="identity"))
+        else:
+            self.ops.append(_Op(name, leaf.block, leaf.part, ins, -1, self.originals[name], leaf))
+            self.ops[-1].output = self.new_value(output, len(self.ops) - 1)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.busy or self.leaf_depth or not isinstance(out, torch.Tensor):
+            return out
+        if any(out is t for t in _tensors(args)):
+            return out  # x.to(x.dtype) and the like: the very same tensor, no op
+        ins = [self.value_of(t) for t in _tensors(args)]
+        if not ins:
+            return out
+        block, part = (self.ops[-1].block, self.ops[-1].part) if self.ops else (0, "backbone")
+        self.ops.append(_Op(_func_name(func), block, part, ins, -1, func=_func_name(func)))
+        self.ops[-1].output = self.new_value(out, len(self.ops) - 1)
+        return out
+
+    def run(self, meta: EdgeNet, resolution: int, batch_size: int, dtype: torch.dtype) -> int:
+        """Run ``meta`` on a meta batch under the hooks; returns the batch's value id."""
+        handles = []
+        for name, module in meta.named_modules():
+            is_leaf = len(list(module.children())) == 0
+            handles.append(module.register_forward_pre_hook(self.pre(name, is_leaf)))
+            handles.append(module.register_forward_hook(self.post(name, is_leaf)))
+        image_t = torch.empty(batch_size, 3, resolution, resolution, device="meta", dtype=dtype)
+        image = self.value_of(image_t)
+        try:
+            with torch.no_grad(), self:
+                logits = meta(image_t)
+        finally:
+            for h in handles:
+                h.remove()
+        del logits
+        return image
+
+
+def _meta_copy(net: EdgeNet) -> EdgeNet:
+    """``net`` on meta, shapes only, BN in eval mode.
+
+    BN in eval mode for tracing only: shapes are the same, and a batch-1 train-mode BN
+    on a 1x1 map refuses to run; the rules read training flags from ``net`` itself.
+    """
     meta = copy.deepcopy(net).to("meta")
     mark_shapes_only(meta)
     for m in meta.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eval()
+    return meta
+
+
+def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
+    """Trace ``net`` on meta, recording for each op which tensors it reads and writes."""
+    meta = _meta_copy(net)
     trace = trace_network(meta, resolution, batch_size=batch_size)
-    originals = dict(net.named_modules())
-    keep: list[torch.Tensor] = []  # keeps meta storages alive so their keys stay unique
-    values: list[_Value] = []
-    latest: dict[int, int] = {}  # storage key -> newest value id
-    ops: list[_Op] = []
-    spans: list[tuple[int, int, int]] = []  # (storage, first op, last op) of module inputs
-    stack: list[tuple[int | None, int]] = []
-    state = {"busy": False, "leaf_depth": 0}
+    recorder = _FlowRecorder(dict(net.named_modules()), trace.leaves)
+    image = recorder.run(meta, resolution, batch_size, getattr(net, "input_dtype", torch.float32))
+    ops, values = recorder.ops, recorder.values
+    _mark_requires_grad(ops, values)
+    holds = _holds(net, ops, values, recorder.spans)
+    return _Flow(ops, values, holds, image, trace.leaves)
 
-    def skey(t: torch.Tensor) -> int:
-        return t.untyped_storage()._cdata
 
-    def value_of(t: torch.Tensor) -> int:
-        key = skey(t)
-        if key not in latest:
-            keep.append(t)
-            values.append(_Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size()))
-            latest[key] = len(values) - 1
-        return latest[key]
-
-    def new_value(t: torch.Tensor, producer: int) -> int:
-        keep.append(t)
-        values.append(_Value(skey(t), t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(),
-                             producer=producer))
-        latest[skey(t)] = len(values) - 1
-        return len(values) - 1
-
-    def tensors(args) -> list[torch.Tensor]:
-        return [a for a in args if isinstance(a, torch.Tensor)]
-
-    leaf_iter = iter(trace.leaves)
-
-    ignored: list[bool] = []  # per module call: inside a streamed segment (its own leaf)
-
-    def pre(name: str, is_leaf: bool):
-        def hook(module, args):
-            ignored.append(bool(state["leaf_depth"]))
-            if ignored[-1]:
-                return
-            state["busy"] = True
-            ts = tensors(args)
-            leaf = is_leaf and _leaf_now(module, ts)
-            stack.append((skey(ts[0]) if ts else None, len(ops), leaf))
-            if leaf:
-                state["leaf_depth"] += 1
-            state["busy"] = False
-
-        return hook
-
-    def post(name: str, is_leaf: bool):
-        def hook(module, args, output):
-            if ignored.pop():
-                return
-            state["busy"] = True
-            key, first, leaf_call = stack.pop()
-            if leaf_call:
-                state["leaf_depth"] -= 1
-                leaf = next(leaf_iter)
-                if leaf.name != name:
-                    raise RuntimeError(f"trace order mismatch: {leaf.name} vs {name}")
-                ins = [value_of(t) for t in tensors(args)]
-                if any(output is t for t in tensors(args)) and not getattr(module, "inplace", False):
-                    latest[skey(output)] = ins[0]  # identity (e.g. Resize to the same size)
-                    ops.append(_Op(name, leaf.block, leaf.part, ins, ins[0], originals[name], leaf,
-                                   func="identity"))
-                else:
-                    ops.append(_Op(name, leaf.block, leaf.part, ins, -1, originals[name], leaf))
-                    ops[-1].output = new_value(output, len(ops) - 1)
-            if key is not None and len(ops) > first:
-                spans.append((key, first, len(ops) - 1))
-            state["busy"] = False
-
-        return hook
-
-    class Recorder(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if state["busy"] or state["leaf_depth"] or not isinstance(out, torch.Tensor):
-                return out
-            if any(out is t for t in tensors(args)):
-                return out  # x.to(x.dtype) and the like: the very same tensor, no op
-            ins = [value_of(t) for t in tensors(args)]
-            if not ins:
-                return out
-            block, part = (ops[-1].block, ops[-1].part) if ops else (0, "backbone")
-            ops.append(_Op(_func_name(func), block, part, ins, -1, func=_func_name(func)))
-            ops[-1].output = new_value(out, len(ops) - 1)
-            return out
-
-    handles = []
-    for name, module in meta.named_modules():
-        is_leaf = len(list(module.children())) == 0
-        handles.append(module.register_forward_pre_hook(pre(name, is_leaf)))
-        handles.append(module.register_forward_hook(post(name, is_leaf)))
-    image_t = torch.empty(batch_size, 3, resolution, resolution, device="meta",
-                          dtype=getattr(net, "input_dtype", torch.float32))
-    image = value_of(image_t)
-    try:
-        with torch.no_grad(), Recorder():
-            logits = meta(image_t)
-    finally:
-        for h in handles:
-            h.remove()
-    del logits
-
-    # which values need grad: any input that does, or a param of the layer that trains
+def _mark_requires_grad(ops: list[_Op], values: list[_Value]) -> None:
+    """Which values need grad: any input that does, or a param of the layer that trains."""
     for op in ops:
         if op.func == "identity":
             continue
         own = op.module is not None and any(p.requires_grad for p in leaf_parameters(op.module))
         values[op.output].requires_grad = own or any(values[v].requires_grad for v in op.inputs)
 
+
+def _holds(net: EdgeNet, ops: list[_Op], values: list[_Value],
+           spans: list[tuple[int, int, int]]) -> dict[int, int]:
+    """Storage -> index of the op after which Python no longer refers to it: its last
+    reader, the end of a module call it was passed to, a side tap's span, the loss."""
     holds: dict[int, int] = {}
     for i, op in enumerate(ops):
         for v in op.inputs:
@@ -495,7 +536,7 @@ def _flow(net: EdgeNet, resolution: int, batch_size: int) -> _Flow:
             s = values[first.inputs[0]].storage
             holds[s] = max(holds.get(s, end), end)
     holds[values[ops[-1].output].storage] = len(ops)  # the logits: until the loss has them
-    return _Flow(ops, values, holds, image, trace.leaves)
+    return holds
 
 
 # ----------------------------------------------------------------------------- simulation
@@ -556,9 +597,10 @@ class _Memory:
         return sum(self.size[k] for k in self.saved_refs)
 
 
-def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, step: Step,
-              opt: OptimizerCost) -> _Result:
-    values, ops = flow.values, flow.ops
+def _static_bytes(flow: _Flow, net: nn.Module, batch_size: int, opt: OptimizerCost) -> tuple[int, dict[str, int]]:
+    """Bytes held through the whole step (params, buffers, optimizer state, the batch and
+    its labels), in all and by part."""
+    values = flow.values
     trainable = [p for p in net.parameters() if p.requires_grad]
     frozen_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
     frozen_bytes += sum(b.numel() * b.element_size() for b in net.buffers())
@@ -567,22 +609,54 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
     input_bytes = values[flow.image].nbytes + batch_size * LABEL_BYTES
     static = frozen_bytes + train_bytes + state_bytes + input_bytes
     parts = {"frozen": frozen_bytes, "weights": train_bytes, "state": state_bytes, "input": input_bytes}
+    return static, parts
 
-    mem = _Memory()
-    res = _Result()
+
+def _function_cost(func: str) -> LayerCost | None:
+    """The rule of a function called between leaves (a view, an add, a cast); None: no rule."""
+    if func in _ALIAS_FUNCS:
+        return LayerCost(inplace=True, grad_input=False)
+    if func in _ADD_FUNCS:
+        return LayerCost(grad_input=False)
+    if func in _PLAIN_FUNCS:
+        return LayerCost()
+    return None
+
+
+@dataclass
+class _Simulation:
+    """One simulated step in progress: live storages, what each op keeps, the result so far."""
+
+    flow: _Flow
+    step: Step
+    opt: OptimizerCost
+    static: int  # bytes held through the whole step (``_static_bytes``)
+    parts: dict[str, int]  # ``static`` by part, for the breakdown at the peak
     # gradient buffers alive; under DDP every gradient is a view into its buckets, which
     # exist from the wrap on (the trainable size; ``edgetl.step.ddp_wrap``)
-    grads = {"bytes": train_bytes if step.ddp else 0}
+    grad_bytes: int
+    mem: _Memory = field(default_factory=_Memory)
+    res: _Result = field(default_factory=_Result)
+    py_held: set[object] = field(default_factory=set)  # storages Python still refers to
+    saved_by: dict[int, list[object]] = field(default_factory=dict)  # op index -> storages it keeps
+    costs: dict[int, LayerCost] = field(default_factory=dict)
+    has_grad_fn: dict[int, bool] = field(default_factory=dict)
+    loss: LossTrace | None = None
+    keys: dict[int, object] = field(default_factory=dict)  # the loss trace's keys -> storages here
+    held: list[object] = field(default_factory=list)  # the loss's saved tensors
+    gbuf: dict[int, object] = field(default_factory=dict)  # value id -> its gradient so far
 
-    def sample(where: str, block: int, forward: bool, saved_before: int | None = None) -> None:
+    def sample(self, where: str, block: int, forward: bool, saved_before: int | None = None) -> None:
+        """Note the bytes alive now in the step's peak and the block's figures."""
+        mem, res = self.mem, self.res
         act = mem.bytes
-        total = static + grads["bytes"] + act
+        total = self.static + self.grad_bytes + act
         if _DEBUG is not None:
             _DEBUG.append((where, total, mem.saved_bytes()))
         saved = mem.saved_bytes()
         if total > res.peak_bytes:
             res.peak_bytes, res.peak_at = total, where
-            res.peak_parts = {**parts, "grads": grads["bytes"], "saved": saved,
+            res.peak_parts = {**self.parts, "grads": self.grad_bytes, "saved": saved,
                               "extra": act - saved}
         if block not in res.block_peak:
             res.order.append(block)
@@ -593,61 +667,61 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
             res.block_tmp[block] = max(res.block_tmp[block], tmp)
 
     # ---- forward
-    py_held: set[int] = set()
-    saved_by: dict[int, list[object]] = {}  # op index -> storages it keeps
-    costs: dict[int, LayerCost] = {}
-    has_grad_fn: dict[int, bool] = {}
 
-    def release_py(i: int) -> None:
-        for s in list(py_held):
-            if flow.holds.get(s, -1) <= i:
-                py_held.discard(s)
-                mem.unref(s)
+    def forward(self) -> None:
+        """The network's forward, op by op, up to the logits."""
+        img = self.flow.values[self.flow.image].storage
+        self.mem.alloc(img, 0)  # the batch is static; a zero-size entry keeps references simple
+        self.mem.ref(img)
+        for i, op in enumerate(self.flow.ops):
+            self.forward_op(i, op)
 
-    img = values[flow.image].storage
-    mem.alloc(img, 0)  # the batch is static; a zero-size entry keeps references simple
-    mem.ref(img)
-    for i, op in enumerate(ops):
-        out = values[op.output]
-        ins = [values[v] for v in op.inputs]
-        grad_fn = out.requires_grad and op.func != "identity"
-        has_grad_fn[i] = grad_fn
-        saved_before = mem.saved_bytes()
+    def op_cost(self, i: int, op: _Op, ins: list[_Value], out: _Value, grad_fn: bool) -> LayerCost:
+        """What op ``i`` keeps and allocates: its layer's rule, or the rule of its function."""
         if op.func == "identity":
-            cost = LayerCost(inplace=True, grad_input=False)
-        elif op.module is not None:
+            return LayerCost(inplace=True, grad_input=False)
+        if op.module is not None:
             args = dict(in_shape=ins[0].shape, out_shape=out.shape, act_bytes=out.act_bytes,
                         in_bytes=ins[0].act_bytes, input_requires_grad=ins[0].requires_grad,
                         output_requires_grad=grad_fn)
-            res.layer_args[i] = (op.module, args)
+            self.res.layer_args[i] = (op.module, args)
             cost = layer_cost(op.module, **args)
             if cost.inplace and out.storage != ins[0].storage:
                 cost.inplace = False  # traced as a new tensor: trust the trace
-        elif op.func in _ALIAS_FUNCS:
-            cost = LayerCost(inplace=True, grad_input=False)
-        elif op.func in _ADD_FUNCS:
-            cost = LayerCost(grad_input=False)
-        elif op.func in _PLAIN_FUNCS:
-            cost = LayerCost()
-        else:
+            return cost
+        cost = _function_cost(op.func)
+        if cost is None:
+            ops = self.flow.ops
             raise CapabilityError(
                 f"the runtime accounting has no rule for the function {op.func} (called after "
                 f"{ops[i - 1].name if i else 'the input'}): add it to the function sets in edgetl.memory.runtime")
-        costs[i] = cost
+        return cost
+
+    def forward_op(self, i: int, op: _Op) -> None:
+        """Op ``i``'s forward: its output, what it keeps and its temporaries; then Python
+        drops what it no longer refers to."""
+        mem, res, values = self.mem, self.res, self.flow.values
+        out = values[op.output]
+        ins = [values[v] for v in op.inputs]
+        grad_fn = out.requires_grad and op.func != "identity"
+        self.has_grad_fn[i] = grad_fn
+        saved_before = mem.saved_bytes()
+        cost = self.op_cost(i, op, ins, out, grad_fn)
+        self.costs[i] = cost
         keep: list[object] = []
         if cost.saved_new_bytes:
             mem.alloc(("saved", i), cost.saved_new_bytes)
             keep.append(("saved", i))
         if out.storage not in mem.size:
             mem.alloc(out.storage, out.nbytes)
-        if out.storage not in py_held:
-            py_held.add(out.storage)
+        if out.storage not in self.py_held:
+            self.py_held.add(out.storage)
             mem.ref(out.storage)
         if cost.forward_temp_bytes:
             mem.alloc(("tmp", i), cost.forward_temp_bytes)
-        sample(f"forward {op.name}", op.block, True, saved_before)
+        self.sample(f"forward {op.name}", op.block, True, saved_before)
         if op.module is not None:
-            res.forward_moments[i] = (static + grads["bytes"] + mem.bytes, cost.forward_temp_bytes)
+            res.forward_moments[i] = (self.static + self.grad_bytes + mem.bytes, cost.forward_temp_bytes)
         if cost.forward_temp_bytes:
             _drop(mem, ("tmp", i))
         if grad_fn:
@@ -657,18 +731,22 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
                 keep.append(out.storage)
         for k in keep:
             mem.ref(k, saved=True)
-        saved_by[i] = keep
-        release_py(i)
+        self.saved_by[i] = keep
+        self.release_py(i)
         res.block_cugrd[op.block] = mem.saved_bytes()
 
-    # the loss, replayed from the step's own loss on meta (see ``LossTrace``)
-    head = HEAD_BLOCK
-    logits = values[ops[-1].output].storage
-    py_held.discard(logits)  # the replay's free of the logits stands for Python dropping them
-    loss = loss_trace(step, batch_size, num_classes, values[ops[-1].output].act_bytes)
-    keys = {loss.logits: logits}
+    def release_py(self, i: int) -> None:
+        """Drop Python's references to the storages it holds no longer after op ``i``."""
+        for s in list(self.py_held):
+            if self.flow.holds.get(s, -1) <= i:
+                self.py_held.discard(s)
+                self.mem.unref(s)
 
-    def replay(events, forward: bool, where: str) -> None:
+    # ---- the loss, replayed from the step's own loss on meta (see ``LossTrace``)
+
+    def replay(self, events, forward: bool, where: str) -> None:
+        """Apply the loss trace's ``events`` to the live storages."""
+        mem, keys = self.mem, self.keys
         for event in events:
             if event[0] == "alloc":
                 keys[event[1]] = ("loss", event[1])
@@ -679,26 +757,89 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
                 mem.saved_refs.pop(key, None)
                 mem.unref(key)
             elif event[0] == "op":
-                sample(f"{where} {event[1]}", head, forward)
+                self.sample(f"{where} {event[1]}", HEAD_BLOCK, forward)
 
-    replay(loss.forward, True, "forward")
-    for s in list(py_held):  # nothing else is referenced once forward returns
-        py_held.discard(s)
-        mem.unref(s)
-    held = [keys[k] for k in loss.held]  # the loss's saved tensors, for the breakdown
-    for k in held:
-        mem.saved_refs[k] = 1
-    res.saved_end_bytes = mem.saved_bytes()
+    def loss_forward(self, batch_size: int, num_classes: int) -> None:
+        """The loss's forward from the logits; then forward returns and Python lets go of
+        everything but what backward saved."""
+        mem, values, ops = self.mem, self.flow.values, self.flow.ops
+        logits = values[ops[-1].output].storage
+        self.py_held.discard(logits)  # the replay's free of the logits stands for Python dropping them
+        self.loss = loss_trace(self.step, batch_size, num_classes, values[ops[-1].output].act_bytes)
+        self.keys = {self.loss.logits: logits}
+        self.replay(self.loss.forward, True, "forward")
+        for s in list(self.py_held):  # nothing else is referenced once forward returns
+            self.py_held.discard(s)
+            mem.unref(s)
+        self.held = [self.keys[k] for k in self.loss.held]  # the loss's saved tensors, for the breakdown
+        for k in self.held:
+            mem.saved_refs[k] = 1
+        self.res.saved_end_bytes = mem.saved_bytes()
 
     # ---- backward
-    ops_end = max(i for i, e in enumerate(loss.backward) if e[0] == "op") + 1
-    replay(loss.backward[:ops_end], False, "backward")  # the rest happens when backward ends
-    for k in held:
-        mem.saved_refs.pop(k, None)
-    gbuf: dict[int, object] = {ops[-1].output: keys[loss.grad]}
-    step_keys = [keys[k] for k in loss.kept]  # the loss and the hit count, until the step returns
 
-    def deliver(v: int, g: object) -> None:
+    def backward(self) -> list[object]:
+        """The loss's backward, then every op's in reverse order; returns the storages the
+        step holds until it returns (the loss and the hit count)."""
+        loss, ops = self.loss, self.flow.ops
+        ops_end = max(i for i, e in enumerate(loss.backward) if e[0] == "op") + 1
+        self.replay(loss.backward[:ops_end], False, "backward")  # the rest happens when backward ends
+        for k in self.held:
+            self.mem.saved_refs.pop(k, None)
+        self.gbuf = {ops[-1].output: self.keys[loss.grad]}
+        step_keys = [self.keys[k] for k in loss.kept]  # the loss and the hit count, until the step returns
+        for i in range(len(ops) - 1, -1, -1):
+            if self.has_grad_fn[i]:
+                self.backward_op(i, ops[i])
+        self.replay(loss.backward[ops_end:], False, "backward")  # e.g. the engine's ones_like root grad
+        return step_keys
+
+    def backward_op(self, i: int, op: _Op) -> None:
+        """Op ``i``'s backward: its grad_input and param grads, then its saved tensors go."""
+        mem = self.mem
+        g_out = self.gbuf.pop(op.output, None)
+        outs: list[tuple[int, object]] = []
+        if g_out is not None:
+            outs = self.grad_inputs(i, op, g_out)
+        for k in self.saved_by[i]:
+            mem.unref(k, saved=True)
+        if g_out is not None:
+            mem.unref(g_out)
+        for v, key in outs:
+            self.deliver(v, key)
+        if g_out is not None and self.opt.param_step_bytes is not None and op.module is not None:
+            self.update_in_backward(op)
+
+    def grad_inputs(self, i: int, op: _Op, g_out: object) -> list[tuple[int, object]]:
+        """Op ``i``'s backward computing: (value id, gradient storage) per input needing grad."""
+        mem, values, cost = self.mem, self.flow.values, self.costs[i]
+        outs: list[tuple[int, object]] = []
+        for v in dict.fromkeys(op.inputs):
+            if not values[v].requires_grad:
+                continue
+            if cost.grad_input or values[v].act_bytes != values[op.output].act_bytes:
+                # (a pass-through grad is cast to the input's dtype by the engine)
+                key = ("grad", i, v)
+                mem.alloc(key, values[v].nbytes)
+            else:
+                key = g_out  # views and add pass grad_output through
+            mem.ref(key)
+            outs.append((v, key))
+        if op.module is not None and not self.step.ddp:
+            for p in leaf_parameters(op.module):
+                if p.requires_grad:
+                    self.grad_bytes += p.numel() * p.element_size()
+        if cost.backward_temp_bytes:
+            mem.alloc(("btmp", i), cost.backward_temp_bytes)
+        self.sample(f"backward {op.name}", op.block, False)
+        self.res.backward_moments[i] = (self.static + self.grad_bytes + mem.bytes, cost.backward_temp_bytes)
+        if cost.backward_temp_bytes:
+            _drop(mem, ("btmp", i))
+        return outs
+
+    def deliver(self, v: int, g: object) -> None:
+        """Gradient ``g`` reaches value ``v``; a second one is summed into the first."""
+        mem, gbuf = self.mem, self.gbuf
         old = gbuf.get(v)
         if old is None:
             gbuf[v] = g
@@ -711,73 +852,53 @@ def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, st
             mem.unref(old)
         else:
             key = ("grad", "sum", v, id(g))
-            mem.alloc(key, values[v].nbytes)
+            mem.alloc(key, self.flow.values[v].nbytes)
             mem.ref(key)
             mem.unref(old)
             mem.unref(g)
             gbuf[v] = key
 
-    for i in range(len(ops) - 1, -1, -1):
-        op = ops[i]
-        if not has_grad_fn[i]:
-            continue
-        g_out = gbuf.pop(op.output, None)
-        cost = costs[i]
-        outs: list[tuple[int, object]] = []
-        if g_out is not None:
-            for v in dict.fromkeys(op.inputs):
-                if not values[v].requires_grad:
-                    continue
-                if cost.grad_input or values[v].act_bytes != values[op.output].act_bytes:
-                    # (a pass-through grad is cast to the input's dtype by the engine)
-                    key = ("grad", i, v)
-                    mem.alloc(key, values[v].nbytes)
-                else:
-                    key = g_out  # views and add pass grad_output through
-                mem.ref(key)
-                outs.append((v, key))
-            if op.module is not None and not step.ddp:
-                for p in leaf_parameters(op.module):
-                    if p.requires_grad:
-                        grads["bytes"] += p.numel() * p.element_size()
-            if cost.backward_temp_bytes:
-                mem.alloc(("btmp", i), cost.backward_temp_bytes)
-            sample(f"backward {op.name}", op.block, False)
-            res.backward_moments[i] = (static + grads["bytes"] + mem.bytes, cost.backward_temp_bytes)
-            if cost.backward_temp_bytes:
-                _drop(mem, ("btmp", i))
-        for k in saved_by[i]:
-            mem.unref(k, saved=True)
-        if g_out is not None:
-            mem.unref(g_out)
-        for v, key in outs:
-            deliver(v, key)
-        if g_out is not None and opt.param_step_bytes is not None and op.module is not None:
-            # step_in_backward: each parameter's hook updates it and frees its gradient, in
-            # the order the engine reaches them: a layer's backward returns its parameters'
-            # gradients in their order, except nn.Linear's weight, which comes through a
-            # transpose node after the bias (checked against the meter, tests/test_step.py)
-            params = leaf_parameters(op.module)
-            if isinstance(op.module, nn.Linear):
-                params.reverse()
-            for p in params:
-                if p.requires_grad:
-                    mem.alloc(("ostep", id(p)), opt.param_step_bytes[id(p)])
-                    sample(f"update {op.name}", op.block, False)
-                    _drop(mem, ("ostep", id(p)))
-                    grads["bytes"] -= p.numel() * p.element_size()
+    def update_in_backward(self, op: _Op) -> None:
+        """step_in_backward: each parameter's hook updates it and frees its gradient, in
+        the order the engine reaches them: a layer's backward returns its parameters'
+        gradients in their order, except nn.Linear's weight, which comes through a
+        transpose node after the bias (checked against the meter, tests/test_step.py)."""
+        params = leaf_parameters(op.module)
+        if isinstance(op.module, nn.Linear):
+            params.reverse()
+        for p in params:
+            if p.requires_grad:
+                self.mem.alloc(("ostep", id(p)), self.opt.param_step_bytes[id(p)])
+                self.sample(f"update {op.name}", op.block, False)
+                _drop(self.mem, ("ostep", id(p)))
+                self.grad_bytes -= p.numel() * p.element_size()
 
-    replay(loss.backward[ops_end:], False, "backward")  # e.g. the engine's ones_like root grad
-    # ---- optimizer step: everything but params' grads and state is gone (``OptimizerCost``);
-    # with step_in_backward the gradients are gone too and the step finds nothing to do
-    left = train_bytes if opt.param_step_bytes is None else grads["bytes"]
-    res.optimizer_peak_bytes = static + left + opt.step_extra_bytes + mem.bytes
-    if res.optimizer_peak_bytes > res.peak_bytes:
-        res.peak_bytes, res.peak_at = res.optimizer_peak_bytes, "optimizer step"
-        res.peak_parts = {**parts, "grads": left, "saved": 0, "extra": opt.step_extra_bytes + mem.bytes}
-    for k in step_keys:
-        mem.unref(k)
-    return res
+    # ---- optimizer step
+
+    def optimizer_step(self, step_keys: list[object]) -> None:
+        """Everything but params' grads and state is gone (``OptimizerCost``); with
+        step_in_backward the gradients are gone too and the step finds nothing to do.
+        Then the step returns its loss and hit count."""
+        mem, res, opt = self.mem, self.res, self.opt
+        left = self.parts["weights"] if opt.param_step_bytes is None else self.grad_bytes
+        res.optimizer_peak_bytes = self.static + left + opt.step_extra_bytes + mem.bytes
+        if res.optimizer_peak_bytes > res.peak_bytes:
+            res.peak_bytes, res.peak_at = res.optimizer_peak_bytes, "optimizer step"
+            res.peak_parts = {**self.parts, "grads": left, "saved": 0, "extra": opt.step_extra_bytes + mem.bytes}
+        for k in step_keys:
+            mem.unref(k)
+
+
+def _simulate(flow: _Flow, net: nn.Module, batch_size: int, num_classes: int, step: Step,
+              opt: OptimizerCost) -> _Result:
+    """One training step of ``flow``'s network, storage by storage (see the module docstring)."""
+    static, parts = _static_bytes(flow, net, batch_size, opt)
+    sim = _Simulation(flow, step, opt, static, parts, grad_bytes=parts["weights"] if step.ddp else 0)
+    sim.forward()
+    sim.loss_forward(batch_size, num_classes)
+    step_keys = sim.backward()
+    sim.optimizer_step(step_keys)
+    return sim.res
 
 
 def _drop(mem: _Memory, key) -> None:
