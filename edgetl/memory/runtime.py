@@ -521,7 +521,8 @@ def _holds(net: EdgeNet, ops: list[_Op], values: list[_Value],
             holds[s] = max(holds.get(s, i), i)
     for key, _, last in spans:
         holds[key] = max(holds.get(key, last), last)
-    # EdgeNet.forward keeps ``side_in`` bound until the next tap block starts
+    # EdgeNet.forward keeps ``side_in`` bound until it rebinds it, just before the next tap
+    # block (or the streamed segment that ends at it) runs
     side = getattr(net, "side", None)
     if side is not None:
         taps = list(side.taps)
@@ -531,7 +532,7 @@ def _holds(net: EdgeNet, ops: list[_Op], values: list[_Value],
             if first is None:
                 continue
             nxt = taps[j + 1] if j + 1 < len(taps) else None
-            end = next((i for i, op in enumerate(ops) if nxt is not None and op.block == nxt
+            end = next((i - 1 for i, op in enumerate(ops) if nxt is not None and op.block == nxt
                         and op.part == "backbone"), len(ops) - 1)
             s = values[first.inputs[0]].storage
             holds[s] = max(holds.get(s, end), end)

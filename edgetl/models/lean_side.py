@@ -263,7 +263,8 @@ class LeanSideModule(nn.Module):
         # a bf16/fp16 lean backbone feeds low-precision activations: cast after pooling,
         # so no full-resolution fp32 copy is made
         x = x.to(self.conv1.weight.dtype)
-        x = self.tail(self.conv1(x))
+        x = self.conv1(x)  # the cast copy is dropped here, not held through the tail
+        x = self.tail(x)
         if self.out_dtype is not None:
             x = x.to(self.out_dtype)
         if tuple(x.shape[-2:]) != tuple(size):
