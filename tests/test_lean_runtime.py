@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import edgetl.models.lean as lean_module
 from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.report import MB
 from edgetl.memory.runtime import runtime_report
@@ -350,3 +351,35 @@ def test_whole_batch_backward_at_224(spec, pool, whole, of):
     fitted = prepare_step(net, resolution=224, batch_size=8).decisions
     assert (sum(fitted.values()), len(fitted)) == (whole, of)
     assert runtime_report(net, mode="repnet", resolution=224, batch_size=8).total_bytes == before
+
+
+@pytest.mark.parametrize("weight,act_dtype", [("int8", "bf16"), ("int8", "fp32"), ("fp16", "bf16")])
+@pytest.mark.parametrize("whole", [False, True], ids=["per-sample", "whole-batch"])
+def test_chunked_pointwise_conv_matches_stock_and_meter(weight, act_dtype, whole, monkeypatch):
+    """A 1x1 conv whose stored weight needs converting never holds it whole in the act dtype:
+    3 chunks here (the last one short; a weight of one chunk is converted whole), the forward's output channels and grad_input's
+    input channels a chunk at a time. Same values as the conv of the whole dequantised
+    weight; the accounting exact on both backward paths."""
+    monkeypatch.setattr(lean_module, "DEQUANT_CHUNK", 3 * CH)
+    torch.manual_seed(0)
+    layer = frozen(weight=weight, act_dtype=act_dtype, kernel=1)
+    assert layer.chunked and not frozen(kernel=1).chunked and not frozen(weight=weight, act_dtype=act_dtype).chunked
+    monkeypatch.setattr(lean_module, "DEQUANT_CHUNK", CH * CH)  # one chunk: converted whole, as before
+    assert not layer.chunked
+    monkeypatch.setattr(lean_module, "DEQUANT_CHUNK", 3 * CH)
+    if whole:
+        layer.whole_batch_shapes = frozenset({(2, CH, RES, RES)})
+    act = layer.act_dtype
+    x = torch.randn(2, CH, RES, RES, dtype=act, requires_grad=True)
+    gy = torch.randn(2, CH, RES, RES, dtype=act)
+    y = layer(x)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    w = layer.dequantized_weight(act)
+    yr = torch.nn.functional.conv2d(x.detach(), w, layer.bias.detach().to(act)).clamp(0, 6)
+    # grad_input through this forward's own ReLU6 mask (rounding may move a value across 0 or 6)
+    keep = ((y > 0) & (y < 6)).to(act)
+    gxr = torch.nn.grad.conv2d_input(x.shape, w, gy * keep)
+    tol = dict(rtol=2e-2, atol=2e-2) if act != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, yr, **tol)
+    torch.testing.assert_close(gx, gxr, **tol)
+    check(one_layer_net(layer), RES, 2, mode="full")

@@ -671,6 +671,74 @@ class FrozenConvBNAct(nn.Module):
         per_row = self.weight[0].numel()
         return max(1, min(self.weight.shape[0], DEQUANT_CHUNK // per_row))
 
+    @property
+    def chunked(self) -> bool:
+        """Whether this conv runs on its weight a chunk at a time and never holds it whole
+        in the activation dtype: a 1x1 conv whose stored weight (int8, or a float dtype other
+        than the activations') needs converting and is larger than one chunk. Its forward
+        computes ``DEQUANT_CHUNK`` weights' worth of output channels at a time, its
+        grad_input as many input channels at a time (each with the full sum over the other
+        side, so no partial sums are rounded), one matrix product per sample written into
+        the batch-sized result. A weight of one chunk or less is converted once per call,
+        as before: chunking it would only re-convert it sample by sample in backward."""
+        return (self.pointwise and self.weight.dtype != self.act_dtype
+                and self.weight.numel() > DEQUANT_CHUNK)
+
+    @staticmethod
+    def _chunk_size(other: int) -> int:
+        """Rows (or columns) of a chunk: ``DEQUANT_CHUNK`` weights, at least one row."""
+        return max(1, DEQUANT_CHUNK // other)
+
+    def weight_chunk(self, rows: slice, cols: slice, dtype: torch.dtype) -> torch.Tensor:
+        """``weight[rows, cols]`` of a 1x1 conv as a contiguous (rows, cols) matrix in ``dtype``:
+        int8 dequantised through an fp32 chunk (the values of ``dequantized_weight``)."""
+        w = self.weight[rows, cols].to(torch.float32 if self.weight_scale is not None else dtype,
+                                      memory_format=torch.contiguous_format)
+        if self.weight_scale is not None:
+            w.mul_(self.weight_scale[rows].view(-1, 1, 1, 1))
+            if dtype != torch.float32:
+                w = w.to(dtype)
+        return w.view(w.shape[0], w.shape[1])
+
+    def chunk_peak_bytes(self, values: int, dtype_bytes: int) -> int:
+        """Peak bytes while ``weight_chunk`` converts ``values`` weights into the act dtype."""
+        if self.weight_scale is not None and dtype_bytes != 4:
+            return values * (4 + dtype_bytes)
+        return values * dtype_bytes
+
+    def row_chunk_peak(self, dtype_bytes: int) -> int:
+        rows = min(self.out_channels, self._chunk_size(self.in_channels))
+        return self.chunk_peak_bytes(rows * self.in_channels, dtype_bytes)
+
+    def col_chunk_peak(self, dtype_bytes: int) -> int:
+        cols = min(self.in_channels, self._chunk_size(self.out_channels))
+        return self.chunk_peak_bytes(self.out_channels * cols, dtype_bytes)
+
+    def pointwise_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The 1x1 conv of ``x`` (in the act dtype), a chunk of output channels at a time."""
+        n, _, h, w = x.shape
+        y = torch.empty((n, self.out_channels, h, w), dtype=x.dtype, device=x.device)
+        xs = x.reshape(n, self.in_channels, h * w)
+        step = self._chunk_size(self.in_channels)
+        for i in range(0, self.out_channels, step):
+            wc = self.weight_chunk(slice(i, i + step), slice(None), x.dtype)
+            for s in range(n):
+                torch.mm(wc, xs[s], out=y[s, i:i + wc.shape[0]].view(wc.shape[0], h * w))
+            del wc
+        return y
+
+    def pointwise_grad_input(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        """W^T @ g of a 1x1 conv written into ``out`` (samples of ``g``, same count), a chunk
+        of input channels at a time."""
+        n, _, h, w = g.shape
+        gs = g.reshape(n, self.out_channels, h * w)
+        step = self._chunk_size(self.out_channels)
+        for j in range(0, self.in_channels, step):
+            wc = self.weight_chunk(slice(None), slice(j, j + step), g.dtype)
+            for s in range(n):
+                torch.mm(wc.t(), gs[s], out=out[s, j:j + wc.shape[1]].view(wc.shape[1], h * w))
+            del wc
+
     def _uses_batch_stats(self) -> bool:
         return self.bn_mode == "batch" and self.training
 
@@ -720,9 +788,9 @@ class FrozenConvBNAct(nn.Module):
         grad = output_requires_grad
         nin, nout, c = _numel(in_shape), _numel(out_shape), int(out_shape[1])
         big_y = nout * a
-        dq, dq_peak = self._dequant_bytes(a)
+        dq, dq_peak = (0, 0) if self.chunked else self._dequant_bytes(a)
         xc = nin * a if b != a else 0
-        phases = [dq_peak, dq + xc + big_y]
+        phases = [xc + big_y + self.row_chunk_peak(a)] if self.chunked else [dq_peak, dq + xc + big_y]
         saved_new = 0
         batch = self._uses_batch_stats()
         small = c * a if a != 4 else 0  # a per-channel vector cast to the act dtype
@@ -762,14 +830,17 @@ class FrozenConvBNAct(nn.Module):
             sc = c * a if self.bn_mode == "batch" else 0
             if sc:
                 bw += [gbias + gxa + 3 * c * 4, gbias + gxa + c * 4 + sc]
-            bw += [gbias + gxa + sc + dq_peak]
+            if not self.chunked:
+                bw.append(gbias + gxa + sc + dq_peak)
             base = gbias + gxa + sc + dq
             bw.append(base + UNPACK_TABLE_BUILD + tab)
             base += tab
             bw.append(base + po // 2 + po * a)  # one sample's int32 row indices, its unpacked mask
             if gbias:
                 bw.append(base + po * a + c * 4)
-            if not self.pointwise:  # conv2d_input's dummy input + its result (1x1: W^T @ g into grad_input)
+            if self.chunked:  # one chunk of input channels' weights at a time
+                bw.append(base + po * a + self.col_chunk_peak(a))
+            elif not self.pointwise:  # conv2d_input's dummy input + its result (1x1: W^T @ g into grad_input)
                 bw.append(base + po * a + a + pi * a)
             if b != a:
                 bw.append(gbias + gxa + nin * b)
@@ -797,10 +868,12 @@ class FrozenConvBNAct(nn.Module):
                 bw += [gc + 3 * c * 4, gc + g + c * 4 + small]
                 gc = g
             bw.append(gc + gbias)
-        if input_requires_grad:
+        if input_requires_grad and self.chunked:  # grad_input, then a chunk of weights at a time
+            bw.append(gc + gbias + nin * a + self.col_chunk_peak(a))
+        elif input_requires_grad:
             bw += [gc + gbias + dq_peak, gc + gbias + dq + a + nin * a]
-            if b != a:
-                bw.append(gbias + nin * a + nin * b)
+        if input_requires_grad and b != a:
+            bw.append(gbias + nin * a + nin * b)
         return LayerCost(saved_new_bytes=saved_new, forward_temp_bytes=fwd,
                          backward_temp_bytes=_over(bw, gx_in + gbias))
 
@@ -822,9 +895,12 @@ class _FrozenConvFn(Function):
     def forward(ctx, x, bias, m: FrozenConvBNAct, momentum):
         act = m.act_dtype
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        w = m.dequantized_weight(act)
-        y = F.conv2d(x.to(act), w, None, m.stride, m.padding, m.dilation, m.groups)
-        del w
+        if m.chunked:
+            y = m.pointwise_forward(x.to(act))
+        else:
+            w = m.dequantized_weight(act)
+            y = F.conv2d(x.to(act), w, None, m.stride, m.padding, m.dilation, m.groups)
+            del w
         c = (1, -1, 1, 1)
         saved: tuple = ()
         if m.bn_mode == "fold":
@@ -896,9 +972,14 @@ class _FrozenConvFn(Function):
         del gy
         gx = None
         if ctx.needs_input_grad[0]:
-            w = m.dequantized_weight(act)
-            gx = conv2d_input(ctx.in_shape, w, g_conv, m.stride, m.padding, m.dilation, m.groups)
-            del w, g_conv
+            if m.chunked:
+                gx = torch.empty(ctx.in_shape, dtype=act, device=g_conv.device)
+                m.pointwise_grad_input(g_conv, gx)
+                del g_conv
+            else:
+                w = m.dequantized_weight(act)
+                gx = conv2d_input(ctx.in_shape, w, g_conv, m.stride, m.padding, m.dilation, m.groups)
+                del w, g_conv
             gx = gx.to(ctx.in_dtype)
         return gx, gbias, None, None
 
@@ -963,18 +1044,20 @@ def _per_sample_backward(ctx, gy):
     scale = None
     if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
         scale = (m.bn_weight * torch.rsqrt(m.running_var + m.eps)).to(act).view(1, -1, 1, 1)
-    w = m.dequantized_weight(act)
+    w = None if m.chunked else m.dequantized_weight(act)
     table = unpack_table(act, gy.device)
     # a 1x1 conv's grad_input is W^T @ grad_output, written straight into gx: no result
     # to copy, and no batch-1 conv backward (which falls to a slow kernel on CPU)
-    wt = w.view(m.out_channels, m.in_channels).t() if m.pointwise else None
+    wt = w.view(m.out_channels, m.in_channels).t() if m.pointwise and w is not None else None
     for i in range(n):
         g = unpack_as(packed[i * step : (i + 1) * step], one_out, table).mul_(gy[i : i + 1])
         if gbias is not None:
             gbias.add_(g.sum((0, 2, 3), dtype=torch.float32))
         if scale is not None:
             g.mul_(scale)
-        if wt is not None:
+        if w is None:  # the weight a chunk of input channels at a time (``chunked``)
+            m.pointwise_grad_input(g, gx[i : i + 1])
+        elif wt is not None:
             torch.mm(wt, g.reshape(m.out_channels, -1), out=gx[i].view(m.in_channels, -1))
         else:
             gx[i : i + 1] = conv2d_input(one_in, w, g, m.stride, m.padding, m.dilation, m.groups)
