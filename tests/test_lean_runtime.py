@@ -383,3 +383,22 @@ def test_chunked_pointwise_conv_matches_stock_and_meter(weight, act_dtype, whole
     torch.testing.assert_close(y, yr, **tol)
     torch.testing.assert_close(gx, gxr, **tol)
     check(one_layer_net(layer), RES, 2, mode="full")
+
+
+def test_whole_weights_where_the_peak_allows():
+    """The schedule converts a large 1x1 weight whole per call (one kernel) only where that
+    keeps the default peak (every such weight chunk by chunk), and the meter agrees. Bias-only
+    TinyTL-B at 64 px: the 320 -> 1280 conv's backward is the step's peak, so its weight stays
+    chunked there, while the other large ones go whole."""
+    torch.manual_seed(0)
+    net = build_network(BackboneSpec(num_classes=102), "bias",
+                        lean=LeanOptions(pool=1, precision="bf16", frozen_weights="int8"))
+    chunkable = {n: m for n, m in net.named_modules() if isinstance(m, FrozenConvBNAct) and m.chunkable}
+    default = runtime_report(net, mode="bias", resolution=64, batch_size=2).total_bytes
+    schedule = prepare_step(net, resolution=64, batch_size=2)
+    assert sorted(set(chunkable) - set(schedule.whole_weight)) == ["features.18.0"]
+    assert all(chunkable[n].whole_weight for n in schedule.whole_weight) and chunkable["features.18.0"].chunked
+    predicted, _ = check(net, 64, 2, mode="bias")
+    assert predicted <= default
+    chunkable["features.18.0"].whole_weight = True
+    assert runtime_report(net, mode="bias", resolution=64, batch_size=2).total_bytes > default

@@ -127,10 +127,13 @@ def describe_schedule(schedule: dict) -> str:
     streamed = ""
     if streams:
         segs = " ".join(f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams)
+        again = [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams if s.get("recompute")]
         streamed = (f"; backbone streamed in micro-batches of {streams[0]['micro_batch']} "
-                    f"(segments {segs})")
+                    f"(segments {segs}{'; recomputed: ' + ' '.join(again) if again else ''})")
+    weights = schedule.get("whole_weight_convs", [])
+    converted = f"; {len(weights)} large 1x1 weights converted whole per call" if weights else ""
     return (f"masked backward on the whole batch in {whole} frozen convs ({left} sample by sample); "
-            f"ReLU6 masks packed {packed}one at a time in the rest{streamed}")
+            f"ReLU6 masks packed {packed}one at a time in the rest{converted}{streamed}")
 
 
 def _runtime(report: MemoryReport) -> str:

@@ -18,6 +18,13 @@ is the least memory, and at batch 32, 224 px, the most kernel launches of the st
 conv gets the largest chunk whose byte-per-element comparisons, at its forward moment,
 keep the step within the same peak. Both choices are checked against the peak of the
 default (sample-by-sample) step, so the fitted schedule never predicts a higher one.
+
+A 1x1 frozen conv whose stored weight is larger than one chunk converts it a chunk at a
+time by default (``FrozenConvBNAct.chunked``: the least memory, one small matrix product
+per sample and chunk). With both choices above in place, each such conv gets its whole
+weight converted per call (``whole_weight``: one conv kernel, as before chunking) where its
+forward and backward moments stay within the same peak. Streamed segments keep every conv
+inside them chunked (the segment is accounted as one leaf).
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class Schedule:
             (``edgetl.models.stream``); the convs inside one are not scheduled one by one.
         recompute: the first blocks of the streamed segments that keep their input and run
             forward again in backward (``LeanOptions.recompute``; where that lowers the peak).
+        whole_weight: the frozen convs that convert their stored weight whole per call
+            (the others that could run chunk by chunk do).
     """
 
     batch_size: int
@@ -57,6 +66,7 @@ class Schedule:
     mask_chunks: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     streams: dict[int, tuple[int, int]] = field(default_factory=dict)
     recompute: tuple[int, ...] = ()
+    whole_weight: tuple[str, ...] = ()
 
     @property
     def decisions(self) -> dict[str, bool]:
@@ -72,12 +82,14 @@ class Schedule:
                 "forward_mask_chunks": {k: {"shape": list(shape), "chunk": chunk}
                                         for k, (shape, chunk) in self.mask_chunks.items()},
                 "streamed_segments": [{"blocks": [a, b], "micro_batch": m, "recompute": a in self.recompute}
-                                      for a, (b, m) in sorted(self.streams.items())]}
+                                      for a, (b, m) in sorted(self.streams.items())],
+                "whole_weight_convs": list(self.whole_weight)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Schedule":
         """The inverse of ``to_dict``; a schedule stored before forward chunks packs one sample
-        at a time, one stored before streaming streams nothing."""
+        at a time, one stored before streaming streams nothing, one stored before chunked
+        weights converts every chunkable weight chunk by chunk (less memory than it ran with)."""
         chunks = {k: (tuple(int(d) for d in v["shape"]), int(v["chunk"]))
                   for k, v in data.get("forward_mask_chunks", {}).items()}
         streams = {int(s["blocks"][0]): (int(s["blocks"][1]), int(s["micro_batch"]))
@@ -85,7 +97,8 @@ class Schedule:
         again = tuple(int(s["blocks"][0]) for s in data.get("streamed_segments", ()) if s.get("recompute"))
         return cls(int(data["batch_size"]), int(data["resolution"]),
                    {k: tuple(int(d) for d in v) for k, v in data.get("whole_batch_backward", {}).items()},
-                   tuple(data.get("sample_by_sample_backward", ())), chunks, streams, again)
+                   tuple(data.get("sample_by_sample_backward", ())), chunks, streams, again,
+                   tuple(data.get("whole_weight_convs", ())))
 
 
 def _frozen_convs(net: nn.Module) -> dict[str, FrozenConvBNAct]:
@@ -98,13 +111,15 @@ def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
     if schedule.streams or getattr(net, "streams", None) is not None:
         apply_streams(net, schedule.streams, schedule.recompute)
     convs = _frozen_convs(net)
-    unknown = sorted((set(schedule.whole_batch) | set(schedule.mask_chunks)) - set(convs))
+    unknown = sorted((set(schedule.whole_batch) | set(schedule.mask_chunks) | set(schedule.whole_weight))
+                     - set(convs))
     if unknown:
         raise ConfigError(f"the schedule names {unknown[0]}, which is not a lean frozen conv of this network")
     for name, conv in convs.items():
         shape = schedule.whole_batch.get(name)
         conv.whole_batch_shapes = frozenset({shape}) if shape is not None else frozenset()
         conv.mask_chunks = dict([schedule.mask_chunks[name]]) if name in schedule.mask_chunks else {}
+        conv.whole_weight = name in schedule.whole_weight
 
 
 def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:
@@ -113,7 +128,7 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
     ``net`` is left as it was."""
     step = resolve_step(step)
     convs = _frozen_convs(net)
-    saved = {name: (conv.whole_batch_shapes, conv.mask_chunks) for name, conv in convs.items()}
+    saved = {name: (conv.whole_batch_shapes, conv.mask_chunks, conv.whole_weight) for name, conv in convs.items()}
     names = {m: n for n, m in convs.items()}
     streams = stream_segments(net, batch_size, step)
     saved_streams = getattr(net, "streams", None)
@@ -121,19 +136,23 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
         if streams or saved_streams is not None:
             apply_streams(net, streams)
         for conv in convs.values():
-            conv.whole_batch_shapes, conv.mask_chunks = frozenset(), {}
+            conv.whole_batch_shapes, conv.mask_chunks, conv.whole_weight = frozenset(), {}, False
         res = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
         again: tuple[int, ...] = ()
         if streams and getattr(net, "recompute", False):
             again, res = _fit_recompute(net, res, streams, resolution, batch_size, step)
         whole, kept = _fit_backward(res, names)
         chunks = _fit_forward(res, names)
+        for name, conv in convs.items():  # the weights are fitted with both choices in place
+            conv.whole_batch_shapes = frozenset({whole[name]}) if name in whole else frozenset()
+            conv.mask_chunks = dict([chunks[name]]) if name in chunks else {}
+        weights = _fit_weights(res, names)
     finally:
         for name, conv in convs.items():
-            conv.whole_batch_shapes, conv.mask_chunks = saved[name]
+            conv.whole_batch_shapes, conv.mask_chunks, conv.whole_weight = saved[name]
         if streams or saved_streams is not None:
             net.streams = saved_streams
-    return Schedule(batch_size, resolution, whole, tuple(kept), chunks, streams, again)
+    return Schedule(batch_size, resolution, whole, tuple(kept), chunks, streams, again, weights)
 
 
 def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: Step):
@@ -223,6 +242,21 @@ def _fit_forward(res, names) -> dict[str, tuple[tuple[int, ...], int]]:
         if lo > 1:
             chunks[names[module]] = (shape, lo)
     return chunks
+
+
+def _fit_weights(res, names) -> tuple[str, ...]:
+    """The chunkable frozen convs whose forward and backward moments, with the whole weight
+    converted per call, stay within the default peak."""
+    moments = (res.forward_moments, "forward_temp_bytes"), (res.backward_moments, "backward_temp_bytes")
+    calls = [(_calls(res, m, lambda module, args, shape: module.chunkable), m, temp) for m, temp in moments]
+    whole = []
+    for module in {module for found, _, _ in calls for module, _ in found}:
+        module.whole_weight = True
+        if all(_within_peak(res, i, m, temp) for found, m, temp in calls
+               for (other, _), ops in found.items() if other is module for i in ops):
+            whole.append(names[module])
+        module.whole_weight = False
+    return tuple(sorted(whole))
 
 
 def prepare_step(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:

@@ -621,6 +621,10 @@ class FrozenConvBNAct(nn.Module):
         # output shape -> samples per chunk while the forward packs the ReLU6 mask (1 when
         # absent: the least memory, the most kernel launches); set by apply_schedule too
         self.mask_chunks: dict[tuple[int, ...], int] = {}
+        # convert the stored weight whole per call (fewer, larger kernels) rather than a
+        # chunk at a time (``chunked``, the default where it applies): set by apply_schedule
+        # too, where the step's peak allows it
+        self.whole_weight = False
         self.bn_mode = bn_mode
         self.act_dtype = act_dtype
         weight = conv.weight.detach().float()
@@ -673,7 +677,13 @@ class FrozenConvBNAct(nn.Module):
 
     @property
     def chunked(self) -> bool:
-        """Whether this conv runs on its weight a chunk at a time and never holds it whole
+        """Whether this conv runs on its weight a chunk at a time (``chunkable``, and the
+        schedule did not allow the whole weight for it: ``whole_weight``)."""
+        return self.chunkable and not self.whole_weight
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether this conv can run on its weight a chunk at a time and never hold it whole
         in the activation dtype: a 1x1 conv whose stored weight (int8, or a float dtype other
         than the activations') needs converting and is larger than one chunk. Its forward
         computes ``DEQUANT_CHUNK`` weights' worth of output channels at a time, its

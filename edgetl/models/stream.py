@@ -212,6 +212,7 @@ class StreamedSegment(nn.Module):
                            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
                 settings.append((type(m).__name__, tuple(sorted(getattr(m, "whole_batch_shapes", ()))),
                                  tuple(sorted(getattr(m, "mask_chunks", {}).items())),
+                                 getattr(m, "whole_weight", False),
                                  getattr(m, "bn_mode", None), getattr(m, "act_dtype", None),
                                  bool(getattr(m, "training", False)), tuple(tensors)))
         return (self.start, self.stop, self.micro_batch, self.recompute, tuple(settings))
