@@ -585,7 +585,8 @@ class FrozenConvBNAct(nn.Module):
     (and updates its running statistics), which forces keeping the conv output (BN's
     backward needs it) plus per-channel mean and invstd; the ReLU6 mask is recomputed from
     them. The frozen weight is stored as fp32, fp16 or per-output-channel int8 and
-    dequantised per call into the activation dtype. The only trainable parameter allowed
+    dequantised per call into the activation dtype (a large 1x1 weight a chunk at a time,
+    ``chunked``, unless the schedule allows it whole). The only trainable parameter allowed
     is ``bias`` (the BN beta, folded or not), for the "repnet+bias" mode.
     """
 
@@ -791,7 +792,9 @@ class FrozenConvBNAct(nn.Module):
         act dtype (grad_output is multiplied into it in place), the dequantised weight
         again, conv2d_input's 1-element dummy input (not for 1x1 convs run sample by
         sample: W^T @ g is written into grad_input), grad_input in the act dtype and,
-        when the input came in another dtype, its cast.
+        when the input came in another dtype, its cast. A ``chunked`` conv never holds its
+        dequantised weight: forward and backward each hold one chunk of it (its fp32 and
+        act-dtype copies) next to the batch-sized output or grad_input instead.
         """
         a = _dtype_bytes(self.act_dtype)
         b = in_bytes or a
