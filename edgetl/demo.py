@@ -64,7 +64,7 @@ FULL = DemoScale()
 VARIANTS = {
     "pruned Rep-Net (the method)": "ft_pruned",
     "unpruned Rep-Net": "ft_repnet",
-    "unpruned Rep-Net, streamed (micro-batch 1, uint8 batch, recompute)": "ft_streamed",
+    "unpruned Rep-Net, streamed (micro-batch 1)": "ft_streamed",
     "full fine-tune": "ft_full",
 }
 
@@ -241,6 +241,7 @@ def run_demo(
                                    **overrides), common)
             result = finetune(recipe=recipe, out_dir=work, device=device, on_step=on_step)
             return {"run": str(work), "mode": mode, "pool": pool, "stream": stream, "backbone": backbone,
+                    "uint8_input": bool(stream), "recompute": bool(stream),
                     "target_acc1": result.best_acc1, "predicted_bytes": result.predicted.total_bytes,
                     "measured_bytes": result.measured_peak_bytes, "runtime": result.predicted.runtime}
         return run

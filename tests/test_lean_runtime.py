@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
@@ -13,7 +14,7 @@ import edgetl.models.lean as lean_module
 from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.report import MB
 from edgetl.memory.runtime import runtime_report
-from edgetl.memory.schedule import prepare_step
+from edgetl.memory.schedule import Schedule, prepare_step
 from edgetl.models.backbone import BackboneSpec, EdgeNet
 from edgetl.models.lean import (
     FrozenConvBNAct,
@@ -397,6 +398,7 @@ def test_whole_weights_where_the_peak_allows():
     default = runtime_report(net, mode="bias", resolution=64, batch_size=2).total_bytes
     schedule = prepare_step(net, resolution=64, batch_size=2)
     assert sorted(set(chunkable) - set(schedule.whole_weight)) == ["features.18.0"]
+    assert Schedule.from_dict(json.loads(json.dumps(schedule.to_dict()))) == schedule
     assert all(chunkable[n].whole_weight for n in schedule.whole_weight) and chunkable["features.18.0"].chunked
     predicted, _ = check(net, 64, 2, mode="bias")
     assert predicted <= default

@@ -27,6 +27,8 @@ HALF = dict(precision="bf16", frozen_weights="int8")
 
 CASES = {  # id: spec, mode, lean options, step options, resolution, batch
     "tiny-unstreamed-fp32": (TINY, "repnet", dict(pool=1), {}, 64, 4),
+    # unstreamed, every large 1x1 weight whole but the 320 -> 1280 conv's (chunked: its own rule)
+    "bias-64-unstreamed-half": (BackboneSpec(num_classes=102), "bias", dict(pool=1, **HALF), {}, 64, 2),
     "tiny-by2-uint8-half": (TINY, "repnet", dict(pool=2, stream=2, uint8_input=True, **HALF), {}, 64, 5),
     "tiny-bias-by1-recompute": (TINY, "bias", dict(pool=1, stream=1, uint8_input=True, recompute=True, **HALF),
                                 {}, 64, 3),

@@ -85,10 +85,11 @@ def print_report(report) -> None:
     print()
     rows = []
     for name, info in report.variants.items():
-        rows.append([name, f"k={info['pool']}" + (f", stream {info['stream']}" if info.get("stream") else ""),
-                     f"{info['target_acc1']:.1f}",
+        how = [f"k={info['pool']}"] + ([f"stream {info['stream']}"] if info.get("stream") else [])
+        how += [lever for lever, key in (("uint8 batch", "uint8_input"), ("recompute", "recompute")) if info.get(key)]
+        rows.append([name, ", ".join(how), f"{info['target_acc1']:.1f}",
                      fmt_mb(info["predicted_bytes"]), fmt_mb(info["measured_bytes"]), info["runtime"]])
-    print_table(["fine-tuning on classes 5-9", "pool", "val top-1 %", "predicted MB", "measured MB", "runtime"],
+    print_table(["fine-tuning on classes 5-9", "pool, streaming", "val top-1 %", "predicted MB", "measured MB", "runtime"],
                 rows, title="Target task (MB = 10^6 B; measured: one real training step, storage meter)")
     print()
     pre, ret, plan, prof, exp = s["pretrain"], s["retrain"], s["plan"], s["profile"], s["export"]

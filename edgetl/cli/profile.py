@@ -116,7 +116,8 @@ def print_report(report: MemoryReport) -> None:
 
 
 def describe_schedule(schedule: dict) -> str:
-    """One line: how many frozen convs run whole-batch backward and chunked mask packing."""
+    """One line: how many frozen convs run whole-batch backward, chunked mask packing and
+    whole converted weights; the streamed segments and which of them recompute."""
     from collections import Counter
 
     whole = len(schedule["whole_batch_backward"])

@@ -19,9 +19,9 @@ conv gets the largest chunk whose byte-per-element comparisons, at its forward m
 keep the step within the same peak. Both choices are checked against the peak of the
 default (sample-by-sample) step, so the fitted schedule never predicts a higher one.
 
-A 1x1 frozen conv whose stored weight is larger than one chunk converts it a chunk at a
-time by default (``FrozenConvBNAct.chunked``: the least memory, one small matrix product
-per sample and chunk). With both choices above in place, each such conv gets its whole
+A 1x1 frozen conv whose converted weight would hold more than one chunk of it converts it
+a chunk at a time by default (``FrozenConvBNAct.chunked``: less memory, one small matrix
+product per sample and chunk). With both choices above in place, each such conv gets its whole
 weight converted per call (``whole_weight``: one conv kernel, as before chunking) where its
 forward and backward moments stay within the same peak. Streamed segments keep every conv
 inside them chunked (the segment is accounted as one leaf).
@@ -89,7 +89,7 @@ class Schedule:
     def from_dict(cls, data: dict) -> "Schedule":
         """The inverse of ``to_dict``; a schedule stored before forward chunks packs one sample
         at a time, one stored before streaming streams nothing, one stored before chunked
-        weights converts every chunkable weight chunk by chunk (less memory than it ran with)."""
+        weights converts every chunkable weight chunk by chunk (less memory than whole)."""
         chunks = {k: (tuple(int(d) for d in v["shape"]), int(v["chunk"]))
                   for k, v in data.get("forward_mask_chunks", {}).items()}
         streams = {int(s["blocks"][0]): (int(s["blocks"][1]), int(s["micro_batch"]))

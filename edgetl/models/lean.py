@@ -690,10 +690,17 @@ class FrozenConvBNAct(nn.Module):
         computes ``DEQUANT_CHUNK`` weights' worth of output channels at a time, its
         grad_input as many input channels at a time (each with the full sum over the other
         side, so no partial sums are rounded), one matrix product per sample written into
-        the batch-sized result. A weight of one chunk or less is converted once per call,
-        as before: chunking it would only re-convert it sample by sample in backward."""
-        return (self.pointwise and self.weight.dtype != self.act_dtype
-                and self.weight.numel() > DEQUANT_CHUNK)
+        the batch-sized result. Only where a chunk (int8: its fp32 and act-dtype copies)
+        peaks below converting the whole weight (int8 under a half dtype: the whole half
+        weight plus its fp32 chunk), i.e. above one chunk; a smaller weight is converted
+        whole once per call, as before. That compares the conversions alone, which is what
+        matters inside a streamed segment's small micro-batches; where a batch-sized output
+        sits next to the weight, the whole weight (held with it) can be the smaller one, and
+        the schedule chooses per conv (``whole_weight``)."""
+        if not (self.pointwise and self.weight.dtype != self.act_dtype):
+            return False
+        a = _dtype_bytes(self.act_dtype)
+        return max(self.row_chunk_peak(a), self.col_chunk_peak(a)) < self._dequant_bytes(a)[1]
 
     @staticmethod
     def _chunk_size(other: int) -> int:
@@ -726,7 +733,8 @@ class FrozenConvBNAct(nn.Module):
         return self.chunk_peak_bytes(self.out_channels * cols, dtype_bytes)
 
     def pointwise_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The 1x1 conv of ``x`` (in the act dtype), a chunk of output channels at a time."""
+        """The 1x1 conv of ``x`` (in the act dtype), a chunk of output channels at a time.
+        ``x`` is contiguous here (every producer's output is); the cost rule counts no copy."""
         n, _, h, w = x.shape
         y = torch.empty((n, self.out_channels, h, w), dtype=x.dtype, device=x.device)
         xs = x.reshape(n, self.in_channels, h * w)
