@@ -89,7 +89,8 @@ class Schedule:
     def from_dict(cls, data: dict) -> "Schedule":
         """The inverse of ``to_dict``; a schedule stored before forward chunks packs one sample
         at a time, one stored before streaming streams nothing, one stored before chunked
-        weights converts every chunkable weight chunk by chunk (less memory than whole)."""
+        weights converts every chunkable weight chunk by chunk (the default, accounted as it
+        runs)."""
         chunks = {k: (tuple(int(d) for d in v["shape"]), int(v["chunk"]))
                   for k, v in data.get("forward_mask_chunks", {}).items()}
         streams = {int(s["blocks"][0]): (int(s["blocks"][1]), int(s["micro_batch"]))
