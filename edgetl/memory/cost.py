@@ -43,6 +43,12 @@ def numel(shape) -> int:
     return math.prod(int(s) for s in shape)
 
 
+def dtype_bytes(dtype) -> int:
+    """Bytes a value of ``dtype`` takes, without making a tensor (a cost rule may be asked on
+    a step's path, where a storage meter would count one)."""
+    return dtype.itemsize
+
+
 def over(phases, final: int) -> int:
     """Extra bytes of the largest phase over what the runtime model already counts."""
     return max(0, max(phases) - final)

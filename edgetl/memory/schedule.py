@@ -116,11 +116,16 @@ def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
                      - set(convs))
     if unknown:
         raise ConfigError(f"the schedule names {unknown[0]}, which is not a lean frozen conv of this network")
+    _set_convs(convs, schedule.whole_batch, schedule.mask_chunks, schedule.whole_weight)
+
+
+def _set_convs(convs: dict[str, FrozenConvBNAct], whole_batch: dict, mask_chunks: dict, whole_weight=()) -> None:
+    """Each conv's execution options from the schedule's choices (absent: the defaults)."""
     for name, conv in convs.items():
-        shape = schedule.whole_batch.get(name)
+        shape = whole_batch.get(name)
         conv.whole_batch_shapes = frozenset({shape}) if shape is not None else frozenset()
-        conv.mask_chunks = dict([schedule.mask_chunks[name]]) if name in schedule.mask_chunks else {}
-        conv.whole_weight = name in schedule.whole_weight
+        conv.mask_chunks = dict([mask_chunks[name]]) if name in mask_chunks else {}
+        conv.whole_weight = name in whole_weight
 
 
 def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:
@@ -144,9 +149,7 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
             again, res = _fit_recompute(net, res, streams, resolution, batch_size, step)
         whole, kept = _fit_backward(res, names)
         chunks = _fit_forward(res, names)
-        for name, conv in convs.items():  # the weights are fitted with both choices in place
-            conv.whole_batch_shapes = frozenset({whole[name]}) if name in whole else frozenset()
-            conv.mask_chunks = dict([chunks[name]]) if name in chunks else {}
+        _set_convs(convs, whole, chunks)  # the weights are fitted with both choices in place
         weights = _fit_weights(res, names)
     finally:
         for name, conv in convs.items():

@@ -62,7 +62,7 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import ConfigError
-from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
+from edgetl.memory.cost import LayerCost, dtype_bytes as _dtype_bytes, numel as _numel, over as _over
 
 COMPRESSORS = ("haar", "db3", "dct", "threshold")
 WAVELET_LEVELS = 3  # Vu et al. use a 3-level decomposition in all experiments
@@ -78,10 +78,6 @@ WAVELET_FILTERS = {
         1 + _A + _B, 5 + _A + 3 * _B, 10 - 2 * _A + 2 * _B, 10 - 2 * _A - 2 * _B, 5 + _A - 3 * _B, 1 + _A - _B)),
 }
 INDEX_BYTES = 8  # torch.topk and scatter work with int64 positions
-
-
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    return dtype.itemsize  # not torch.empty(()).element_size(): the meter would see a tensor
 
 
 def check_fraction(fraction) -> float:

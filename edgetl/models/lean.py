@@ -46,7 +46,7 @@ from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import CapabilityError, ConfigError
 from edgetl.imagenet import IMAGENET_MEAN, IMAGENET_STD
-from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
+from edgetl.memory.cost import LayerCost, dtype_bytes as _dtype_bytes, numel as _numel, over as _over
 
 POOLS = (1, 2, 4)
 # A conv input is stored pooled only while the pooled map keeps at least this many cells
@@ -58,10 +58,6 @@ WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int
 # the widest frozen conv (1280 x 320) alone would be 1.6 MB at the streamed step's peak
 DEQUANT_CHUNK = 1 << 16
 ACT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 # --------------------------------------------------------------------------- 1-bit masks
@@ -680,7 +676,7 @@ class FrozenConvBNAct(nn.Module):
     def chunked(self) -> bool:
         """Whether this conv runs on its weight a chunk at a time (``chunkable``, and the
         schedule did not allow the whole weight for it: ``whole_weight``)."""
-        return self.chunkable and not self.whole_weight
+        return not self.whole_weight and self.chunkable
 
     @property
     def chunkable(self) -> bool:
@@ -784,7 +780,11 @@ class FrozenConvBNAct(nn.Module):
         if self.weight_scale is not None:  # int8: one fp32 buffer scaled in place, or a half
             if dtype_bytes == 4:           # weight filled through an fp32 chunk
                 return w * 4, w * 4
-            return w * dtype_bytes, w * dtype_bytes + self._dequant_rows() * self.weight[0].numel() * 4
+            # the fp32 chunk of ``_dequant_rows`` rows, sized from the shape (no tensor op:
+            # ``chunkable`` asks this on the forward's path)
+            per_row = w // int(self.weight.shape[0])
+            rows = max(1, min(int(self.weight.shape[0]), DEQUANT_CHUNK // per_row))
+            return w * dtype_bytes, w * dtype_bytes + rows * per_row * 4
         if self.weight.dtype == self.act_dtype:
             return 0, 0
         return w * dtype_bytes, w * dtype_bytes
