@@ -42,8 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # stock vs lean vs the paper's configuration (pruned 0.3/0.78/0.46/0.46, k=2), and its half version
 BENCH_METHODS = ["repnet-stock", "repnet-lean", "repnet-pruned-pool2", "repnet-pruned-pool2-bf16-int8"]
-FULL = {"resolution": 224, "width": 1.0, "budget": "256MB", "steps": 20, "warmup": 3, "verify_images": 64}
-QUICK = {"resolution": 64, "width": 0.35, "budget": "24MB", "steps": 1, "warmup": 0, "verify_images": 0}
+# largest_cap: a streamed row's largest batch runs to hundreds, and its steps at batch 256 took
+# 14 s each on an H100 (per-sample loops): the check times at most batch 32 there
+FULL = {"resolution": 224, "width": 1.0, "budget": "256MB", "steps": 20, "warmup": 3, "verify_images": 64,
+        "largest_cap": 32}
+QUICK = {"resolution": 64, "width": 0.35, "budget": "24MB", "steps": 1, "warmup": 0, "verify_images": 0,
+         "largest_cap": 32}
 
 
 def bench_methods() -> list[str]:
@@ -122,12 +126,16 @@ def junit_counts(path: Path) -> dict:
 
 
 def allocator_rows(*, device: str, methods: list[str], resolution: int, width: float, batch_size: int,
-                   num_classes: int = 102) -> dict:
-    """Each method's step: runtime accounting, measured peaks and the allocator model's replay."""
+                   num_classes: int = 102, on_row=None) -> dict:
+    """Each method's step: runtime accounting, measured peaks and the allocator model's replay.
+
+    ``on_row(rows)`` is called after each method (the caller writes what is done so far: a
+    part stopped at its time limit still reports the rows it finished)."""
     import torch
 
     from edgetl.bench import METHODS, build_method, pruned_hidden
-    from edgetl.memory.cuda import cublas_workspace_bytes, expandable_segments_enabled, replay_trace
+    from edgetl.memory.cuda import (cublas_workspace_bytes, cublaslt_workspace_bytes, expandable_segments_enabled,
+                                    replay_trace, step_workspace_bytes)
     from edgetl.memory.meter import measure_training_memory
     from edgetl.memory.runtime import runtime_report
     from edgetl.memory.schedule import prepare_step
@@ -140,6 +148,7 @@ def allocator_rows(*, device: str, methods: list[str], resolution: int, width: f
         capability = (8, 7)  # no device: predict for the Jetson Orin
     expandable = expandable_segments_enabled()
     workspace = cublas_workspace_bytes(capability)
+    workspaces = step_workspace_bytes(capability)
     rows = []
     for name in methods:
         method = METHODS[name]
@@ -152,22 +161,26 @@ def allocator_rows(*, device: str, methods: list[str], resolution: int, width: f
             prepare_step(net, resolution=resolution, batch_size=batch_size)
         runtime = runtime_report(net, mode=method.mode, resolution=resolution, batch_size=batch_size).total_bytes
         got = measure_training_memory(net, resolution=resolution, batch_size=batch_size, steps=2, record_trace=True)
-        replay = replay_trace(got.trace, expandable=expandable, cublas_workspace=workspace)
+        replay = replay_trace(got.trace, expandable=expandable, cublas_workspace=workspace,
+                              cublaslt_workspace=cublaslt_workspace_bytes())
         rows.append({
             "method": name, "runtime_bytes": runtime, "tensor_bytes": got.tensor_bytes,
             "allocated_bytes": got.allocated_bytes, "reserved_bytes": got.reserved_bytes, "other_bytes": got.other_bytes,
             "replay_allocated_bytes": replay.peaks.allocated_peak_bytes,
             "replay_reserved_bytes": replay.peaks.reserved_peak_bytes, "replay_segments": replay.peaks.segments,
-            "predicted_allocated_bytes": runtime + workspace, "trace_events": len(got.trace),
+            "replay_workspace_bytes": replay.workspace_bytes,
+            "predicted_allocated_bytes": runtime + workspaces, "trace_events": len(got.trace),
         })
         del net, got
+        if on_row is not None:
+            on_row(rows)
     return {"device": device, "capability": list(capability), "expandable": expandable,
-            "cublas_workspace_bytes": workspace, "resolution": resolution, "width": width,
+            "cublas_workspace_bytes": workspace, "step_workspace_bytes": workspaces, "resolution": resolution, "width": width,
             "batch_size": batch_size, "num_classes": num_classes, "rows": rows}
 
 
 def graph_rows(*, device: str, methods: list[str], resolution: int, width: float, batch_size: int,
-               steps: int = 20, num_classes: int = 102) -> dict:
+               steps: int = 20, num_classes: int = 102, on_row=None) -> dict:
     """Issue #15, item 5: the whole training step captured as one CUDA graph, against eager.
 
     Per method: two copies of the network from the same weights, each with Adam
@@ -175,6 +188,7 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
     stream, captured once (forward, loss, backward, optimizer step) and replayed. Both see
     the same fixed batch for the same number of steps; the result says whether the weights
     end equal and the median step time of each. A capture that fails is reported, not raised.
+    ``on_row(rows)`` is called after each method, as in ``allocator_rows``.
     """
     import statistics
 
@@ -230,6 +244,8 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
         except Exception as exc:  # noqa: BLE001 - the finding is the message
             row["capture_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
             continue
         for _ in range(warm):  # as the graph's copy (capturing records the step, it does not run it)
             opts["eager"].zero_grad(set_to_none=True)
@@ -255,8 +271,23 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
             "max_abs_weight_diff": max(diffs), "exact": max(diffs) == 0.0,
         })
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
     return {"device": device, "resolution": resolution, "width": width, "batch_size": batch_size,
             "steps": steps, "rows": rows}
+
+
+def _child_result(key: str, part: dict, tmp: Path) -> dict:
+    """A child's JSON (``{key: data}``), or the rows it finished before it stopped; removes its files."""
+    partial = Path(f"{tmp}.partial")
+    data = None
+    if part["rc"] == 0 and tmp.exists():
+        data = json.loads(tmp.read_text())
+    elif partial.exists():
+        data = json.loads(partial.read_text())
+    tmp.unlink(missing_ok=True)
+    partial.unlink(missing_ok=True)
+    return {} if data is None else {key: data}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,28 +305,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-allocator", action="store_true", help="skip the allocator check")
     ap.add_argument("--test-timeout", type=float, default=240, help="seconds for the test run")
     ap.add_argument("--bench-timeout", type=float, default=180, help="seconds for the bench")
-    ap.add_argument("--allocator-timeout", type=float, default=40, help="seconds for each allocator run")
+    ap.add_argument("--allocator-timeout", type=float, default=60, help="seconds for each allocator run")
     ap.add_argument("--allocator-json", help=argparse.SUPPRESS)  # a child process: measure, write, exit
     ap.add_argument("--graphs-json", help=argparse.SUPPRESS)  # a child process: CUDA graph check, write, exit
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA graph check (CUDA only)")
-    ap.add_argument("--graphs-timeout", type=float, default=50, help="seconds for the CUDA graph check")
-    ap.add_argument("--deadline", type=float, default=550,
+    ap.add_argument("--graphs-timeout", type=float, default=90, help="seconds for the CUDA graph check")
+    ap.add_argument("--deadline", type=float, default=570,
                     help="seconds for everything (a device command is killed at 600): later parts get what is left")
     args = ap.parse_args(argv)
     scale = QUICK if args.quick else FULL
     methods = args.methods or ",".join(bench_methods())
-    if args.allocator_json:
-        sys.path.insert(0, str(ROOT))
-        data = allocator_rows(device=args.device, methods=methods.split(","), resolution=scale["resolution"],
-                              width=scale["width"], batch_size=args.batch_size)
-        Path(args.allocator_json).write_text(json.dumps(data, indent=2) + "\n")
-        return 0
-    if args.graphs_json:
-        sys.path.insert(0, str(ROOT))
-        data = graph_rows(device=args.device, methods=methods.split(","), resolution=scale["resolution"],
-                          width=scale["width"], batch_size=args.batch_size)
-        Path(args.graphs_json).write_text(json.dumps(data, indent=2) + "\n")
-        return 0
+    for child, rows_of in ((args.allocator_json, "allocator_rows"), (args.graphs_json, "graph_rows")):
+        if child:  # a child process: measure, writing the rows finished so far after each method
+            sys.path.insert(0, str(ROOT))
+            path = Path(child)
+            partial = Path(f"{child}.partial")
+
+            def write_partial(rows, path=partial):
+                path.write_text(json.dumps({"partial": True, "rows": rows}, indent=2) + "\n")
+
+            data = globals()[rows_of](device=args.device, methods=methods.split(","),
+                                      resolution=scale["resolution"], width=scale["width"],
+                                      batch_size=args.batch_size, on_row=write_partial)
+            path.write_text(json.dumps(data, indent=2) + "\n")
+            partial.unlink(missing_ok=True)
+            return 0
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -325,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--resolution", str(scale["resolution"]), "--width", str(scale["width"]),
                   "--batch-size", str(args.batch_size), "--budget", args.budget or scale["budget"],
                   "--steps", str(scale["steps"]), "--warmup", str(scale["warmup"]),
-                  "--verify-images", str(scale["verify_images"])]
+                  "--verify-images", str(scale["verify_images"]), "--largest-cap", str(scale["largest_cap"])]
         files = ["--json", str(out / "bench.json"), "--csv", str(out / "bench.csv"), "--plot", str(out / "bench.png")]
         part = run_part("bench", common + files, log_path=None, timeout_s=budget(args.bench_timeout))
         if part["rc"] == 0:
@@ -345,9 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             part = run_part(f"allocator ({key})", argv_, log_path=None, timeout_s=budget(args.allocator_timeout),
                             env={"PYTORCH_CUDA_ALLOC_CONF": conf})
             summary["parts"][f"allocator-{key}"] = part
-            if part["rc"] == 0:
-                merged[key] = json.loads(tmp.read_text())
-            tmp.unlink(missing_ok=True)
+            merged.update(_child_result(key, part, tmp))
         (out / "allocator.json").write_text(json.dumps(merged, indent=2) + "\n")
 
     if cuda and not args.no_graphs:  # results go into summary.json: the device returns 8 files at most
@@ -356,9 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             py, str(Path(__file__).resolve()), "--device", args.device, "--methods", methods,
             "--batch-size", str(args.batch_size), "--graphs-json", str(tmp)] + (["--quick"] if args.quick else []),
             log_path=None, timeout_s=budget(args.graphs_timeout))
-        if part["rc"] == 0:
-            summary["graphs"] = json.loads(tmp.read_text())
-        tmp.unlink(missing_ok=True)
+        summary.update(_child_result("graphs", part, tmp))
         summary["parts"]["graphs"] = part
 
     summary["seconds"] = round(time.perf_counter() - started, 1)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from edgetl.memory.cuda import (
     CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_SM90, LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE,
-    CachingAllocatorModel, cublas_workspace_bytes, expandable_segments_enabled, replay_trace, round_block,
+    CUBLASLT_WORKSPACE_DEFAULT, CachingAllocatorModel, cublas_workspace_bytes, cublaslt_workspace_bytes,
+    expandable_segments_enabled, replay_trace, round_block, step_workspace_bytes,
     rounding_bytes, segment_bytes, should_split,
 )
 from edgetl.memory.meter import measure_training_memory
@@ -122,6 +123,11 @@ def test_cublas_workspace_and_allocator_settings():
     assert cublas_workspace_bytes((8, 7), env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 32 * MiB
     assert cublas_workspace_bytes((9, 0), env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 128 * 1024
     assert cublas_workspace_bytes((9, 0), env={"CUBLAS_WORKSPACE_CONFIG": "junk"}) == 32 * MiB
+    assert cublaslt_workspace_bytes({}) == CUBLASLT_WORKSPACE_DEFAULT == MiB
+    assert cublaslt_workspace_bytes({"TORCH_CUBLASLT_WORKSPACE_SIZE": "4096"}) == 4 * MiB
+    # a step: the calling thread's cuBLAS and cuBLASLt workspaces, autograd's thread's cuBLAS one
+    assert step_workspace_bytes((8, 7), env={}) == 2 * (8 * MiB + 128 * 1024) + MiB
+    assert step_workspace_bytes((9, 0), env={}) == 2 * 32 * MiB + MiB
     assert expandable_segments_enabled({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"})
     assert not expandable_segments_enabled({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
     assert not expandable_segments_enabled({})
@@ -146,9 +152,24 @@ def test_replay_of_a_real_training_trace():
     assert plain.peaks.allocated_peak_bytes <= got.tensor_bytes + (MIN_BLOCK - 1) * len(allocs) + SMALL_SIZE * 4
     assert plain.peaks.reserved_peak_bytes >= plain.peaks.allocated_peak_bytes
     assert plain.peaks.reserved_peak_bytes % SMALL_BUFFER == 0
-    ws = replay_trace(got.trace, cublas_workspace=CUBLAS_WORKSPACE_DEFAULT)
-    assert ws.cublas_workspace_bytes == CUBLAS_WORKSPACE_DEFAULT
-    assert ws.peaks.allocated_peak_bytes >= plain.peaks.allocated_peak_bytes + CUBLAS_WORKSPACE_DEFAULT
+    # the classifier: a biased addmm in forward, its weight gradient a matrix product in backward
+    ops = [ev for ev in got.trace if ev[0] == "op"]
+    assert all(len(ev) == 4 for ev in ops)
+    assert {ev[1] for ev in ops if ev[3]} == {"addmm"} and not any(ev[2] for ev in ops if ev[3])
+    assert any(ev[2] and ev[1] == "mm" for ev in ops) and not ops[0][2] and not ops[-1][2]  # ends with the update
+    ws = replay_trace(got.trace, cublas_workspace=CUBLAS_WORKSPACE_DEFAULT,
+                      cublaslt_workspace=CUBLASLT_WORKSPACE_DEFAULT)
+    assert (ws.cublas_workspace_bytes, ws.cublaslt_workspace_bytes) == (2 * CUBLAS_WORKSPACE_DEFAULT, MiB)
+    assert ws.workspace_bytes == step_workspace_bytes((8, 7), env={})
+    assert ws.peaks.allocated_peak_bytes >= plain.peaks.allocated_peak_bytes + ws.workspace_bytes
+    # batch 1: the addmm has one row, which CUDA runs on plain cuBLAS (no cuBLASLt workspace)
+    from edgetl.memory.meter import StorageMeter
+
+    lin = torch.nn.Linear(8, 3)
+    for batch, lt in ((1, 0), (2, MiB)):
+        with StorageMeter(record_trace=True) as meter:
+            lin(torch.randn(batch, 8)).sum().backward()
+        assert replay_trace(meter.trace, cublas_workspace=MiB, cublaslt_workspace=MiB).workspace_bytes == 2 * MiB + lt
     # expandable segments split every block: allocated is then the live rounded sizes exactly
     live, rounded, peak = {}, 0, 0
     for ev in got.trace:
@@ -216,8 +237,9 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     (a,) = d["rows"]
     assert a["runtime_bytes"] == accounted and a["allocated_bytes"] is None
     assert a["tensor_bytes"] == row.measured_bytes  # the same step measured twice, to the byte
-    assert a["predicted_allocated_bytes"] == accounted + CUBLAS_WORKSPACE_DEFAULT
-    assert a["tensor_bytes"] + CUBLAS_WORKSPACE_DEFAULT <= a["replay_allocated_bytes"] <= a["replay_reserved_bytes"]
+    jetson = step_workspace_bytes((8, 7), env={})
+    assert a["predicted_allocated_bytes"] == accounted + jetson
+    assert a["tensor_bytes"] + jetson <= a["replay_allocated_bytes"] <= a["replay_reserved_bytes"]
 
 
 # ============================================================================ on the GPU
@@ -339,7 +361,13 @@ def test_lean_layers_on_cuda_equal_cpu(case, figures, exact_fp32):
     (outs_c, grads_c), (outs_g, grads_g) = results["cpu"], results["cuda"]
     assert outs_c.keys() == outs_g.keys() and len(outs_c) > 30
     fwd = {n: _relerr(outs_g[n], outs_c[n]) for n in outs_c if outs_c[n].norm() > 0}
-    grad = {n: _relerr(grads_g[n], grads_c[n]) for n in grads_c if grads_c[n].norm() > 0}
+    # a gradient that is zero in exact arithmetic (a BN bias whose output a batch-statistics BN
+    # normalises again) is rounding noise on both devices: compared by size, not by direction
+    scale = max(float(g.norm()) for g in grads_c.values())
+    noise = {n for n in grads_c if grads_c[n].norm() <= 1e-6 * scale}
+    grad = {n: _relerr(grads_g[n], grads_c[n]) for n in grads_c if n not in noise}
+    loud = {n: float(grads_g[n].norm()) for n in noise if grads_g[n].norm() > 1e-5 * scale}
+    assert not loud, (loud, scale)
     figures.setdefault("lean_cuda_vs_cpu", {})[case] = {
         "reference": ref_opts, "forward_max_relerr": max(fwd.values()), "grad_max_relerr": max(grad.values()),
         "worst_forward": max(fwd, key=fwd.get), "worst_grad": max(grad, key=grad.get)}
@@ -372,18 +400,51 @@ def test_cuda_meter_reports_allocated_and_reserved(figures):
     net = build_network(BackboneSpec(width=0.35, num_classes=5), "repnet", device="cuda",
                         lean=LeanOptions(pool=2))
     got = measure_training_memory(net, resolution=64, batch_size=8, steps=2, record_trace=True)
-    ws = cublas_workspace_bytes(_capability())
-    replay = replay_trace(got.trace, cublas_workspace=ws)
+    ws = step_workspace_bytes(_capability())
+    replay = replay_trace(got.trace, cublas_workspace=cublas_workspace_bytes(_capability()),
+                          cublaslt_workspace=cublaslt_workspace_bytes())
+    assert replay.workspace_bytes == ws
     figures["meter_64px"] = {"tensor": got.tensor_bytes, "allocated": got.allocated_bytes,
                              "reserved": got.reserved_bytes, "other": got.other_bytes,
                              "replay_allocated": replay.peaks.allocated_peak_bytes,
-                             "replay_reserved": replay.peaks.reserved_peak_bytes, "cublas_workspace": ws}
+                             "replay_reserved": replay.peaks.reserved_peak_bytes, "workspaces": ws}
     assert got.peak_bytes == got.allocated_bytes
     assert got.tensor_bytes <= got.allocated_bytes <= got.reserved_bytes
     assert got.reserved_bytes % SMALL_BUFFER == 0
     # what the libraries take inside kernels (cuDNN workspaces) is the rest: reported, bounded
-    assert got.allocated_bytes >= replay.peaks.allocated_peak_bytes - ws  # workspace may be reused
-    assert got.allocated_bytes <= 4 * replay.peaks.allocated_peak_bytes
+    assert abs(got.allocated_bytes - replay.peaks.allocated_peak_bytes) <= 4 * MiB
+
+
+WORKSPACE_PROBE = """
+import json, threading
+import torch, torch.nn.functional as F
+a = torch.cuda.memory_allocated
+x = torch.randn(64, 64, device="cuda")
+w = torch.randn(64, 64, device="cuda", requires_grad=True)
+b = torch.randn(64, device="cuda", requires_grad=True)
+out, t = {}, a()
+torch.mm(x, x); torch.cuda.synchronize(); out["mm"], t = a() - t, a()
+torch.addmm(b.detach(), x, x); torch.cuda.synchronize(); out["addmm"], t = a() - t, a()
+y = F.linear(x, w, b); torch.cuda.synchronize(); t = a()
+y.sum().backward(); torch.cuda.synchronize(); out["backward"], t = a() - t, a()
+th = threading.Thread(target=lambda: (torch.mm(x, x), torch.cuda.synchronize())); th.start(); th.join()
+out["thread"] = a() - t
+print(json.dumps(out))
+"""
+
+
+@cuda
+def test_library_workspaces_per_thread_on_cuda(figures):
+    """The workspaces edgetl.memory.cuda models, measured in a fresh process: the calling thread's
+    first matrix product takes a cuBLAS workspace, its first biased addmm a cuBLASLt one, backward
+    (autograd's device thread) a cuBLAS one of its own, and so does any other thread."""
+    proc = subprocess.run([sys.executable, "-c", WORKSPACE_PROBE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    figures["workspaces"] = got
+    ws, lt = cublas_workspace_bytes(_capability()), cublaslt_workspace_bytes()
+    assert (got["mm"], got["addmm"], got["thread"]) == (ws, lt, ws), got
+    assert ws < got["backward"] <= ws + 2 * round_block(64 * 64 * 4), got  # and the weight's gradients
 
 
 def _accounting_configs():
@@ -404,7 +465,9 @@ def _accounting_configs():
 @cuda
 @pytest.mark.parametrize("config", list(_accounting_configs()))
 def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
-    """Measured allocated peak within 5 % of runtime accounting + the cuBLAS workspace (224 px, batch 8)."""
+    """Measured allocated peak within 5 % of runtime accounting + the library workspaces (224 px,
+    batch 8); the tensor peak equal to the runtime accounting to the byte; the allocator model's
+    replay of the step within 4 MiB of the allocated peak (the rest: cuDNN workspaces)."""
     from edgetl.bench import pruned_hidden
     from edgetl.memory.runtime import runtime_report
     from edgetl.memory.schedule import prepare_step
@@ -418,20 +481,23 @@ def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
     if lean is not None:
         prepare_step(net, resolution=224, batch_size=8)
     runtime = runtime_report(net, mode="repnet", resolution=224, batch_size=8).total_bytes
-    ws = cublas_workspace_bytes(_capability())
+    ws = step_workspace_bytes(_capability())
     got = measure_training_memory(net, resolution=224, batch_size=8, steps=2, record_trace=True)
-    replay = replay_trace(got.trace, cublas_workspace=ws)
+    replay = replay_trace(got.trace, cublas_workspace=cublas_workspace_bytes(_capability()),
+                          cublaslt_workspace=cublaslt_workspace_bytes())
     predicted = runtime + ws
     figures.setdefault("accounting_224px", {})[config] = {
-        "runtime": runtime, "cublas_workspace": ws, "predicted": predicted, "tensor": got.tensor_bytes,
+        "runtime": runtime, "workspaces": ws, "predicted": predicted, "tensor": got.tensor_bytes,
         "allocated": got.allocated_bytes, "reserved": got.reserved_bytes, "other": got.other_bytes,
         "replay_allocated": replay.peaks.allocated_peak_bytes, "replay_reserved": replay.peaks.reserved_peak_bytes,
         "allocated_vs_predicted": got.allocated_bytes / predicted - 1,
         "tensor_vs_runtime": got.tensor_bytes / runtime - 1,
         "unexplained": got.allocated_bytes - replay.peaks.allocated_peak_bytes,
     }
-    assert abs(got.tensor_bytes / runtime - 1) <= 0.05, figures["accounting_224px"][config]
+    assert got.tensor_bytes == runtime, figures["accounting_224px"][config]
+    assert replay.workspace_bytes == ws, figures["accounting_224px"][config]
     assert abs(got.allocated_bytes / predicted - 1) <= 0.05, figures["accounting_224px"][config]
+    assert abs(got.allocated_bytes - replay.peaks.allocated_peak_bytes) <= 4 * MiB, figures["accounting_224px"][config]
     assert got.reserved_bytes >= got.allocated_bytes
 
 
@@ -532,7 +598,7 @@ def test_bench_on_cuda_reports_allocated_and_reserved(tmp_path):
 
 
 def test_cuda_report_answers_the_runtime_accounting_for_a_jetson():
-    """Runtime accounting + cuBLAS workspace; with a trace, the replayed allocated and reserved peaks."""
+    """Runtime accounting + the step's workspaces; with a trace, the replayed allocated and reserved peaks."""
     from edgetl.memory.cuda import JETSON_ORIN
     from edgetl.memory.cuda_step import cuda_report
     from edgetl.memory.runtime import runtime_report
@@ -543,13 +609,15 @@ def test_cuda_report_answers_the_runtime_accounting_for_a_jetson():
     net = build_network(BackboneSpec(width=0.35, num_classes=5), "repnet", lean=LeanOptions(pool=2))
     runtime = runtime_report(net, mode="repnet", resolution=64, batch_size=4).total_bytes
     plain = cuda_report(net, mode="repnet", resolution=64, batch_size=4, trace=False, env={})
-    assert (plain.runtime_bytes, plain.allocated_bytes) == (runtime, runtime + CUBLAS_WORKSPACE_DEFAULT)
+    jetson = 2 * CUBLAS_WORKSPACE_DEFAULT + CUBLASLT_WORKSPACE_DEFAULT
+    assert (plain.runtime_bytes, plain.allocated_bytes) == (runtime, runtime + jetson)
     assert plain.reserved_bytes is None and plain.slack is None and plain.capability == JETSON_ORIN
     traced = cuda_report(net, mode="repnet", resolution=64, batch_size=4, env={})
-    assert runtime + CUBLAS_WORKSPACE_DEFAULT <= traced.allocated_bytes <= traced.reserved_bytes
+    assert traced.cublas_workspace_bytes == jetson
+    assert runtime + jetson <= traced.allocated_bytes <= traced.reserved_bytes
     assert traced.allocated_bytes - plain.allocated_bytes < 2 * MiB  # rounding and packing: small here
     assert traced.reserved_bytes % SMALL_BUFFER == 0 and traced.slack >= 1
     grown = cuda_report(net, mode="repnet", resolution=64, batch_size=4, capability=(9, 0),
                         env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-    assert grown.expandable and grown.cublas_workspace_bytes == CUBLAS_WORKSPACE_SM90
-    assert grown.allocated_bytes >= runtime + CUBLAS_WORKSPACE_SM90
+    assert grown.expandable and grown.cublas_workspace_bytes == 2 * CUBLAS_WORKSPACE_SM90 + MiB
+    assert grown.allocated_bytes >= runtime + grown.cublas_workspace_bytes

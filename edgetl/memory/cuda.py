@@ -25,8 +25,17 @@ How edgetl answers for ``device=cuda`` (issue #15):
 * cuBLAS keeps one workspace per handle and stream through the same allocator, from the
   first matrix product on, for the life of the process: 32 MiB on sm90 (H100/H200),
   8 MiB + 128 KiB elsewhere (the Jetson Orin's sm87), or what ``CUBLAS_WORKSPACE_CONFIG``
-  says; cuBLASLt shares it by default (``cublas_workspace_bytes``). The replay inserts it at
-  the trace's first matrix product.
+  says (``cublas_workspace_bytes``). PyTorch gives each thread its own handle, and on CUDA
+  autograd runs backward on its own device thread: a training step holds *two* workspaces,
+  the calling thread's (forward, optimizer) and the engine's (backward). An ``addmm`` with a
+  bias (a ``Linear`` on a batch of more than one) goes through cuBLASLt, which keeps a
+  workspace of its own per handle and stream: 1 MiB, or ``TORCH_CUBLASLT_WORKSPACE_SIZE``
+  KiB (``cublaslt_workspace_bytes``). Measured on an H100 with torch 2.11
+  (``benchmarks/cuda_h100_*``): the calling thread's first matrix product +32 MiB, its first
+  biased addmm +1 MiB more, the first backward matrix product +32 MiB, a matrix product on
+  another thread or stream +32 MiB each. The replay inserts each workspace at its thread's
+  first such op (the storage trace marks the ops autograd's engine ran, and biased gemms);
+  ``step_workspace_bytes`` is the sum for a step without a trace.
 * cuDNN convolution workspaces (the lean runtime's ``conv2d_input``/``conv2d_weight`` go
   through cuDNN too) depend on the algorithm cuDNN's heuristics pick per shape, GPU and
   cuDNN version: edgetl does not guess them. They are *measured* on the device: the CUDA
@@ -36,7 +45,7 @@ How edgetl answers for ``device=cuda`` (issue #15):
 * ``expandable_segments:True``: edgetl neither sets it (a library never changes the
   environment, STYLE; and it must be set before CUDA starts) nor, yet, recommends it: the
   model's replay of one 224 px step at batch 8 for a Jetson (sm87) gives mixed results
-  (paper configuration: reserved 86.0 -> 65.0 MB; lean fp32: 121.6 -> 130.0 MB), it is
+  (paper configuration: reserved 88.1 -> 86.0 MB; lean fp32: 121.6 -> 130.0 MB), it is
   untried on a Jetson (it needs CUDA's virtual memory management), and the GPU check
   (scripts/gpu_check.py) measures both ways. The replay assumes memory to spare: a device
   that runs short frees cached segments and retries before failing, so reserved-on-a-roomy
@@ -65,6 +74,7 @@ LARGE_PAGE = LARGE_BUFFER
 # cuBLAS workspace defaults (aten/src/ATen/cuda/CublasHandlePool.cpp)
 CUBLAS_WORKSPACE_SM90 = 4096 * 1024 * 8
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLASLT_WORKSPACE_DEFAULT = 1024 * 1024  # TORCH_CUBLASLT_WORKSPACE_SIZE's default (1024 KiB)
 JETSON_ORIN = (8, 7)  # compute capability of the Orin Nano / NX / AGX (sm87)
 MATMUL_OPS = frozenset({"addmm", "mm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation",
                         "addmv", "mv", "dot"})
@@ -128,6 +138,29 @@ def cublas_workspace_bytes(capability: tuple[int, int], env: dict[str, str] | No
     if not pairs:
         return default
     return sum(int(size) * 1024 * int(count) for size, count in pairs)
+
+
+def cublaslt_workspace_bytes(env: dict[str, str] | None = None) -> int:
+    """The cuBLASLt workspace one handle and stream keep once a biased ``addmm`` ran.
+
+    Args:
+        env: environment to read ``TORCH_CUBLASLT_WORKSPACE_SIZE`` (KiB) from (default
+            ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    size = (env.get("TORCH_CUBLASLT_WORKSPACE_SIZE") or "").strip()
+    return int(size) * 1024 if size.isdigit() else CUBLASLT_WORKSPACE_DEFAULT
+
+
+def step_workspace_bytes(capability: tuple[int, int], env: dict[str, str] | None = None) -> int:
+    """The library workspaces an edgetl training step on CUDA holds, without a trace to say.
+
+    Every edgetl network trains a ``Linear`` classifier: its forward is a biased ``addmm``
+    on the calling thread (a cuBLAS and a cuBLASLt workspace) and its weight gradient a
+    matrix product on autograd's device thread (a second cuBLAS workspace). At batch 1 the
+    addmm takes plain cuBLAS (no cuBLASLt workspace); a trace's replay knows that.
+    """
+    return 2 * cublas_workspace_bytes(capability, env) + cublaslt_workspace_bytes(env)
 
 
 def expandable_segments_enabled(env: dict[str, str] | None = None) -> bool:
@@ -313,28 +346,37 @@ class TraceReplay:
 
     peaks: AllocatorPeaks
     tensor_peak_bytes: int  # the trace's own peak of live storage bytes (no rounding)
-    cublas_workspace_bytes: int  # inserted at the first matrix product (0 if none ran)
+    cublas_workspace_bytes: int  # cuBLAS workspaces inserted, all threads (0 if no matrix product ran)
     conv_workspace_bytes: int  # per convolution, as given (measured on a device), else 0
+    cublaslt_workspace_bytes: int = 0  # cuBLASLt workspaces inserted, all threads
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Every library workspace the replay holds at its end (cuBLAS and cuBLASLt)."""
+        return self.cublas_workspace_bytes + self.cublaslt_workspace_bytes
 
 
 def replay_trace(events: Iterable[tuple], *, expandable: bool = False, cublas_workspace: int = 0,
-                 conv_workspace_bytes: int = 0) -> TraceReplay:
+                 cublaslt_workspace: int = 0, conv_workspace_bytes: int = 0) -> TraceReplay:
     """Feed a storage trace to :class:`CachingAllocatorModel`.
 
     Args:
-        events: ``("alloc", key, nbytes)``, ``("free", key)``, ``("op", name)`` (an aten op
-            ran; a matrix product's first occurrence allocates the cuBLAS workspace, every
-            convolution holds ``conv_workspace_bytes`` just after its outputs exist) and
-            ``("reset",)`` (peaks restart, as after ``reset_peak_memory_stats``), in order.
+        events: ``("alloc", key, nbytes)``, ``("free", key)``, ``("op", name[, in_backward,
+            bias_gemm])`` (an aten op ran: a thread's first matrix product allocates its cuBLAS
+            workspace, its first bias gemm its cuBLASLt workspace, where the ops autograd's
+            engine ran are one thread and the rest another; every convolution holds
+            ``conv_workspace_bytes`` just after its outputs exist) and ``("reset",)`` (peaks
+            restart, as after ``reset_peak_memory_stats``), in order.
         expandable: model ``expandable_segments:True``.
-        cublas_workspace: bytes of the cuBLAS workspace (``cublas_workspace_bytes``).
+        cublas_workspace: bytes of one cuBLAS workspace (``cublas_workspace_bytes``).
+        cublaslt_workspace: bytes of one cuBLASLt workspace (``cublaslt_workspace_bytes``).
         conv_workspace_bytes: one convolution's workspace (a measured figure; 0 = unmodelled).
     """
     model = CachingAllocatorModel(expandable=expandable)
     live = peak = 0
     sizes: dict[object, int] = {}
-    workspace_done = False
+    inserted = {"cublas": 0, "cublaslt": 0}
     n_conv = 0
     for ev in events:
         kind = ev[0]
@@ -349,9 +391,18 @@ def replay_trace(events: Iterable[tuple], *, expandable: bool = False, cublas_wo
             live -= sizes.pop(ev[1])
         elif kind == "op":
             name = ev[1]
-            if name in MATMUL_OPS and cublas_workspace and not workspace_done:
-                model.malloc(("cublas", "workspace"), cublas_workspace)
-                workspace_done = True
+            thread = "backward" if len(ev) > 2 and ev[2] else "caller"
+            wants = []
+            if name in MATMUL_OPS and cublas_workspace:
+                wants.append(("cublas", cublas_workspace))
+            if len(ev) > 3 and ev[3] and cublaslt_workspace:
+                wants.append(("cublaslt", cublaslt_workspace))
+            for lib, nbytes in wants:
+                key = (lib, "workspace", thread)
+                if key not in sizes:
+                    model.malloc(key, nbytes)
+                    sizes[key] = nbytes
+                    inserted[lib] += nbytes
             if conv_workspace_bytes and name.startswith("convolution"):
                 n_conv += 1
                 model.malloc(("conv", "workspace", n_conv), conv_workspace_bytes)
@@ -362,9 +413,9 @@ def replay_trace(events: Iterable[tuple], *, expandable: bool = False, cublas_wo
         else:
             raise ValueError(f"unknown trace event {ev!r}")
     notes = []
-    if cublas_workspace and not workspace_done:
+    if cublas_workspace and not inserted["cublas"]:
         notes.append("no matrix product in the trace: no cuBLAS workspace")
-    return TraceReplay(model.peaks(), peak, cublas_workspace if workspace_done else 0, conv_workspace_bytes, notes)
+    return TraceReplay(model.peaks(), peak, inserted["cublas"], conv_workspace_bytes, inserted["cublaslt"], notes)
 
 
 # ----------------------------------------------------------------------------- the runtime accounting on CUDA

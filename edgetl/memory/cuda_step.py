@@ -11,8 +11,8 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from edgetl.memory.cuda import (JETSON_ORIN, cublas_workspace_bytes, expandable_segments_enabled,
-                                replay_trace)
+from edgetl.memory.cuda import (JETSON_ORIN, cublas_workspace_bytes, cublaslt_workspace_bytes,
+                                expandable_segments_enabled, replay_trace, step_workspace_bytes)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,7 +24,9 @@ class CudaReport:
 
     Attributes:
         runtime_bytes: the runtime accounting's tensor peak (DESIGN 2b), as on CPU.
-        cublas_workspace_bytes: the cuBLAS workspace the step's first matrix product allocates.
+        cublas_workspace_bytes: the library workspaces the step holds (cuBLAS for the calling
+            thread and for autograd's device thread, cuBLASLt for the classifier's biased
+            addmm; ``edgetl.memory.cuda``): the replay's, or ``step_workspace_bytes``.
         allocated_bytes: what ``max_memory_allocated`` should say: with a trace, the replay's
             allocated peak (rounding, unsplit blocks, the workspace); without, runtime +
             workspace. cuDNN workspaces are not in it (measured on the device, see above).
@@ -65,9 +67,9 @@ def cuda_report(net: "nn.Module", *, mode: str, resolution: int, batch_size: int
 
     runtime = runtime_report(net, mode=mode, resolution=resolution, batch_size=batch_size,
                              optimizer=optimizer).total_bytes
-    workspace = cublas_workspace_bytes(capability, env)
     expandable = expandable_segments_enabled(env) if expandable is None else expandable
     if not trace:
+        workspace = step_workspace_bytes(capability, env)
         return CudaReport(runtime, workspace, runtime + workspace, None, tuple(capability), expandable)
     from edgetl.memory.meter import measure_training_memory
 
@@ -75,6 +77,7 @@ def cuda_report(net: "nn.Module", *, mode: str, resolution: int, batch_size: int
     got = measure_training_memory(probe, resolution=resolution, batch_size=batch_size, steps=2,
                                   optimizer=optimizer, record_trace=True)
     del probe
-    replay = replay_trace(got.trace, expandable=expandable, cublas_workspace=workspace)
-    return CudaReport(runtime, workspace, replay.peaks.allocated_peak_bytes, replay.peaks.reserved_peak_bytes,
+    replay = replay_trace(got.trace, expandable=expandable, cublas_workspace=cublas_workspace_bytes(capability, env),
+                          cublaslt_workspace=cublaslt_workspace_bytes(env))
+    return CudaReport(runtime, replay.workspace_bytes, replay.peaks.allocated_peak_bytes, replay.peaks.reserved_peak_bytes,
                       tuple(capability), expandable)

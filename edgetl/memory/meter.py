@@ -50,8 +50,11 @@ class StorageMeter(TorchDispatchMode):
         self._finalizers: dict[int, weakref.finalize] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
-        # ("alloc", key, nbytes) / ("free", key) / ("op", aten op name) / ("reset",), in order;
-        # a key is unique for the life of its storage (ids are reused only after a free)
+        # ("alloc", key, nbytes) / ("free", key) / ("op", aten op name, in backward, bias gemm) /
+        # ("reset",), in order; a key is unique for the life of its storage (ids are reused only
+        # after a free). "in backward": autograd's engine ran the op (on CUDA, its device thread);
+        # "bias gemm": an addmm of a 1-D bias and two matrices of more than one row and column
+        # (what CUDA runs through cuBLASLt's bias epilogue)
         self.trace: list[tuple] | None = [] if record_trace else None
 
     def register(self, *tensors) -> None:
@@ -122,7 +125,8 @@ class StorageMeter(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
         if self.trace is not None:
-            self.trace.append(("op", func._schema.name.split("::")[-1]))
+            name = func._schema.name.split("::")[-1]
+            self.trace.append(("op", name, _in_backward(), _bias_gemm(name, args, kwargs)))
         return out
 
     def close(self) -> None:
@@ -130,6 +134,25 @@ class StorageMeter(TorchDispatchMode):
         for fin in list(self._finalizers.values()):
             fin.detach()
         self._finalizers.clear()
+
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running this op (a backward pass is under way)."""
+    return _graph_task_id() != -1
+
+
+def _bias_gemm(name: str, args: tuple, kwargs: dict | None) -> bool:
+    """An ``addmm``/``_addmm_activation`` of a 1-D bias, beta 1, and two matrices each of more
+    than one row and column: the shapes CUDA's addmm hands to cuBLASLt with a bias epilogue."""
+    if name not in ("addmm", "_addmm_activation") or len(args) < 3:
+        return False
+    bias, a, b = args[:3]
+    beta = (kwargs or {}).get("beta", args[3] if len(args) > 3 else 1)
+    return (isinstance(bias, torch.Tensor) and bias.dim() == 1 and beta == 1
+            and a.dim() == 2 and b.dim() == 2 and min(a.shape[0], b.shape[0], b.shape[1]) > 1)
 
 
 def _training_steps(net, step: Step, opt, image, labels, steps: int) -> None:
