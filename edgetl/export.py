@@ -218,12 +218,25 @@ def _fold_sequential(seq: nn.Sequential) -> None:
             seq._modules[b] = nn.Identity()
 
 
+class GlobalAvgPool(nn.Module):
+    """``AdaptiveAvgPool2d(1)`` and the flatten after it as one mean over height and width.
+
+    The exported graph then has no reshape to a batch-dependent shape: the dynamo exporter of
+    torch 2.5 with onnxscript 0.2.x cannot lower ``torch.flatten(x, 1)`` under a dynamic batch
+    axis (``EdgeNet.forward``'s flatten of a 2-D tensor returns it as it is).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3))
+
+
 def merge_for_inference(net: EdgeNet) -> EdgeNet:
     """A copy of ``net`` in eval mode with every BatchNorm folded into the conv before it.
 
     Covers the backbone (Conv-BN pairs inside ``nn.Sequential`` containers, as torchvision
-    builds them) and the side network (conv1/bn1, conv2/bn2 of each SideModule). The result
-    computes what ``net.eval()`` computes, up to float rounding; ``net`` is not changed.
+    builds them) and the side network (conv1/bn1, conv2/bn2 of each SideModule), and pools
+    with ``GlobalAvgPool``. The result computes what ``net.eval()`` computes, up to float
+    rounding; ``net`` is not changed.
 
     Raises:
         ConfigError: a BatchNorm is left that does not follow a conv (it would run unfolded).
@@ -236,6 +249,9 @@ def merge_for_inference(net: EdgeNet) -> EdgeNet:
             module.conv1, module.bn1 = _fold(module.conv1, module.bn1), nn.Identity()
         if hasattr(module, "conv2") and isinstance(getattr(module, "bn2", None), nn.BatchNorm2d):
             module.conv2, module.bn2 = _fold(module.conv2, module.bn2), nn.Identity()
+    pool = getattr(merged, "pool", None)
+    if isinstance(pool, nn.AdaptiveAvgPool2d) and pool.output_size in (1, (1, 1)):
+        merged.pool = GlobalAvgPool()
     left = [name for name, m in merged.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if left:
         raise ConfigError(f"cannot fold BatchNorm layers that follow no conv: {left[:5]}")
@@ -388,6 +404,11 @@ def export_onnx(
         image_source = "given images"
     if tuple(images.shape[1:]) != (3, resolution, resolution):
         raise ConfigError(f"parity images must be (N, 3, {resolution}, {resolution}), got {tuple(images.shape)}")
+    bad = [name for name, t in [*net.named_parameters(), *net.named_buffers()]
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise DataError(f"refusing to export non-finite weights ({len(bad)} tensors hold NaN or inf, "
+                        f"first {bad[0]}): the training diverged; export a checkpoint from before it")
     net = net.eval()
     device = next(net.parameters()).device
     x = images[:2].to(device, torch.float32)  # batch 2: a batch of 1 would be specialised away

@@ -171,6 +171,25 @@ def test_onnx_sidecar(exported, run_dir):
     assert exported.onnx_bytes == exported.onnx_path.stat().st_size
 
 
+def test_exported_graph_has_no_batch_dependent_reshape(exported):
+    """The pool and flatten export as one ReduceMean: torch 2.5's dynamo exporter with
+    onnxscript 0.2.x cannot lower the flatten's reshape under a dynamic batch axis."""
+    import onnx
+
+    ops = {node.op_type for node in onnx.load(str(exported.onnx_path)).graph.node}
+    assert "ReduceMean" in ops and not ops & {"Reshape", "Flatten", "GlobalAveragePool"}, ops
+
+
+def test_export_refuses_non_finite_weights(trained, tmp_path, images):
+    broken = merge_for_inference(trained)
+    with torch.no_grad():
+        broken.classifier[-1].weight[0, 0] = float("nan")
+    x = to_tensor(images[:8], Preprocessing(resolution=RES))
+    with pytest.raises(DataError, match="non-finite weights .*classifier"):
+        export_onnx(broken, tmp_path / "m.onnx", resolution=RES, images=x)
+    assert not list(tmp_path.iterdir())
+
+
 def test_legacy_exporter_and_its_opset_limit(trained, tmp_path, images):
     merged = merge_for_inference(trained)
     x = to_tensor(images[:8], Preprocessing(resolution=RES))

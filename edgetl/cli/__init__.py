@@ -13,6 +13,7 @@ import logging
 import sys
 
 from edgetl import __version__
+from edgetl.compat import check_supported
 from edgetl.errors import EdgetlError
 
 # Stage modules in pipeline order (each is edgetl/cli/<name>.py) and their one-line help.
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
+        check_supported()
         return int(args.run(args) or 0)
     except EdgetlError as exc:
         return fail(str(exc))

@@ -44,9 +44,24 @@ from torch import nn
 from torch.autograd import Function
 from torch.autograd.graph import get_gradient_edge
 
+from edgetl.compat import release
 from edgetl.errors import ConfigError
 from edgetl.memory.cost import LayerCost
 from edgetl.models.lean import by_micro_batch
+
+# Before torch 2.9 (pytorch PR #160098) a GradientEdge does not own its node: the edge of a
+# custom Function's output names the node through the Function's context, which holds it
+# weakly, so once the output tensor is dropped the node is freed under the edge (backward
+# from it then crashes). There a kept edge is taken from a view of the output instead: the
+# view's node is a built-in one the edge does own, it saves no tensor, and it owns the
+# output's node through its own edge. Newer torch keeps such a token itself; there the view
+# is not made, so op counts and memory do not change.
+_EDGE_OWNS_NODE = release(torch.__version__) >= (2, 9)
+
+
+def owned_gradient_edge(t: torch.Tensor):
+    """``get_gradient_edge(t)`` that stays valid after ``t`` is dropped, on every torch."""
+    return get_gradient_edge(t if _EDGE_OWNS_NODE else t.view_as(t))
 
 
 class _Entry(Function):
@@ -83,7 +98,8 @@ class _StreamFn(Function):
                 if out is None:
                     out = y.new_empty((n, *y.shape[1:]))
                 out[i:i + m].copy_(y.detach())
-                edges.append((get_gradient_edge(y), get_gradient_edge(entry), y.shape[0]))
+                # the entry's node is owned by the graph the output's edge keeps alive
+                edges.append((owned_gradient_edge(y), get_gradient_edge(entry), y.shape[0]))
                 del entry, y
         ctx.edges, ctx.params = edges, params
         return out
@@ -300,7 +316,7 @@ def _measure(segment: StreamedSegment, in_shape: tuple, dtype: torch.dtype, inpu
             # a recomputing segment keeps its input (the simulation holds it; not new bytes)
             again = segment.recompute
             gy = torch.empty_like(out)
-            edge = get_gradient_edge(out)
+            edge = owned_gradient_edge(out)
             del out  # the simulation holds the output apart
             start = meter.current_bytes
             meter.reset_peak()
