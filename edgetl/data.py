@@ -499,6 +499,8 @@ def check_images(splits: "DataSplits", policy: str = "error") -> "DataSplits":
             "fix or remove them, or set data.on_bad_image: skip"
         )
     log.info("checked %d image files in %.2f s: %d bad", checked, seconds, len(bad))
+    if policy == "skip" and bad:
+        check_learnable(kept["train"].base, kept["val"].base, "after skipping unreadable images")
     return DataSplits(train=kept["train"], val=kept["val"], classes=splits.classes,
                       image_check=ImageCheck(checked, seconds, bad, policy))
 
@@ -831,6 +833,7 @@ def build_datasets(
     val = select(load_split(preset, root, "val", download), classes, max_val_samples, seed)
     if len(train) == 0 or len(val) == 0:
         raise DataError(f"{preset} at {root}: no samples left after selecting classes {list(classes or [])}")
+    check_learnable(train, val, f"{preset} at {root}" if root else preset)
     skip = on_bad_image == "skip"
     splits = DataSplits(
         train=TransformedDataset(train, train_transform(resolution, uint8), seed=seed, skip_bad=skip),
@@ -838,6 +841,21 @@ def build_datasets(
         classes=list(train.classes),
     )
     return check_images(splits, on_bad_image) if check else splits
+
+
+def check_learnable(train: LabeledDataset, val: LabeledDataset, where: str) -> None:
+    """Refuse data a classifier cannot learn from: fewer than two classes with training
+    images, or validation images of a class the training split has none of."""
+    have = sorted(set(train.targets))
+    if len(have) < 2:
+        names = [train.classes[c] for c in have]
+        raise DataError(f"{where}: the training split has images of {len(have)} class{'es' if len(have) != 1 else ''} "
+                        f"({', '.join(map(repr, names)) or 'none'}); a classifier needs at least 2")
+    unseen = sorted(set(val.targets) - set(have))
+    if unseen:
+        names = ", ".join(repr(val.classes[c]) for c in unseen[:3])
+        raise DataError(f"{where}: the validation split has images of class {names} that the training "
+                        f"split has none of; add training images or remove the class")
 
 
 def datasets_from_recipe(recipe, check: bool = True) -> DataSplits:
@@ -947,6 +965,9 @@ def build_loader(
 def loaders_from_recipe(recipe, splits: DataSplits, pin_memory: bool = False) -> tuple[DataLoader, DataLoader]:
     """(train loader, val loader) with a Recipe's batch sizes, workers and seed."""
     t = recipe.train
+    if len(splits.train) < t.batch_size:
+        raise DataError(f"the training split has {len(splits.train)} images, fewer than one batch "
+                        f"(train.batch_size = {t.batch_size}); lower train.batch_size or add images")
     return (
         build_loader(splits.train, batch_size=t.batch_size, train=True, workers=t.workers, seed=t.seed, pin_memory=pin_memory),
         build_loader(splits.val, batch_size=t.val_batch_size or t.batch_size, train=False, workers=t.workers, seed=t.seed, pin_memory=pin_memory),

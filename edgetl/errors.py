@@ -23,3 +23,7 @@ class BudgetError(EdgetlError):
 
 class ResourceError(EdgetlError):
     """The machine lacks what a run needs: disk space, a writable file, memory for a data worker."""
+
+
+class DivergedError(EdgetlError):
+    """Training produced a non-finite loss or non-finite weights; nothing non-finite was saved."""

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError, ResourceError
+from edgetl.errors import CapabilityError, ConfigError, DataError, DivergedError, EdgetlError, ResourceError
 from edgetl.io import (
     MB,
     atomic_torch_save,
@@ -411,6 +411,8 @@ def _after_failure(exc: BaseException, out_dir: Path, created: list[Path], saved
     epoch, step = saved
     where = f"after epoch {epoch}" if step == 0 else f"at epoch {epoch + 1} step {step}"
     note = f"{out_dir} keeps {LAST} ({where}): add --resume to continue once that is fixed"
+    if isinstance(exc, DivergedError):  # resuming the same recipe would diverge again
+        note = f"{out_dir} keeps {LAST} ({where}), its last finite weights"
     if isinstance(exc, EdgetlError):
         exc.args = (f"{exc}; {note}",)
     else:
@@ -646,8 +648,27 @@ class _Loop:
     on_epoch: Callable[[dict], None] | None
     progress: _Progress
 
+    def diverged(self, where: str, what: str) -> DivergedError:
+        """The one-line error of a diverged run, with its likely cause."""
+        r = self.recipe
+        if r.model.precision == "fp16" and self.scaler is None:
+            cause = "fp16 activations without loss scaling: try model.precision bf16 or fp32"
+        else:
+            rates = {k: getattr(r.optim, k) for k in ("lr", "lr_side", "lr_head") if getattr(r.optim, k, None)}
+            given = ", ".join(f"optim.{k} = {v:g}" for k, v in rates.items())
+            cause = f"a learning rate too high ({given}): try one 10x lower"
+        return DivergedError(f"training diverged at {where}: {what}; likely cause: {cause}. "
+                             f"No non-finite weights were saved")
+
+    def check_finite_weights(self, where: str) -> None:
+        """Refuse to save weights that hold NaN or inf (every rank holds the same weights)."""
+        for name, t in unwrap(self.model).state_dict().items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise self.diverged(where, f"{name} holds non-finite values")
+
     def save(self, epoch: int, step: int, best: bool = False) -> None:
         """last.pt, then (``best``) best.pt: weights only, as nothing resumes from it."""
+        self.check_finite_weights(f"epoch {epoch + 1} step {step}" if step else f"the end of epoch {epoch}")
         p = self.progress
         # Collective (gathers every rank's RNG state), so every rank calls it.
         state = _gather({"rng": rng_state(), "sums": torch.tensor(p.sums, dtype=torch.float64)})
@@ -725,6 +746,11 @@ class _Loop:
                                       autocast=self.autocast, scaler=self.scaler, mix=mix)
         self.scheduler.step()
         loss_value = loss.item()
+        bad = not math.isfinite(loss_value)
+        if self.world > 1:  # every rank stops, or none (the others would wait in the next all-reduce)
+            bad = _all_reduce_sum([float(bad)], device)[0] > 0
+        if bad:
+            raise self.diverged(f"epoch {epoch + 1} step {step + 1}", f"the loss is {loss_value}")
         n = labels.numel()
         p.sums[0] += loss_value * n
         p.sums[1] += correct.item()
