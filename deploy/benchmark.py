@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Benchmark an exported edgetl model: an ONNX file or TensorRT engine in, latency percentiles and throughput out.
 
-Inputs are random tensors of the sidecar's input shape (preprocessing is not timed).
+Inputs are random tensors of the sidecar's input shape (preprocessing is not timed). Bad input
+(a missing or damaged model or sidecar; a count below its minimum) ends in one line on stderr,
+``benchmark.py: error: ...``, and exit code 2.
 
     python deploy/benchmark.py --model runs/x/export/model.onnx --batch 1 8 --iters 100
 """
@@ -17,26 +19,47 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from classify import load_sidecar, open_model  # noqa: E402
+from classify import (  # noqa: E402
+    DeployError, OneLineParser, check_count, check_logits, count_arg, load_sidecar, open_model, run_main,
+)
 
 
 def benchmark(model_path: str | Path, batches: list[int], iters: int = 50, warmup: int = 10,
               threads: int | None = None) -> list[dict]:
-    """Per batch size: p50 / p90 / p99 latency (ms) and throughput (images/s) over ``iters`` runs."""
+    """Per batch size: p50 / p90 / p99 latency (ms) and throughput (images/s) over ``iters`` runs.
+
+    Raises:
+        DeployError: a bad model or sidecar file; a batch or ``iters`` below 1, ``warmup``
+            below 0 (0: no warm-up), ``threads`` below 1, or a batch above an engine's
+            largest (it would be timed in pieces).
+    """
+    if not batches:
+        raise DeployError("no batch sizes given")
+    for batch in batches:
+        check_count("batch", batch)
+    check_count("iters", iters)
+    check_count("warmup", warmup, minimum=0)
+    if threads is not None:
+        check_count("threads", threads)
     meta = load_sidecar(model_path)
+    if meta["artifact"] == "tensorrt-engine" and max(batches) > meta["batch"]["max"]:
+        raise DeployError(f"batch {max(batches)} is larger than engine {model_path}'s largest, "
+                          f"{meta['batch']['max']} (its sidecar's batch.max); build it with a larger --batch")
     model = open_model(model_path, meta, threads=threads)
     _, c, h, w = meta["input"]["shape"]
     rng = np.random.default_rng(0)
     rows = []
     for batch in batches:
         x = rng.standard_normal((batch, c, h, w), dtype=np.float32)
-        for _ in range(warmup):
-            model(x)
         times = []
-        for _ in range(iters):
+        for i in range(warmup + iters):
             start = time.perf_counter()
-            model(x)
-            times.append(time.perf_counter() - start)
+            out = model(x)
+            elapsed = time.perf_counter() - start
+            if i == 0:  # the model answers as its sidecar says (checked outside the timing)
+                check_logits(out, batch, meta, model_path)
+            if i >= warmup:
+                times.append(elapsed)
         t = np.asarray(times)
         rows.append({
             "batch": batch,
@@ -51,14 +74,20 @@ def benchmark(model_path: str | Path, batches: list[int], iters: int = 50, warmu
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Latency and throughput of an edgetl ONNX model or TensorRT engine.")
+    parser = OneLineParser(prog="benchmark.py",
+                           description="Latency and throughput of an edgetl ONNX model or TensorRT engine.")
     parser.add_argument("--model", required=True)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    parser.add_argument("--batch", type=count_arg(1), nargs="+", default=[1, 8])
+    parser.add_argument("--iters", type=count_arg(1), default=50)
+    parser.add_argument("--warmup", type=count_arg(0), default=10, help="untimed runs first (0: none)")
+    parser.add_argument("--threads", type=count_arg(1), default=None,
+                        help="onnxruntime intra-op threads (default: onnxruntime's choice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    return run_main("benchmark.py", lambda: report(args))
+
+
+def report(args: argparse.Namespace) -> int:
     rows = benchmark(args.model, args.batch, iters=args.iters, warmup=args.warmup, threads=args.threads)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -67,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['batch']:>5}  {r['p50_ms']:>8.2f}  {r['p90_ms']:>8.2f}  {r['p99_ms']:>8.2f}  "
               f"{r['images_per_s']:>9.1f}  {r['runtime']}")
+    sys.stdout.flush()  # a closed pipe shows here, inside run_main
     return 0
 
 
