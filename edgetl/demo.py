@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from edgetl.errors import ConfigError
 from edgetl.io import atomic_text_json
 from edgetl.recipe import Recipe, load_recipe
 
@@ -100,8 +101,18 @@ class _Stages:
     """Runs stages in order, each at most once per output folder."""
 
     def __init__(self, out_dir: Path, on_stage: Callable[[str, str, dict], None] | None):
+        from edgetl.runfolder import Manifest, check_output_folder
+
+        check_output_folder(out_dir, "demo folder")
         self.out_dir = out_dir
+        self.manifest = Manifest(out_dir)
         self.marks = out_dir / "stages"
+        if not self.manifest.path.exists() and (self.marks / "pretrain.json").is_file():
+            self.manifest.legacy = True  # a demo folder from an edgetl that kept no record
+        if self.marks.exists() and not self.manifest.owns("stages"):
+            raise ConfigError(f"demo folder {out_dir} holds a 'stages' that edgetl did not make; choose an empty "
+                              f"or new folder (edgetl never overwrites or removes files it did not create)")
+        self.manifest.claim(["stages", "report.json"])
         self.marks.mkdir(parents=True, exist_ok=True)
         self.on_stage = on_stage or (lambda *a: None)
         self.report = DemoReport(out_dir)
@@ -113,7 +124,8 @@ class _Stages:
             self.on_stage(name, "reused", info)
         else:
             work = self.out_dir / name
-            if work.exists():  # a stage killed part-way: start it again
+            self.manifest.claim([name])  # refuses a folder of the user's by that name
+            if work.exists():  # a stage of this demo killed part-way: start it again
                 shutil.rmtree(work)
             self.on_stage(name, "start", {})
             start = time.perf_counter()

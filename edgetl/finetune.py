@@ -236,10 +236,12 @@ def finetune(
         on_images: called with what the check of every image file found, before training.
     """
     from edgetl.data import check_images, datasets_from_recipe, loaders_from_recipe
-    from edgetl.train import fit, is_main_process, saved_file_bytes, seed_everything, setup_distributed
+    from edgetl.train import (check_run_folder, fit, is_main_process, saved_file_bytes, seed_everything,
+                              setup_distributed)
 
     device = setup_distributed(device)
     out_dir = Path(out_dir)
+    check_run_folder(out_dir, resume)
     options = lean_options(recipe)
     splits = datasets_from_recipe(recipe, check=False)
     seed_everything(recipe.train.seed)
@@ -275,7 +277,8 @@ def finetune(
     # precision it asked for (recipe.yaml, checkpoints), so --resume continues the same way.
     result = fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=recipe,
                  out_dir=out_dir, device=device, resume=resume, on_step=on_step, on_epoch=on_epoch,
-                 final_files={MODEL_WEIGHTS: saved_file_bytes(stock.state_dict())}, amp=options is None)
+                 final_files={MODEL_WEIGHTS: saved_file_bytes(stock.state_dict()), MODEL_JSON: 1 << 16},
+                 amp=options is None)
     if is_main_process():
         lean = None if predicted.lean is None else {**predicted.lean, "schedule": schedule.to_dict()}
         try:

@@ -99,7 +99,7 @@ RETRAIN_FILE = "retrain.json"
 STOCK = "mobilenet_v2"
 # Files a retrain run folder may hold; the atomic writers' leftovers are ".<name>.*.tmp".
 RUN_FILES = ("recipe.yaml", "metrics.csv", "metrics.jsonl", "last.pt", "best.pt",
-             RETRAIN_FILE, SPEC_FILE, WEIGHTS_FILE)
+             RETRAIN_FILE, SPEC_FILE, WEIGHTS_FILE, ".edgetl-files", ".edgetl.lock")
 
 
 @dataclass
@@ -258,8 +258,10 @@ def _clean_leftovers(out_dir: Path) -> None:
 
 
 def _check_out_dir(out_dir: Path, resume: bool) -> None:
+    from edgetl.runfolder import check_output_folder
     from edgetl.train import LAST
 
+    check_output_folder(out_dir, "run folder")
     if resume:
         if not (out_dir / LAST).is_file():
             raise DataError(f"nothing to resume: {out_dir / LAST} does not exist")
@@ -358,6 +360,7 @@ def retrain(
         teacher, teacher_classes = load_teacher(teacher_path)
         check_teacher(teacher, teacher_classes, classes, teacher_path)
 
+    train_loader, val_loader = D.loaders_from_recipe(recipe, splits, pin_memory=device.type == "cuda")
     made_here = rank == 0 and not out_dir.exists()
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -369,7 +372,6 @@ def retrain(
         net = net.to(memory_format=torch.channels_last)
         if teacher is not None:
             teacher = teacher.to(memory_format=torch.channels_last)
-    train_loader, val_loader = D.loaders_from_recipe(recipe, splits, pin_memory=device.type == "cuda")
     log.info("retraining %s on %d classes, %d train / %d val images, %d process(es)",
              source.get("backbone"), len(classes), len(splits.train), len(splits.val), world)
     try:

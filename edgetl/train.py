@@ -51,6 +51,7 @@ from edgetl.io import (
     tensors_in,
 )
 from edgetl.recipe import OptimConfig, Recipe
+from edgetl.runfolder import MANIFEST, Manifest, check_output_folder, run_lock
 from edgetl.step import Step, build_optimizer, ddp_wrap, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
@@ -401,7 +402,7 @@ def _after_failure(exc: BaseException, out_dir: Path, created: list[Path], saved
         for path in created:
             if path != out_dir:
                 path.unlink(missing_ok=True)
-        for name in (RECIPE_FILE, METRICS_CSV, METRICS_JSONL, LAST, BEST):
+        for name in (RECIPE_FILE, METRICS_CSV, METRICS_JSONL, LAST, BEST, MANIFEST):
             for tmp in out_dir.glob(f".{name}.*.tmp"):
                 tmp.unlink(missing_ok=True)
         if out_dir in created:
@@ -531,6 +532,15 @@ def _check_fit(sampler, recipe: Recipe, teacher: nn.Module | None, world: int) -
         raise ConfigError("the recipe's distill section needs a teacher model (distill.teacher)")
 
 
+def check_run_folder(out_dir: str | Path, resume: bool) -> None:
+    """Before any work: the folder can be made and written; a resumed run needs ``last.pt``,
+    a new one must not find one."""
+    out_dir = Path(out_dir)
+    if is_main_process():
+        check_output_folder(out_dir, "run folder")
+    _check_run_folder(out_dir, resume)
+
+
 def _check_run_folder(out_dir: Path, resume: bool) -> None:
     """A resumed run needs ``last.pt``; a new one must not find one."""
     last_path = out_dir / LAST
@@ -572,8 +582,18 @@ class _Progress:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
+def _class_names(loader) -> list[str] | None:
+    classes = getattr(getattr(loader, "dataset", None), "classes", None)
+    return None if classes is None else [str(c) for c in classes]
+
+
+def _describe_classes(classes: list[str]) -> str:
+    shown = ", ".join(map(repr, classes[:4])) + (", ..." if len(classes) > 4 else "")
+    return f"{len(classes)} classes ({shown})"
+
+
 def _resume(out_dir: Path, recipe: Recipe, model: nn.Module, optimizer, scheduler, scaler,
-            rank: int, world: int) -> _Progress:
+            rank: int, world: int, train_loader=None) -> _Progress:
     """Load ``out_dir/last.pt`` into the model, optimizer, scheduler and scaler; where it left off."""
     last_path = out_dir / LAST
     progress = _Progress()
@@ -589,8 +609,17 @@ def _resume(out_dir: Path, recipe: Recipe, model: nn.Module, optimizer, schedule
             f"cannot resume {last_path} mid-epoch with {world} processes; it was written by "
             f"{ckpt['world_size']} (the data order depends on it)"
         )
-    unwrap(model).load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    saved_classes, classes = ckpt.get("classes"), _class_names(train_loader)
+    if saved_classes is not None and classes is not None and list(saved_classes) != list(classes):
+        raise ConfigError(f"cannot resume {out_dir}: it was trained on {_describe_classes(saved_classes)}, "
+                          f"the data now has {_describe_classes(classes)}; fine-tune into a new folder")
+    try:
+        unwrap(model).load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        detail = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"cannot resume {out_dir}: its {LAST} holds another network than the one asked "
+                          f"for ({detail}); fine-tune into a new folder") from None
     scheduler.load_state_dict(ckpt["scheduler"])
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
@@ -608,18 +637,26 @@ def _resume(out_dir: Path, recipe: Recipe, model: nn.Module, optimizer, schedule
 
 
 def _start_run_folder(out_dir: Path, recipe: Recipe, model: nn.Module, optimizer, world: int,
-                      final_files: dict[str, int] | None) -> list[Path]:
-    """Check the disk, make the folder and write recipe.yaml (rank 0); returns what it created."""
-    created: list[Path] = []
-    if is_main_process():
-        check_disk(out_dir, {LAST: checkpoint_bytes(model, optimizer, world),
-                             BEST: checkpoint_bytes(model, None), **(final_files or {})})
-        if not out_dir.exists():
-            created.append(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        created += [out_dir / n for n in (RECIPE_FILE, METRICS_CSV, METRICS_JSONL, BEST) if not (out_dir / n).exists()]
-        atomic_write_text(out_dir / RECIPE_FILE, recipe.to_yaml())
-    return created
+                      final_files: dict[str, int] | None, resume: bool, stack: contextlib.ExitStack,
+                      created: list[Path]) -> None:
+    """Check the disk, make the folder, lock it for the run (``stack`` holds the lock), claim
+    the files the run writes (``edgetl.runfolder``) and write recipe.yaml (rank 0); what it
+    created is appended to ``created``."""
+    if not is_main_process():
+        return
+    check_disk(out_dir, {LAST: checkpoint_bytes(model, optimizer, world),
+                         BEST: checkpoint_bytes(model, None), **(final_files or {})})
+    if not out_dir.exists():
+        created.append(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stack.enter_context(run_lock(out_dir))
+    _check_run_folder(out_dir, resume)  # again, under the lock: a run started meanwhile has its last.pt
+    manifest = Manifest(out_dir)
+    names = [RECIPE_FILE, METRICS_CSV, METRICS_JSONL, LAST, BEST, *(final_files or {})]
+    fresh = [out_dir / n for n in (MANIFEST, RECIPE_FILE, METRICS_CSV, METRICS_JSONL, BEST) if not (out_dir / n).exists()]
+    manifest.claim(names)
+    created += fresh
+    atomic_write_text(out_dir / RECIPE_FILE, recipe.to_yaml())
 
 
 @dataclass
@@ -688,6 +725,7 @@ class _Loop:
             "world_size": self.world,
             "rank_state": state,
             "recipe": self.recipe.to_dict(),
+            "classes": _class_names(self.train_loader),
         }
         atomic_torch_save(ckpt, self.out_dir / LAST)
         p.saved = (epoch, step)
@@ -854,7 +892,7 @@ def fit(
     _check_fit(sampler, recipe, teacher, world)
     amp_precision = recipe.model.precision if amp else "fp32"
     autocast, scaler = _autocast(device, amp_precision)
-    _check_run_folder(out_dir, resume)
+    check_run_folder(out_dir, resume)
 
     model.to(device)
     if teacher is not None:
@@ -867,26 +905,27 @@ def fit(
 
     progress = _Progress()
     if resume:
-        progress = _resume(out_dir, recipe, model, optimizer, scheduler, scaler, rank, world)
-    progress.created = _start_run_folder(out_dir, recipe, model, optimizer, world, final_files)
-    progress.saved = (progress.start_epoch, progress.start_step) if resume else None
-    net = ddp_wrap(model, step_spec, device) if step_spec.ddp else model
-
-    if progress.rank_rng is not None:
-        set_rng_state(progress.rank_rng)
-    elif not resume or progress.start_step == 0:
-        # Dropout etc. differ between ranks but are fixed by the seed.
-        seed_everything(recipe.train.seed + rank)
-
-    skipping = getattr(train_loader.dataset, "skip_bad", False)  # data.on_bad_image: skip
-    loop = _Loop(model, net, teacher, train_loader, sampler, skipping, val_loader, recipe, out_dir, device,
-                 world, step_spec, optimizer, scheduler, scaler, autocast, amp_precision, steps_per_epoch,
-                 on_step, on_epoch, progress)
-
+        progress = _resume(out_dir, recipe, model, optimizer, scheduler, scaler, rank, world, train_loader)
     try:
-        for epoch in range(progress.start_epoch, recipe.train.epochs):
-            t0, seen = loop.train_epoch(epoch)
-            loop.end_epoch(epoch, t0, seen)
+        with contextlib.ExitStack() as stack:  # the run folder's lock, until the loop ends
+            _start_run_folder(out_dir, recipe, model, optimizer, world, final_files, resume, stack,
+                              progress.created)
+            progress.saved = (progress.start_epoch, progress.start_step) if resume else None
+            net = ddp_wrap(model, step_spec, device) if step_spec.ddp else model
+
+            if progress.rank_rng is not None:
+                set_rng_state(progress.rank_rng)
+            elif not resume or progress.start_step == 0:
+                # Dropout etc. differ between ranks but are fixed by the seed.
+                seed_everything(recipe.train.seed + rank)
+
+            skipping = getattr(train_loader.dataset, "skip_bad", False)  # data.on_bad_image: skip
+            loop = _Loop(model, net, teacher, train_loader, sampler, skipping, val_loader, recipe, out_dir,
+                         device, world, step_spec, optimizer, scheduler, scaler, autocast, amp_precision,
+                         steps_per_epoch, on_step, on_epoch, progress)
+            for epoch in range(progress.start_epoch, recipe.train.epochs):
+                t0, seen = loop.train_epoch(epoch)
+                loop.end_epoch(epoch, t0, seen)
     except BaseException as exc:
         failure = _after_failure(exc, out_dir, progress.created, progress.saved)
         if failure is not exc:

@@ -112,3 +112,24 @@ def test_a_validation_class_the_training_split_lacks_is_refused():
     with pytest.raises(DataError, match="validation split has images of class 'c' that the training split has none of"):
         check_learnable(train, val, "here")
     check_learnable(train, SubsetDataset(val, [0, 1, 3, 4], {0: 0, 1: 1}, classes), "here")
+
+
+def test_resume_against_other_classes_is_refused_and_changes_nothing(tmp_path, capsys, backbone):
+    """Issue #29 item 5: the same data folder with other class names (or another count) is another run."""
+    data = make_color_folder(tmp_path / "d", 8, 4)
+    out = tmp_path / "run"
+    assert exit_code(finetune_argv(data, out, backbone)) == 0
+    capsys.readouterr()
+    before = tree_digest(out)
+    for split in ("train", "val"):
+        (data / split / "c2").rename(data / split / "zebra")
+    assert exit_code(finetune_argv(data, out, backbone, "--resume")) == 2
+    assert error_line(capsys.readouterr().err) == (
+        f"cannot resume {out}: it was trained on 3 classes ('c0', 'c1', 'c2'), the data now has "
+        "3 classes ('c0', 'c1', 'zebra'); fine-tune into a new folder")
+    assert tree_digest(out) == before
+    shutil.rmtree(data / "train" / "zebra")
+    shutil.rmtree(data / "val" / "zebra")
+    assert exit_code(finetune_argv(data, out, backbone, "--resume")) == 2
+    assert "the data now has 2 classes ('c0', 'c1')" in error_line(capsys.readouterr().err)
+    assert tree_digest(out) == before

@@ -196,7 +196,7 @@ def test_a_failure_after_a_checkpoint_says_how_to_resume(tmp_path):
     with pytest.raises(DataError) as info:
         small_fit(rcp, out)
     assert str(info.value).endswith(f"; {out} keeps last.pt (at epoch 1 step 4): add --resume to continue once that is fixed")
-    assert sorted(p.name for p in out.iterdir()) == ["last.pt", "recipe.yaml"]
+    assert sorted(p.name for p in out.iterdir()) == [".edgetl-files", "last.pt", "recipe.yaml"]
     result = small_fit(apply_overrides(rcp, {"data.on_bad_image": "skip"}), out, resume=True)
     assert list(result.skipped) == [str(data / "val" / "c0" / "0.png")]
     assert [r["epoch"] for r in result.history] == [1, 2]

@@ -26,7 +26,7 @@ TOY_SETS = ["data.preset=imagefolder", "data.resolution=32", "train.workers=0", 
             "optim.warmup_epochs=0"]
 TOY_ARGS = ["--no-distill", "--epochs", "3", "--batch-size", "8", "--lr", "0.01",
             *[a for s in TOY_SETS for a in ("--set", s)]]
-RUN_FILES = ["backbone.json", "backbone.pt", "best.pt", "last.pt", "metrics.csv", "metrics.jsonl",
+RUN_FILES = [".edgetl-files", "backbone.json", "backbone.pt", "best.pt", "last.pt", "metrics.csv", "metrics.jsonl",
              "recipe.yaml", RETRAIN_FILE]
 
 
@@ -291,8 +291,12 @@ def test_defaults_run_to_the_end(tmp_path, capsys, caplog):
     """The bundled recipe as a newcomer types it: one epoch, no distillation unless asked."""
     data = make_folder(tmp_path / "data", n_train=4, n_val=2, size=16)
     run = tmp_path / "run"
-    assert main(["retrain", "--backbone", "mobilenet_v2", "--data", str(data), "--epochs", "1",
-                 "-o", str(run)]) == 0
+    argv = ["retrain", "--backbone", "mobilenet_v2", "--data", str(data), "--epochs", "1", "-o", str(run)]
+    assert main(argv) == 2  # the recipe's batch of 256 is more than the 12 images (nothing made)
+    assert capsys.readouterr().err == ("edgetl: error: the training split has 12 images, fewer than one batch "
+                                       "(train.batch_size = 256); lower train.batch_size or add images\n")
+    assert not run.exists()
+    assert main([*argv, "--batch-size", "12"]) == 0
     out = capsys.readouterr().out
     assert f"saved to {run}" in out
     recipe = load_recipe(run / "recipe.yaml")

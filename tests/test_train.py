@@ -124,7 +124,8 @@ def test_fit_learns_and_writes_run_folder(toy, tmp_path):
     assert steps[-1]["lr"] == pytest.approx(0.0, abs=1e-12)
     assert [s["step"] for s in steps[:6]] == [1, 2, 3, 4, 5, 6]
     out = tmp_path / "run"
-    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "last.pt", "metrics.csv", "metrics.jsonl", "recipe.yaml"]
+    assert sorted(p.name for p in out.iterdir()) == [".edgetl-files", "best.pt", "last.pt", "metrics.csv",
+                                                     "metrics.jsonl", "recipe.yaml"]
     assert T.read_metrics(out) == json.loads(json.dumps(hist))
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
@@ -349,7 +350,7 @@ def test_ddp_two_cpu_processes(toy, tmp_path):
     assert hist[-1]["train_loss"] < hist[0]["train_loss"] and hist[-1]["val_acc1"] >= 90.0
     # only rank 0 wrote the run folders; DDP kept both ranks' weights identical
     assert sorted(p.name for p in (out / "full").iterdir()) == [
-        "best.pt", "last.pt", "metrics.csv", "metrics.jsonl", "recipe.yaml"]
+        ".edgetl-files", "best.pt", "last.pt", "metrics.csv", "metrics.jsonl", "recipe.yaml"]
     full = torch.load(out / "full" / "last.pt", weights_only=True)
     assert full["world_size"] == 2 and len(full["rank_state"]) == 2
     r0 = torch.load(out / "rank0_weights.pt", weights_only=True)

@@ -169,6 +169,10 @@ def run(args) -> int:
 
     from edgetl.finetune import finetune
 
+    from edgetl.runfolder import check_not_in_use, check_output_folder
+
+    check_output_folder(args.out, "run folder")
+    check_not_in_use(args.out)
     if args.out.exists() and not args.resume and any(args.out.iterdir()):
         raise ConfigError(f"run folder {args.out} is not empty; use --resume or choose another -o")
     if args.resume and not args.out.is_dir():
