@@ -68,9 +68,11 @@ def lean_options(recipe: Recipe) -> LeanOptions | None:
         return None
     if m.pool not in (1, 2, 4):
         raise ConfigError(f"model.pool: {m.pool} is not allowed; allowed: 1, 2, 4")
-    return LeanOptions(pool=m.pool, bn=m.bn, frozen_weights=m.frozen_weights, precision=m.precision,
-                       stream=m.stream, storage=m.storage, keep=m.keep, uint8_input=m.uint8_input,
-                       recompute=m.recompute)
+    options = LeanOptions(pool=m.pool, bn=m.bn, frozen_weights=m.frozen_weights, precision=m.precision,
+                          stream=m.stream, storage=m.storage, keep=m.keep, uint8_input=m.uint8_input,
+                          recompute=m.recompute)
+    options.check_applies(m.mode, defaults=LeanOptions(pool=1), prefix="model.")  # a recipe pools nothing by default
+    return options
 
 
 def backbone_ref(recipe: Recipe) -> str:

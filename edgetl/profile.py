@@ -19,7 +19,7 @@ from edgetl.memory.paper import paper_blocks, param_bytes, sensitive
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.memory.trace import trace_network
 from edgetl.models.backbone import BackboneSpec, EdgeNet, backbone_spec
-from edgetl.models.side import TRAIN_MODES, LeanOptions, build_network
+from edgetl.models.side import TRAIN_MODES, LeanOptions, build_network, check_stock_options
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def profile(
     check_options(mode=mode, accounting=accounting, resolution=resolution,
                   batch_size=batch_size, frozen_bits=frozen_bits)
     spec = resolve_spec(checkpoint=checkpoint, num_classes=num_classes, width=width)
-    lean_options = (lean or LeanOptions()) if resolve_runtime(mode, runtime) == "lean" else None
+    lean_options = _applicable(mode, runtime, accounting, measure, lean, frozen_bits, step)
     if accounting == "paper":
         net = build_network(spec, mode, device="meta")
         report = paper_report(net, mode=mode, resolution=resolution, batch_size=batch_size,
@@ -185,6 +185,28 @@ def profile(
         )
         log.info("measured peak %.2f MB", report.measured_peak_bytes / MB)
     return report
+
+
+def _applicable(mode: str, runtime: str, accounting: str, measure: bool, lean: LeanOptions | None,
+                frozen_bits: int, step) -> LeanOptions | None:
+    """The lean options the profile runs with (None: stock modules), after refusing in one line
+    every option this profile would ignore (none is dropped silently)."""
+    options = lean or LeanOptions()
+    given = options.given(LeanOptions())
+    runs_steps = accounting == "runtime" or measure  # paper accounting alone runs no runtime
+    levers = {**given, **{k: True for k in ("step_in_backward", "fused") if getattr(step.optim, k)}}
+    if levers and not runs_steps:
+        name, value = next(iter(levers.items()))
+        raise ConfigError(f"{name} {value} does not apply to paper accounting (the papers' model of stock "
+                          f"modules): it needs accounting runtime or measure")
+    if accounting == "runtime" and frozen_bits != 8:
+        raise ConfigError(f"frozen_bits {frozen_bits} applies to paper accounting; the runtime's frozen weights "
+                          f"are frozen_weights (fp32, fp16, int8)")
+    if resolve_runtime(mode, runtime) == "stock":
+        check_stock_options(given, mode)
+        return None
+    options.check_applies(mode, defaults=LeanOptions())
+    return options
 
 
 def describe_runtime(report: MemoryReport, net: EdgeNet, lean: LeanOptions | None) -> None:

@@ -114,3 +114,30 @@ def test_unwritable_json_path_fails_before_work(tmp_path, capsys):
 def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "edgetl", "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("edgetl ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "full", "--storage", "dct"],
+     "storage dct does not apply to paper accounting (the papers' model of stock modules): it needs accounting runtime or measure"),
+    (["--mode", "full", "--storage", "dct", "--accounting", "runtime"],
+     "storage dct does not apply to mode full on stock modules: it needs the lean runtime (runtime lean)"),
+    (["--mode", "repnet", "--storage", "dct", "--accounting", "runtime"],
+     "storage dct does not apply to mode repnet: it needs mode full (lean full fine-tuning)"),
+    (["--mode", "full", "--runtime", "lean", "--storage", "pool2", "--keep", "0.3", "--accounting", "runtime"],
+     "keep 0.3 does not apply to mode full: it needs a compressor storage (haar, db3, dct, threshold)"),
+    (["--mode", "bias", "--pool", "4", "--accounting", "runtime"],
+     "pool 4 does not apply to mode bias: it needs a Rep-Net mode (repnet, repnet+bias): it pools the side "
+     "network's activations"),
+    (["--fused"], "fused True does not apply to paper accounting (the papers' model of stock modules): it needs "
+                  "accounting runtime or measure"),
+    (["--accounting", "runtime", "--frozen-bits", "16"],
+     "frozen_bits 16 applies to paper accounting; the runtime's frozen weights are frozen_weights (fp32, fp16, int8)"),
+])
+def test_an_option_the_profile_would_ignore_is_refused(argv, message, capsys):
+    """Issue #29: no option is silently ignored (profile --mode full --storage dct used to report
+    the stock network's 658.7 MB and exit 0)."""
+    from edgetl.cli import main
+
+    assert main(["profile", "--resolution", "64", "--width", "0.35", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"edgetl: error: {message}\n"

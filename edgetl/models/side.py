@@ -8,6 +8,8 @@ untrained network equals the backbone) -> bilinear resize to the tap block's out
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -217,6 +219,38 @@ class LeanOptions:
         if self.stream and self.bn != "fold":
             raise ConfigError(f"streaming (micro-batch {self.stream}) needs bn fold: with bn {self.bn} "
                               "the samples of a batch depend on each other; allowed: bn fold, or stream 0")
+
+
+    def given(self, defaults: "LeanOptions") -> dict[str, object]:
+        """The options set to something other than ``defaults`` (what the caller asked for)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(defaults, f.name)}
+
+    def check_applies(self, mode: str, *, defaults: "LeanOptions", prefix: str = "") -> None:
+        """Refuse, in one line, an option that mode ``mode`` on the lean runtime would ignore:
+        storage and keep outside lean full fine-tuning (keep: outside a compressor storage),
+        pool without a side network. ``prefix`` names where options live ("model.")."""
+        from edgetl.models.compress import COMPRESSORS
+
+        given = self.given(defaults)
+        needs = {}
+        if mode != "full":
+            needs.update({k: "mode full (lean full fine-tuning)" for k in ("storage", "keep")})
+        elif self.storage not in COMPRESSORS:
+            needs["keep"] = f"a compressor storage ({', '.join(COMPRESSORS)})"
+        if "repnet" not in mode:
+            needs["pool"] = "a Rep-Net mode (repnet, repnet+bias): it pools the side network's activations"
+        for name, value in given.items():
+            if name in needs:
+                raise ConfigError(f"{prefix}{name} {value} does not apply to mode {mode}: it needs {needs[name]}")
+
+
+def check_stock_options(given: dict[str, object], mode: str, prefix: str = "") -> None:
+    """Refuse lean runtime options for a network on stock modules (they would be ignored)."""
+    if given:
+        name, value = next(iter(given.items()))
+        raise ConfigError(f"{prefix}{name} {value} does not apply to mode {mode} on stock modules: it needs "
+                          f"the lean runtime (runtime lean)")
 
 
 def build_network(
