@@ -3,6 +3,9 @@
 A write that fails (full disk, read-only folder, file-size limit) raises a one-line
 ResourceError naming the file, about what it needed and what is free there; the
 temporary file is removed and an earlier version of the file stays as it was.
+
+User YAML files (recipes, plans) are read through ``read_yaml``, which bounds what a file
+can cost (size, nesting, no aliases) and refuses a bad one in one ConfigError line.
 """
 
 from __future__ import annotations
@@ -10,14 +13,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
-from edgetl.errors import ResourceError
+from edgetl.errors import ConfigError, ResourceError
 from edgetl.units import MB
 
 
@@ -177,3 +183,138 @@ def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# --- safe YAML reading (issue #29) --------------------------------------------------------
+
+MAX_YAML_BYTES = 2**20  # a recipe or plan is a few kB
+MAX_YAML_DEPTH = 32  # a recipe nests 3 levels; deep nesting would exhaust the parser's recursion
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """Well-formed YAML that a user file may not contain (an alias, a repeated key, ...)."""
+
+
+class YamlLoader(yaml.SafeLoader):
+    """yaml.SafeLoader for user files: refuses aliases, repeated keys and deep nesting.
+
+    Aliases are refused outright: a few nested ones ("billion laughs") expand to a
+    structure that grows exponentially once anything walks or copies it, and a recipe
+    has no need for them. A repeated key would silently lose its first value. YAML 1.1
+    reads ``1e-3`` (no dot) as a string; recipes mean a number.
+    """
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(None, None, f"aliases (*{event.anchor}) are not allowed; write the value out",
+                           event.start_mark)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _Refused(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels; allowed: "
+                           f"at most {MAX_YAML_DEPTH}", self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    repeated = key in seen
+                    seen.add(key)
+                except TypeError:  # unhashable: SafeConstructor refuses it below
+                    continue
+                if repeated:
+                    raise _Refused(None, None, f"key {_short(key)} appears twice; allowed: each key once",
+                                   key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:  # e.g. an integer of more than 4300 digits
+            raise _Refused(None, None, f"value {_short(node.value)} cannot be read: {str(exc).split(';')[0]}",
+                           node.start_mark) from None
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def yaml_loads(text: str, name: str) -> Any:
+    """Parse YAML text with YamlLoader; any problem is a one-line ConfigError naming ``name`` and the line."""
+    try:
+        return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except _Refused as exc:
+        mark = exc.problem_mark
+        raise ConfigError(f"{name} line {mark.line + 1}: {exc.problem}") from None
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        char = f"U+{exc.character:04X}" if isinstance(exc.character, int) else repr(exc.character)
+        raise ConfigError(f"{name} line {line}: character {char} is not allowed in YAML "
+                          "(control characters other than tab and line breaks)") from None
+    except yaml.MarkedYAMLError as exc:
+        problem = ", ".join(str(x) for x in (exc.context, exc.problem) if x)  # "while parsing ..., expected ..."
+        problem = " ".join(problem.split())
+        mark = exc.problem_mark or exc.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{name} is not valid YAML{where}: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name} is not valid YAML: {' '.join(str(exc).split())}") from None
+
+
+def read_yaml(path: str | Path, what: str = "YAML file", max_bytes: int = MAX_YAML_BYTES) -> dict:
+    """A user's YAML file (recipe, plan) as a dict, read without writing anything.
+
+    Refused in one ConfigError line naming the file: unreadable, over ``max_bytes``,
+    binary (a NUL byte), not UTF-8, not valid YAML (with its line), aliases, repeated keys,
+    nesting deeper than MAX_YAML_DEPTH, and a top level that is not a mapping.
+
+    Args:
+        path: the file.
+        what: what the file is, for messages ("recipe", "plan").
+        max_bytes: largest file accepted.
+    """
+    path = Path(path)
+    name = f"{what} {path}"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {name}: {(exc.strerror or str(exc)).lower()}") from None
+    if len(data) > max_bytes:
+        raise ConfigError(f"{name} is larger than {max_bytes} bytes; allowed: at most {max_bytes} bytes "
+                          f"({max_bytes / 2**20:g} MiB)")
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ConfigError(f"{name} is a binary file (NUL byte at offset {nul}); allowed: YAML text in UTF-8")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{name} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); "
+                          "allowed: YAML text in UTF-8") from None
+    value = yaml_loads(text, name)
+    if value is None:
+        raise ConfigError(f"{name} is empty; allowed: a mapping of keys to values")
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: the top level must be a mapping of keys to values, "
+                          f"got {type(value).__name__} {_short(value)}")
+    return value

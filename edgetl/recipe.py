@@ -9,38 +9,86 @@ schedule, mode) has no default, so a recipe that omits it is an error. Only swit
 optional edgetl features and operational knobs have defaults, and those default to
 "off" / exact behaviour (``model.pool: 1``, ``model.precision: fp32``); the resolved
 recipe, defaults included, is written into every run folder and checkpoint.
+
+Every value is checked in one place, whatever filled it (a recipe file, ``--set``, a CLI
+flag, a plan, a checkpoint, Python code): each section's ``__post_init__`` runs
+``_check_fields``, which checks every field's type and, for numbers, that it is finite and
+within the range its field declares (``Allowed``), then the section's cross-field checks.
+A refused value is one ConfigError line naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
-import re
-
 import yaml
 
 from edgetl.errors import ConfigError
 
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-3`` (no dot) as a string; recipes mean a number."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+INT32_MAX = 2**31 - 1  # counts (epochs, samples, steps) stay in 32 bits
+MAX_BATCH = 2**16  # images per step per process
+MAX_WORKERS = 256  # DataLoader processes; more is a typo, and each one copies the dataset's state
+SEED_MAX = 2**32 - 1  # the widest range every RNG edgetl seeds accepts (numpy's)
 
 
-def _yaml_load(text: str):
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+@dataclass(frozen=True)
+class Allowed:
+    """The numbers a recipe field allows besides its type: finite, within the bounds given, or one of choices.
+
+    An Optional field also allows null; a list field's bounds apply to each item.
+    """
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    choices: tuple = ()
+
+    def admits(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.choices:
+            return value in self.choices
+        return ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+                and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le))
+
+    def describe(self, integer: bool) -> str:
+        if self.choices:
+            return ", ".join(map(str, self.choices))
+        low = ("(", self.gt) if self.gt is not None else ("[", self.ge) if self.ge is not None else None
+        high = (")", self.lt) if self.lt is not None else ("]", self.le) if self.le is not None else None
+        if low and high:
+            kind = "an integer" if integer else "a fraction" if low[1] >= 0 and high[1] <= 1 else "a finite number"
+            return f"{kind} in {low[0]}{_num(low[1])}, {_num(high[1])}{high[0]}"
+        kind = "an integer" if integer else "a finite number"
+        if low:
+            return f"{kind} {'>' if low[0] == '(' else '>='} {_num(low[1])}"
+        if high:
+            return f"{kind} {'<' if high[0] == ')' else '<='} {_num(high[1])}"
+        return kind
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def allowed(default: Any = dataclasses.MISSING, **bounds) -> Any:
+    """A dataclass field whose numbers ``Allowed(**bounds)`` admits (checked by ``_check_fields``)."""
+    return dataclasses.field(default=default, metadata={"allowed": Allowed(**bounds)})
+
+
+def path_field(default: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field holding a path or a name: a non-empty string without control characters."""
+    return dataclasses.field(default=default, metadata={"path": True})
+
 
 PRESETS = ("imagefolder", "fashion_mnist", "cifar10", "flowers102", "pets", "cub200", "imagenet")
 MODES = ("full", "last", "bias", "bn+last", "repnet", "repnet+bias")
@@ -67,26 +115,25 @@ class DataConfig:
     """
 
     preset: Preset
-    resolution: int
-    root: str | None = None
-    classes: list[int] | None = None
-    max_samples: int | None = None
-    max_val_samples: int | None = None
+    # 32 px: the backbone's five stride-2 stages leave one cell; 4096: far past any Jetson's memory
+    resolution: int = allowed(ge=32, le=4096)
+    root: str | None = path_field(None)
+    classes: list[int] | None = allowed(None, ge=0, le=INT32_MAX)
+    max_samples: int | None = allowed(None, ge=1, le=INT32_MAX)
+    max_val_samples: int | None = allowed(None, ge=1, le=INT32_MAX)
     download: bool = False
     on_bad_image: Literal["error", "skip"] = "error"
 
+    def __post_init__(self) -> None:
+        self.check("data")
+
     def check(self, where: str) -> None:
-        if self.resolution < 32:
-            raise ConfigError(f"{where}.resolution: {self.resolution} is too small; allowed: >= 32")
+        _check_fields(self, where)
         if self.classes is not None:
             if not self.classes:
                 raise ConfigError(f"{where}.classes: empty list; give class indices or leave it out")
-            if len(set(self.classes)) != len(self.classes) or min(self.classes) < 0:
-                raise ConfigError(f"{where}.classes: {self.classes} must be distinct indices >= 0")
-        for name in ("max_samples", "max_val_samples"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{where}.{name}: {value} is not allowed; allowed: >= 1 or null")
+            if len(set(self.classes)) != len(self.classes):
+                raise ConfigError(f"{where}.classes: {_show(self.classes)} repeats an index; allowed: distinct indices")
 
 
 @dataclass
@@ -117,32 +164,29 @@ class ModelConfig:
     """
 
     mode: Mode
-    backbone: str | None = None
-    width: float = 1.0
-    pool: int = 1
+    backbone: str | None = path_field(None)
+    # published MobileNetV2 widths are 0.35-1.4; past 4 the network outgrows any Jetson
+    width: float = allowed(1.0, gt=0, le=4)
+    pool: int = allowed(1, choices=(1, 2, 4))  # edgetl.models.lean.POOLS
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     frozen_weights: Literal["fp32", "fp16", "int8"] = "fp32"
     bn: Literal["fold", "batch"] = "fold"
-    stream: int = 0
+    stream: int = allowed(0, ge=0, le=MAX_BATCH)  # a micro-batch: at most a batch
     runtime: Literal["auto", "lean", "stock"] = "auto"
     storage: str = "exact"
-    keep: float = 0.1
+    keep: float = allowed(0.1, gt=0, le=1)
     uint8_input: bool = False
     recompute: bool = False
+
+    def __post_init__(self) -> None:
+        self.check("model")
 
     def check(self, where: str) -> None:
         from edgetl.models.lean_full import STORAGES
 
+        _check_fields(self, where)
         if self.storage not in STORAGES:
-            raise ConfigError(f"{where}.storage: {self.storage!r} is not allowed; allowed: {', '.join(STORAGES)}")
-        if not 0 < self.keep <= 1:
-            raise ConfigError(f"{where}.keep: {self.keep} is not allowed; allowed: a fraction in (0, 1]")
-        if not self.width > 0:
-            raise ConfigError(f"{where}.width: {self.width} is not allowed; allowed: > 0")
-        if self.pool < 1:
-            raise ConfigError(f"{where}.pool: {self.pool} is not allowed; allowed: >= 1")
-        if self.stream < 0:
-            raise ConfigError(f"{where}.stream: {self.stream} is not allowed; allowed: 0 (off) or >= 1")
+            raise ConfigError(f"{where}.storage: {_show(self.storage)} is not allowed; allowed: {', '.join(STORAGES)}")
         if self.recompute and not self.stream:
             raise ConfigError(f"{where}.recompute needs {where}.stream >= 1 (it applies to streamed segments)")
         if self.stream and self.bn != "fold":
@@ -183,39 +227,31 @@ class OptimConfig:
     """
 
     name: Literal["adam", "sgd"]
-    weight_decay: float
-    label_smoothing: float
+    weight_decay: float = allowed(ge=0)
+    label_smoothing: float = allowed(ge=0, lt=1)  # 1 would make every target uniform
     schedule: Literal["cosine", "constant"]
-    lr: float | None = None
-    lr_head: float | None = None
-    lr_side: float | None = None
-    momentum: float | None = None
+    lr: float | None = allowed(None, gt=0)
+    lr_head: float | None = allowed(None, gt=0)
+    lr_side: float | None = allowed(None, gt=0)
+    momentum: float | None = allowed(None, ge=0, lt=1)  # 1 never forgets: the update grows without bound
     nesterov: bool = False
     decay_norm_and_bias: bool = True
-    warmup_epochs: float = 0.0
+    warmup_epochs: float = allowed(0.0, ge=0, le=INT32_MAX)  # times steps per epoch stays finite
     foreach: bool = False
     fused: bool = False
     step_in_backward: bool = False
 
+    def __post_init__(self) -> None:
+        self.check("optim")
+
     def check(self, where: str) -> None:
-        for name in ("lr", "lr_head", "lr_side"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{where}.{name}: {value} is not allowed; allowed: > 0")
+        _check_fields(self, where)
         if self.lr is None and self.lr_head is None:
             raise ConfigError(f"{where}: missing learning rate; set {where}.lr or {where}.lr_head")
         if self.fused and self.foreach:
             raise ConfigError(f"{where}.fused and {where}.foreach are both on; allowed: one of the two")
-        if self.weight_decay < 0:
-            raise ConfigError(f"{where}.weight_decay: {self.weight_decay} is not allowed; allowed: >= 0")
-        if not 0 <= self.label_smoothing < 1:
-            raise ConfigError(f"{where}.label_smoothing: {self.label_smoothing} is not allowed; allowed: 0 <= x < 1")
         if self.name == "sgd" and self.momentum is None:
             raise ConfigError(f"{where}.momentum: missing; sgd needs a momentum (e.g. 0.9)")
-        if self.momentum is not None and not 0 <= self.momentum < 1:
-            raise ConfigError(f"{where}.momentum: {self.momentum} is not allowed; allowed: 0 <= x < 1")
-        if self.warmup_epochs < 0:
-            raise ConfigError(f"{where}.warmup_epochs: {self.warmup_epochs} is not allowed; allowed: >= 0")
 
     @property
     def head_lr(self) -> float:
@@ -243,23 +279,19 @@ class TrainConfig:
             (0 = only at epoch ends), so a killed run loses little work.
     """
 
-    epochs: int
-    batch_size: int
-    seed: int
-    workers: int = 2
-    val_batch_size: int | None = None
-    eval_every: int = 1
-    checkpoint_every: int = 200
+    epochs: int = allowed(ge=1, le=INT32_MAX)
+    batch_size: int = allowed(ge=1, le=MAX_BATCH)
+    seed: int = allowed(ge=0, le=SEED_MAX)
+    workers: int = allowed(2, ge=0, le=MAX_WORKERS)
+    val_batch_size: int | None = allowed(None, ge=1, le=MAX_BATCH)
+    eval_every: int = allowed(1, ge=1, le=INT32_MAX)
+    checkpoint_every: int = allowed(200, ge=0, le=INT32_MAX)
+
+    def __post_init__(self) -> None:
+        self.check("train")
 
     def check(self, where: str) -> None:
-        for name in ("epochs", "batch_size", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{where}.{name}: {getattr(self, name)} is not allowed; allowed: >= 1")
-        if self.val_batch_size is not None and self.val_batch_size < 1:
-            raise ConfigError(f"{where}.val_batch_size: {self.val_batch_size} is not allowed; allowed: >= 1")
-        for name in ("workers", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{where}.{name}: {getattr(self, name)} is not allowed; allowed: >= 0")
+        _check_fields(self, where)
 
 
 @dataclass
@@ -272,15 +304,15 @@ class DistillConfig:
         weight: share of the distillation loss; the label loss gets 1 - weight.
     """
 
-    teacher: str
-    temperature: float
-    weight: float
+    teacher: str = path_field()
+    temperature: float = allowed(gt=0)
+    weight: float = allowed(ge=0, le=1)
+
+    def __post_init__(self) -> None:
+        self.check("distill")
 
     def check(self, where: str) -> None:
-        if not self.temperature > 0:
-            raise ConfigError(f"{where}.temperature: {self.temperature} is not allowed; allowed: > 0")
-        if not 0 <= self.weight <= 1:
-            raise ConfigError(f"{where}.weight: {self.weight} is not allowed; allowed: 0 <= x <= 1")
+        _check_fields(self, where)
 
 
 @dataclass
@@ -291,7 +323,11 @@ class Recipe:
     train: TrainConfig
     distill: DistillConfig | None = None
 
+    def __post_init__(self) -> None:
+        self.check()
+
     def check(self, where: str = "recipe") -> None:
+        _check_fields(self, "")  # each section is its dataclass (a mapping is built into one)
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if section is not None:
@@ -310,9 +346,8 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "recipe") -> "Recipe":
-        recipe = _build(cls, data, "", source)
-        recipe.check(source)
-        return recipe
+        """A Recipe from plain data (a recipe file's mapping, a checkpoint's ``recipe``), validated."""
+        return _build(cls, data, "", source)
 
 
 # --- strict construction -------------------------------------------------------------
@@ -336,6 +371,20 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
 
+def _show(value: Any, limit: int = 60) -> str:
+    """A value as a message shows it: its repr, cut to ``limit`` characters (one line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        bits = value.bit_length()  # str() of more than 4300 digits raises
+        digits = len(str(abs(value))) if bits < 14_000 else f"about {int(bits * math.log10(2)) + 1}"
+        return f"{'-' if value < 0 else ''}an integer of {digits} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _at(source: str, key: str) -> str:
+    return f"{source}: {key}" if source else key
+
+
 def _check_value(value: Any, tp, key: str, source: str) -> Any:
     """Return ``value`` converted to ``tp`` (int -> float only) or raise a one-line ConfigError."""
     if _is_union(tp):
@@ -352,25 +401,27 @@ def _check_value(value: Any, tp, key: str, source: str) -> Any:
                 errors.append(exc)
         if len(errors) == 1:
             raise errors[0]
-        raise ConfigError(f"{source}: {key} is {value!r}; allowed: {_type_name(tp)}")
+        raise ConfigError(f"{_at(source, key)} is {_show(value)}; allowed: {_type_name(tp)}")
     origin = typing.get_origin(tp)
     if origin is Literal:
-        allowed = typing.get_args(tp)
-        if isinstance(value, str) and value in allowed:
+        choices = typing.get_args(tp)
+        if isinstance(value, str) and value in choices:
             return value
         hint = ""
-        if isinstance(value, str):
-            close = difflib.get_close_matches(value, [str(a) for a in allowed], n=1)
+        if isinstance(value, str) and len(value) < 100:
+            close = difflib.get_close_matches(value, [str(a) for a in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"{source}: {key} is {value!r}{hint}; allowed: {', '.join(repr(a) for a in allowed)}"
+            f"{_at(source, key)} is {_show(value)}{hint}; allowed: {', '.join(repr(a) for a in choices)}"
         )
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{source}: {key} is {value!r}; allowed: {_type_name(tp)}")
+            raise ConfigError(f"{_at(source, key)} is {_show(value)}; allowed: {_type_name(tp)}")
         (item,) = typing.get_args(tp)
         return [_check_value(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
         return _build(tp, value, key, source)
     ok = {
         bool: isinstance(value, bool),
@@ -381,8 +432,51 @@ def _check_value(value: Any, tp, key: str, source: str) -> Any:
     if ok is None:
         raise TypeError(f"recipe schema uses unsupported type {tp}")
     if not ok:
-        raise ConfigError(f"{source}: {key} is {value!r}; allowed: {_type_name(tp)}")
-    return float(value) if tp is float else value
+        raise ConfigError(f"{_at(source, key)} is {_show(value)}; allowed: {_type_name(tp)}")
+    if tp is float:
+        try:
+            return float(value)
+        except OverflowError:  # an integer past 1.8e308
+            raise ConfigError(f"{_at(source, key)}: {_show(value)} is not allowed; allowed: a finite number") from None
+    return value
+
+
+def _base_type(tp):
+    """int for ``int``, ``int | None`` and ``list[int] | None``."""
+    while _is_union(tp) or typing.get_origin(tp) is list:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _check_fields(obj, where: str) -> None:
+    """Check every field of a recipe section: its type (ints become floats where a float is
+    expected), then numbers against the field's ``Allowed`` (finite, in range) and paths."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key = f"{where}.{f.name}" if where else f.name
+        value = _check_value(getattr(obj, f.name), hints[f.name], key, "")
+        setattr(obj, f.name, value)
+        if value is None:
+            continue
+        rule = f.metadata.get("allowed")
+        if rule is not None:
+            items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+            for item_key, item in items:
+                if not rule.admits(item):
+                    optional = type(None) in typing.get_args(hints[f.name])
+                    text = rule.describe(integer=_base_type(hints[f.name]) is int)
+                    null = " or null" if optional and not isinstance(value, list) else ""
+                    raise ConfigError(f"{item_key}: {_show(item)} is not allowed; allowed: {text}{null}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: {_show(value)} is not allowed; allowed: a finite number")
+        if f.metadata.get("path") and (not value or not value.isprintable()):
+            raise ConfigError(f"{key}: {_show(value)} is not allowed; allowed: a path or name "
+                              "(not empty, no control characters)")
 
 
 def _build(cls, data: Any, prefix: str, source: str):
@@ -390,16 +484,16 @@ def _build(cls, data: Any, prefix: str, source: str):
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {where} must be a mapping of keys to values, got {data!r}")
-    hints = typing.get_type_hints(cls)
+        raise ConfigError(f"{source}: {where} must be a mapping of keys to values, got {_show(data)}")
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
             full = f"{prefix}.{key}" if prefix else str(key)
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            close = difflib.get_close_matches(str(key), list(fields), n=1) if len(str(key)) < 100 else []
             hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
             raise ConfigError(
-                f"{source}: unknown key {full!r}{hint} (allowed in {where}: {', '.join(fields)})"
+                f"{source}: unknown key {_show(full)}{hint} (allowed in {where}: {', '.join(fields)})"
             )
     kwargs = {}
     for name, f in fields.items():
@@ -441,13 +535,12 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
         name_or_path: a YAML file or a bundled recipe name.
         overrides: dotted keys to values, applied before validation (e.g. {"train.epochs": 1}).
     """
+    from edgetl.io import read_yaml
+
     path = find_recipe(name_or_path)
-    try:
-        data = _yaml_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    data = read_yaml(path, what="recipe")  # bounded, and a mapping
     if overrides:
-        data = _set_dotted(data if isinstance(data, dict) else {}, overrides, str(path))
+        data = _set_dotted(data, overrides, str(path))
     return Recipe.from_dict(data, source=str(path.name))
 
 
@@ -461,15 +554,42 @@ def apply_overrides(recipe: Recipe, overrides: dict[str, Any], source: str = "ov
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"train.batch_size=16"`` -> ("train.batch_size", 16) for ``--set KEY=VALUE`` flags."""
+    """``"train.batch_size=16"`` -> ("train.batch_size", 16) for ``--set KEY=VALUE`` flags.
+
+    The value is read as its key's schema type wants: text for a string key (``data.root=123``
+    is the folder "123"; ``null`` or nothing is null where the key allows it), YAML otherwise
+    ("16", "1e-3", "true", "[0, 1]"), where ``nan`` and ``inf`` are numbers, which the
+    recipe then refuses with what is allowed. The value is checked when the recipe is built.
+    """
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {text!r} is not KEY=VALUE (e.g. train.batch_size=16)")
+        raise ConfigError(f"override {_show(text)} is not KEY=VALUE (e.g. train.batch_size=16)")
+    key = key.strip()
+    return key, _parse_value(key, value)
+
+
+_YAML_NULLS = ("", "~", "null", "Null", "NULL")
+
+
+def _parse_value(key: str, text: str) -> Any:
+    from edgetl.io import yaml_loads
+
+    tp = _schema_type(key.split("."))
+    plain = text.strip()
+    if tp is not None and _accepts_str(tp) and not plain.startswith(("'", '"')):
+        return None if plain in _YAML_NULLS and _accepts_none(tp) else plain
+    if not plain:
+        return None
     try:
-        parsed = _yaml_load(value) if value.strip() else None
-    except yaml.YAMLError:
-        parsed = value
-    return key.strip(), parsed
+        parsed = yaml_loads(text, f"--set {key}")
+    except ConfigError:  # not YAML (or refused, e.g. an alias): the text, for the type check to name
+        return text
+    if isinstance(parsed, str) and tp is not None and _accepts(tp, float):
+        try:
+            return float(parsed)  # YAML 1.1 spells them .nan / .inf; "nan" and "inf" mean them too
+        except ValueError:
+            pass
+    return parsed
 
 
 def _schema_type(path: list[str]):
@@ -500,14 +620,24 @@ def _set_dotted(data: dict, overrides: dict[str, Any], source: str) -> dict:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{source}: unknown key {key!r}{hint}")
         if isinstance(value, str) and not _accepts_str(tp):
-            value = parse_override(f"{key}={value}")[1]
+            value = _parse_value(key, value)
         node = data
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
+        for i, part in enumerate(parts[:-1]):
+            if node.get(part) is None:
                 node[part] = {}
+            elif not isinstance(node[part], dict):  # never silently replaced
+                raise ConfigError(f"{source}: {'.'.join(parts[: i + 1])} is {_show(node[part])}; allowed: a mapping")
             node = node[part]
         node[parts[-1]] = value
     return data
+
+
+def _accepts(tp, kind) -> bool:
+    return tp is kind or (_is_union(tp) and kind in typing.get_args(tp))
+
+
+def _accepts_none(tp) -> bool:
+    return _is_union(tp) and type(None) in typing.get_args(tp)
 
 
 def _accepts_str(tp) -> bool:

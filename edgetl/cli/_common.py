@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -22,11 +23,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def shown(text: str, limit: int = 40) -> str:
+    """``repr(text)`` cut to ``limit`` characters, so an error naming it stays one short line."""
+    text = repr(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def positive_int(text: str) -> int:
+    if len(text.strip().lstrip("+-").lstrip("0")) > 18:  # past int64; keeps int() off its 4300-digit limit
+        raise argparse.ArgumentTypeError(f"{shown(text)} is too large; allowed: an integer >= 1 of at most 18 digits")
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; allowed: an integer >= 1") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number; allowed: an integer >= 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: an integer >= 1")
     return value
@@ -38,15 +47,17 @@ def budget_type(text: str) -> int:
         return parse_bytes(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    except OverflowError:  # 400 digits read as a float are infinite
+        raise argparse.ArgumentTypeError(f"size {shown(text)} is too large; allowed: a finite size, e.g. 256MB") from None
 
 
 def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a number > 0") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: a number > 0")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number; allowed: a finite number > 0") from None
+    if not (value > 0 and math.isfinite(value)):  # nan fails the comparison; inf is no rate or width
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: a finite number > 0")
     return value
 
 
@@ -57,7 +68,7 @@ def keep_type(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a fraction in (0, 1]") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number; allowed: a fraction in (0, 1]") from None
     try:
         return check_fraction(value)
     except ConfigError as exc:
