@@ -598,18 +598,20 @@ def _read_idx(path: Path, ndim: int) -> np.ndarray:
 
 
 def find_fashion_mnist(root: str | Path | None = None) -> Path:
-    """The folder holding the four Fashion-MNIST IDX files: /usr/share/datasets/fashion-mnist, then ``root``."""
+    """The folder holding the four Fashion-MNIST IDX files: ``root`` (or its FashionMNIST/raw,
+    torchvision's layout) when given — a folder the user named is never passed over for
+    another — else /usr/share/datasets/fashion-mnist."""
     needed = [name for pair in FASHION_MNIST_FILES.values() for name in pair]
     candidates = [Path(d) for d in FASHION_MNIST_DIRS]
     if root is not None:
         root = Path(root)
-        candidates += [root, root / "FashionMNIST" / "raw"]
+        candidates = [root, root / "FashionMNIST" / "raw"]
     for folder in candidates:
         if all((folder / n).is_file() or (folder / n[:-3]).is_file() for n in needed):
             return folder
-    where = f"{root} or " if root is not None else ""
+    where = root if root is not None else FASHION_MNIST_DIRS[0]
     raise DataError(
-        f"Fashion-MNIST not found in {where}{FASHION_MNIST_DIRS[0]}; expected {needed[0]} and the other "
+        f"Fashion-MNIST not found in {where}; expected {needed[0]} and the other "
         "3 IDX files (install the Debian package dataset-fashion-mnist, or set data.download: true)"
     )
 

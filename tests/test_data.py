@@ -260,6 +260,10 @@ def test_fashion_mnist_from_user_path(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="Fashion-MNIST not found in .*dataset-fashion-mnist") as info:
         D.fashion_mnist(tmp_path / "mine", "train")
     one_line(info)
+    fake_fmnist(tmp_path / "not-installed")  # the system copy does not stand in for a folder the user named
+    with pytest.raises(DataError, match=f"Fashion-MNIST not found in {tmp_path / 'mine'};"):
+        D.fashion_mnist(tmp_path / "mine", "train")
+    assert D.find_fashion_mnist(None) == tmp_path / "not-installed"
     fake_fmnist(tmp_path / "mine")
     train = D.fashion_mnist(tmp_path / "mine", "train")
     assert len(train) == 20 and train.targets[:12] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
