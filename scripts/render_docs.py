@@ -1,0 +1,383 @@
+#!/usr/bin/env python3
+"""Committed results (benchmarks/*.json) in, the tables of README.md and docs/*.md out.
+
+Every table of figures in the documentation that a committed result file holds is written
+by this script between marker comments, never by hand:
+
+    <!-- render:NAME -->
+    ...generated...
+    <!-- /render -->
+
+    python scripts/render_docs.py            # rewrite every block in place
+    python scripts/render_docs.py --check    # exit 1 if any block differs from its render
+    python scripts/render_docs.py --list     # the block names and where their figures come from
+
+Blocks (NAME: source):
+
+* ``results``: README's summary, rows and columns of ``benchmarks/table1_224.json``
+* ``table1``: the whole bench table of ``benchmarks/table1_224.json`` (``edgetl bench``'s own
+  markdown, ``edgetl.bench.to_markdown``)
+* ``cuda-h100``: rows and columns of ``benchmarks/cuda_h100_bench.json``
+* ``cuda-accounting``, ``cuda-parity``: ``benchmarks/cuda_h100_figures.json`` (what the cuda tests measured)
+* ``cuda-allocator``: ``benchmarks/cuda_h100_allocator.json``
+* ``cuda-graphs``: ``benchmarks/cuda_h100_graphs_summary.json``
+* ``levers``, ``levers-grad``: ``benchmarks/levers_accuracy.json`` (summarised as
+  ``scripts/levers_accuracy.py`` does)
+* ``storage``: ``benchmarks/storage_accuracy.json`` (summarised as ``scripts/storage_accuracy.py`` does)
+* ``stream``: ``benchmarks/stream_figures_224.md`` (``scripts/stream_figures.py``'s output; that
+  script writes markdown only, so its committed table is the source)
+* ``tested-on``: ``benchmarks/jetson_check_summary.json`` through ``scripts/tested_on.py``; a
+  one-line placeholder while that file is not committed
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+BENCH = ROOT / "benchmarks"
+BLOCK = re.compile(r"(<!-- render:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.S)
+TESTED_ON_PLACEHOLDER = ("No platform summary is committed yet: `make jetson-check` writes "
+                         "`jetson-check/summary.json`; committed as `benchmarks/jetson_check_summary.json`, "
+                         "`python scripts/render_docs.py` fills this section.\n")
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    """README.md and every markdown page under docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def _script(name: str):
+    """A module of scripts/ by file name (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(f"_render_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _signed(n: int) -> str:
+    return f"{n:+,}" if n else "0"
+
+
+def _table(headers: list[str], rows: list[list[str]], align: list[str]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _bench_subset(path: Path, methods: list[str], columns: list[str], first_header: str | None = None,
+                  labels: dict[str, str] | None = None, with_caption: bool = True) -> str:
+    """Chosen rows (by method id) and columns (by header) of a bench result, cells as the bench prints them."""
+    from edgetl.bench import BenchResult, caption, table_rows
+
+    result = BenchResult.load_json(path)
+    headers, rows = table_rows(result)
+    by_method = {r.method: cells for r, cells in zip(result.rows, rows)}
+    missing = [m for m in methods if m not in by_method]
+    if missing:
+        raise KeyError(f"{path.name} has no rows {missing}")
+    idx = [0] + [headers.index(c) for c in columns]
+    shown = [headers[i] for i in idx]
+    if first_header:
+        shown[0] = first_header
+    labels = labels or {}
+    cells = [[labels.get(m, by_method[m][0])] + [by_method[m][i] for i in idx[1:]] for m in methods]
+    text = _table(shown, cells, [":---"] + ["---:"] * len(columns))
+    if with_caption:
+        text += "\n" + caption(result) + ".\n"
+    return text
+
+
+def render_results() -> str:
+    return _bench_subset(
+        BENCH / "table1_224.json",
+        ["full", "full-lean-pool2", "bias-lean", "repnet-stock", "repnet-lean", "repnet-lean-stream",
+         "repnet-pruned", "repnet-pruned-pool2", "repnet-pruned-pool2-bf16-int8",
+         "repnet-pruned-pool2-bf16-int8-stream"],
+        ["paper MB", "runtime MB", "measured MB", "images/s", "largest batch in 256 MB"])
+
+
+def render_table1() -> str:
+    from edgetl.bench import BenchResult, to_markdown
+
+    return to_markdown(BenchResult.load_json(BENCH / "table1_224.json"))
+
+
+def render_cuda() -> str:
+    return _bench_subset(
+        BENCH / "cuda_h100_bench.json",
+        ["repnet-stock", "repnet-lean", "repnet-pruned-pool2", "repnet-pruned-pool2-bf16-int8",
+         "repnet-pruned-pool2-bf16-int8-stream"],
+        ["runtime MB", "allocated MB", "reserved MB", "images/s"],
+        first_header="method (224 px, batch 8, H100)",
+        # the pruned backbone's own row did not run on the H100: name the configuration in full
+        labels={"repnet-pruned-pool2": PAPER_ON_H100})
+
+
+PAPER_ON_H100 = "Rep-Net, lean, pruned backbone, pooled storage k=2 (the paper's)"
+
+
+def _cuda_labels() -> dict[str, str]:
+    """Method id -> label as the H100 bench names them; rows that extend the one above named in full."""
+    rows = json.loads((BENCH / "cuda_h100_bench.json").read_text())["rows"]
+    return {**{r["method"]: r["label"] for r in rows}, "repnet-pruned-pool2": PAPER_ON_H100,
+            "repnet-pruned-pool2-bf16-int8": "the paper's + bf16 activations, int8 frozen weights",
+            "repnet-pruned-pool2-bf16-int8-stream": "the paper's + bf16, int8 + streamed by 1, uint8 batch, recompute"}
+
+
+def render_cuda_allocator() -> str:
+    """Per bench method on the H100: the allocator's peaks against the allocator model's replay."""
+    data = json.loads((BENCH / "cuda_h100_allocator.json").read_text())
+    labels = _cuda_labels()
+    expandable = {r["method"]: r for r in data["expandable"]["rows"]}
+    out = []
+    for r in data["default"]["rows"]:
+        e = expandable[r["method"]]
+        out.append([labels.get(r["method"], r["method"]), f"{r['runtime_bytes'] / 1e6:.2f}",
+                    _signed(r["tensor_bytes"] - r["runtime_bytes"]), f"{r['allocated_bytes'] / 1e6:.2f}",
+                    f"{(r['allocated_bytes'] - r['replay_allocated_bytes']) / 1e3:+,.0f}",
+                    f"{r['reserved_bytes'] / 1e6:.1f}",
+                    f"{(e['allocated_bytes'] - e['replay_allocated_bytes']) / 1e3:+,.0f}",
+                    f"{e['reserved_bytes'] / 1e6:.1f}"])
+    ws = data["default"]["step_workspace_bytes"]
+    return _table(["method (224 px, batch 8)", "runtime MB", "tensor peak - runtime (B)", "allocated MB",
+                   "allocated - model (kB)", "reserved MB", "expandable: allocated - model (kB)",
+                   "expandable: reserved MB"], out, [":---"] + ["---:"] * 7) + (
+        f"\nEach method in a process of its own; library workspaces in every step: {ws / 2**20:g} MiB. "
+        "Model: the allocator model's replay of the step's allocation trace.\n")
+
+
+ACCOUNTING_LABELS = {
+    "stock": "Rep-Net, stock modules",
+    "stock-pruned": "Rep-Net, stock modules, pruned backbone",
+    "lean-fp32": "Rep-Net, lean, fp32",
+    "lean-pruned-k2": "Rep-Net, lean, pruned, k=2 (the paper's configuration)",
+    "lean-bf16": "Rep-Net, lean, k=2, bf16 activations",
+    "lean-pruned-bf16-int8": "Rep-Net, lean, pruned, k=2, bf16 activations, int8 frozen weights",
+    "lean-pruned-fp16-frozen16": "Rep-Net, lean, pruned, k=2, fp16 activations, fp16 frozen weights",
+}
+
+
+def render_cuda_accounting() -> str:
+    """The cuda tests' configurations on the H100: allocated peak against runtime accounting + workspaces."""
+    figures = json.loads((BENCH / "cuda_h100_figures.json").read_text())
+    out = []
+    for key, f in figures["accounting_224px"].items():
+        out.append([ACCOUNTING_LABELS.get(key, key), f"{f['runtime'] / 1e6:.2f}", _signed(f["tensor"] - f["runtime"]),
+                    f"{f['workspaces'] / 1e6:.2f}", f"{f['allocated'] / 1e6:.2f}",
+                    f"{100 * f['allocated_vs_predicted']:+.2f} %", f"{f['unexplained'] / 1e6:+.2f}",
+                    f"{f['reserved'] / 1e6:.1f}"])
+    return _table(["configuration (224 px, batch 8)", "runtime MB", "tensor peak - runtime (B)", "workspaces MB",
+                   "allocated MB", "allocated vs runtime + workspaces", "allocated - model (MB)", "reserved MB"],
+                  out, [":---"] + ["---:"] * 7)
+
+
+def render_cuda_parity() -> str:
+    """Lean layers on CUDA against the CPU: the largest relative L2 error of any output and gradient."""
+    figures = json.loads((BENCH / "cuda_h100_figures.json").read_text())
+    out = []
+    for key, f in figures["lean_cuda_vs_cpu"].items():
+        opts = ", ".join(f"{k}={v}" for k, v in f["reference"].items())
+        out.append([key, opts, f"{f['forward_max_relerr']:.1e}", f"{f['grad_max_relerr']:.1e}"])
+    return _table(["case", "lean options", "forward, max rel. error", "gradients, max rel. error"], out,
+                  ["---", "---", "---:", "---:"])
+
+
+def render_cuda_graphs() -> str:
+    """The whole training step as one CUDA graph against eager steps (H100)."""
+    graphs = json.loads((BENCH / "cuda_h100_graphs_summary.json").read_text())["graphs"]
+    labels = _cuda_labels()
+    out = [[labels.get(r["method"], r["method"]), f"{1e3 * r['eager_step_s']:.1f}", f"{1e3 * r['graph_step_s']:.1f}",
+            f"{r['speedup']:.1f}x", "equal" if r["exact"] else f"{r['max_abs_weight_diff']:.2g}"]
+           for r in graphs["rows"]]
+    return _table(["method (224 px, batch 8)", "eager step ms", "graph step ms", "speed-up",
+                   f"weights after {graphs['steps']} steps, graph vs eager (max abs diff)"], out,
+                  [":---"] + ["---:"] * 4)
+
+
+def render_levers() -> str:
+    levers = _script("levers_accuracy")
+    data = json.loads((BENCH / "levers_accuracy.json").read_text())
+    rows = {r["config"]: r for r in levers.summarize(data["results"], data["peaks"])}
+    pruning = levers.PAPER_RATIOS
+    labels = {
+        levers.BASELINE: "fp32 / fp32 / 1 (baseline)",
+        **{f"{a}/{w}/pool1": f"{a} / {w} / 1" for a in ("fp32", "bf16", "fp16") for w in ("fp32", "fp16", "int8")
+           if f"{a}/{w}/pool1" != levers.BASELINE},
+        "fp32/fp32/pool2": "fp32 / fp32 / 2",
+        "fp32/fp32/pool4": "fp32 / fp32 / 4",
+        "pruned (not retrained)": f"pruned {', '.join(map(str, pruning))} (blocks 1-4), not retrained",
+        "pruned+retrained": "pruned, retrained 3 epochs on the source",
+        "control: unpruned+retrained": "control: unpruned, retrained the same 3 epochs",
+    }
+    order = [levers.BASELINE, "fp32/fp16/pool1", "fp32/int8/pool1", "fp16/fp32/pool1", "bf16/fp32/pool1",
+             "fp16/fp16/pool1", "bf16/fp16/pool1", "fp16/int8/pool1", "bf16/int8/pool1", "fp32/fp32/pool2",
+             "fp32/fp32/pool4", "pruned (not retrained)", "pruned+retrained", "control: unpruned+retrained"]
+    # At 64 px pool 2 and pool 4 store the same maps: one run, shown once when the results agree.
+    if rows["fp32/fp32/pool2"]["acc"] == rows["fp32/fp32/pool4"]["acc"]:
+        labels["fp32/fp32/pool2"] = "fp32 / fp32 / 2 and 4 (one run: same storage at 64 px)"
+        order.remove("fp32/fp32/pool4")
+    out = []
+    for name in order:
+        r = rows[name]
+        base = name == levers.BASELINE
+        out.append([labels[name], f"{r['mean']:.2f} ({r['min']:.1f}-{r['max']:.1f})",
+                    "—" if base else f"{r['delta']:+.2f}", f"{r['saved'].get('paper', 0) / 1e6:.2f}",
+                    "—" if r["points_per_mb"] is None else f"{r['points_per_mb']:+.3f}"])
+    return _table(["activations / frozen weights / pool", "top-1 mean (seeds: min-max)", "Δ vs baseline (points)",
+                   "MB saved", "points per MB"], out, ["---", "---", "---:", "---:", "---:"])
+
+
+def render_levers_grad() -> str:
+    """One batch's gradients under half-precision activations against fp32 (levers_accuracy.json's grad_check)."""
+    data = json.loads((BENCH / "levers_accuracy.json").read_text())
+    out = []
+    for start, per in data["grad_check"].items():
+        for act, g in per.items():
+            flow = g["backbone_flow"]
+            out.append([start, act, f"{g['side_cosine_to_fp32']:.3f}", f"{100 * flow['nonzero_below_2^-24']:.2f} %",
+                        f"{100 * flow['nonzero_below_2^-14']:.2f} %"])
+    return _table(["weights", "activations", "side-network gradient: cosine to fp32",
+                   "nonzero backbone gradient elements < 2^-24", "< 2^-14"], out, ["---", "---", "---:", "---:", "---:"])
+
+
+def render_storage() -> str:
+    storage = _script("storage_accuracy")
+    data = json.loads((BENCH / "storage_accuracy.json").read_text())
+    cos = {k: v["storages"] for k, v in data.get("grad_cosine", {}).items()}
+    keep = data["meta"].get("keep", storage.KEEP)
+    labels = {"full-stock": "stock (BN training)", "bias-lean": "TinyTL-B (bias), lean", "repnet": "Rep-Net, lean"}
+    out, first_compressor = [], True
+    for r in storage.summarize(data):
+        config = storage.CONFIGS[r["config"]]
+        lean_full = config["mode"] == "full" and config["runtime"] == "lean"
+        label = labels.get(r["config"], f"lean, {config['storage']}")
+        if lean_full and config["storage"] not in ("exact", "pool2", "pool4") and first_compressor:
+            label += f" (keep {keep:g})"
+            first_compressor = False
+
+        def cosine(key: str) -> str:
+            c = cos.get(key, {}).get(config["storage"]) if lean_full else None
+            return "" if c is None else f"{c['mean']:.2f} / {c['min']:.2f}"
+
+        out.append([label, f"{r['peak']['paper'] / 1e6:.2f}", f"{r['mean']:.2f} ± {r['std']:.2f}",
+                    cosine("init_64"), cosine("init_224")])
+    return _table(["full fine-tuning", "MB at 224 px, b8", "top-1 mean ± std (%)", "grad cosine, 64 px (mean / min)",
+                   "at 224 px"], out, ["---", "---:", "---:", "---:", "---:"])
+
+
+def render_stream() -> str:
+    """The committed output of scripts/stream_figures.py, less its timing column."""
+    path = BENCH / "stream_figures_224.md"
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    keep = [header.index(c) for c in ("configuration", "target MB", "step", "predicted MB", "measured MB",
+                                       "measured - predicted (B)")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    align = [c.strip() for c in lines[1].strip("|").split("|")]
+    return _table([header[i] for i in keep], [[r[i] for i in keep] for r in rows], [align[i] for i in keep])
+
+
+def render_tested_on() -> str:
+    summary = BENCH / "jetson_check_summary.json"
+    if not (summary.is_file() and (SCRIPTS / "tested_on.py").is_file()):
+        return TESTED_ON_PLACEHOLDER
+    return _script("tested_on").render([json.loads(summary.read_text())])
+
+
+RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
+    "results": (render_results, "benchmarks/table1_224.json"),
+    "table1": (render_table1, "benchmarks/table1_224.json"),
+    "cuda-h100": (render_cuda, "benchmarks/cuda_h100_bench.json"),
+    "cuda-accounting": (render_cuda_accounting, "benchmarks/cuda_h100_figures.json"),
+    "cuda-allocator": (render_cuda_allocator, "benchmarks/cuda_h100_allocator.json"),
+    "cuda-graphs": (render_cuda_graphs, "benchmarks/cuda_h100_graphs_summary.json"),
+    "cuda-parity": (render_cuda_parity, "benchmarks/cuda_h100_figures.json"),
+    "levers": (render_levers, "benchmarks/levers_accuracy.json"),
+    "levers-grad": (render_levers_grad, "benchmarks/levers_accuracy.json"),
+    "storage": (render_storage, "benchmarks/storage_accuracy.json"),
+    "stream": (render_stream, "benchmarks/stream_figures_224.md"),
+    "tested-on": (render_tested_on, "benchmarks/jetson_check_summary.json (scripts/tested_on.py)"),
+}
+
+
+def render_text(text: str, cache: dict[str, str], where: str = "") -> str:
+    """The text with every marked block replaced by its render (cache: name -> render)."""
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in RENDERERS:
+            raise KeyError(f"{where}: unknown render block {name!r} (known: {', '.join(RENDERERS)})")
+        if name not in cache:
+            cache[name] = RENDERERS[name][0]()
+        return match.group(1) + cache[name] + match.group(4)
+
+    return BLOCK.sub(replace, text)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, path.stat().st_mode & 0o777)
+    os.replace(tmp, path)
+
+
+def stale(root: Path = ROOT) -> dict[Path, str]:
+    """Files whose marked blocks differ from their render, with a unified diff each."""
+    cache: dict[str, str] = {}
+    out = {}
+    for path in doc_files(root):
+        text = path.read_text()
+        new = render_text(text, cache, str(path.relative_to(root)))
+        if new != text:
+            out[path] = "".join(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
+                                                     str(path.relative_to(root)), "rendered"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Blocks: " + ", ".join(RENDERERS))
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block differs from its render")
+    p.add_argument("--list", action="store_true", help="print each block name, its source and the files using it")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, (_, source) in RENDERERS.items():
+            users = [str(f.relative_to(ROOT)) for f in doc_files() if f"<!-- render:{name} -->" in f.read_text()]
+            print(f"{name:16s} {source}  ->  {', '.join(users) or '(unused)'}")
+        return 0
+    try:
+        diffs = stale()
+    except (KeyError, OSError, ValueError) as exc:
+        print(f"render_docs: error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        for diff in diffs.values():
+            sys.stdout.write(diff)
+        if diffs:
+            print(f"render_docs: {len(diffs)} file(s) out of date: "
+                  f"{', '.join(str(f.relative_to(ROOT)) for f in diffs)}; run python scripts/render_docs.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    cache: dict[str, str] = {}
+    for path in diffs:
+        _atomic_write(path, render_text(path.read_text(), cache, str(path.relative_to(ROOT))))
+        print(f"rendered {path.relative_to(ROOT)}")
+    if not diffs:
+        print("every rendered block is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
