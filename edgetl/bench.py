@@ -614,7 +614,7 @@ def _measured_text(result: BenchResult) -> str:
 
 
 def to_markdown(result: BenchResult) -> str:
-    """The README's results table, rendered from a result (e.g. a committed JSON)."""
+    """The bench table (docs/bench.md), rendered from a result (e.g. a committed JSON)."""
     headers, rows = table_rows(result)
     right = [":---"] + ["---:"] * (len(headers) - 1)
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(right) + "|"]

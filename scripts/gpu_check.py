@@ -13,7 +13,7 @@ default allocator and, on CUDA, once more with
     summary.json        device and library facts, each part's exit code, time and test counts
     pytest.log          the test run's output (failures in full)
     cuda-figures.json   what the cuda tests measured (allocated, reserved, accounting, errors), pass or fail
-    bench.json / .csv / .png / .md    the bench result (the .md is the README table)
+    bench.json / .csv / .png / .md    the bench result (the .md is the docs/bench.md table)
     allocator.json      per method: runtime accounting, measured and replayed allocated/reserved peaks
 
 On CUDA, summary.json also holds the CUDA-graph check (issue #15, item 5): the whole

@@ -31,7 +31,7 @@ from edgetl.models.lean import LeanGlobalAvgPool, count_saved_bytes, predicted_s
 from tests.conftest import FMNIST_REASON, HAVE_FMNIST
 
 HAVE_CUDA = torch.cuda.is_available()
-CUDA_REASON = "needs a CUDA GPU (issue #15: run scripts/gpu_check.sh on a GPU machine, README 'CUDA')"
+CUDA_REASON = "needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine, docs/cuda.md)"
 SHAPES = [(2, 3, 8, 6), (2, 3, 7, 7), (1, 2, 16, 16), (1, 1, 3, 2)]
 
 

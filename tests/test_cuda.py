@@ -1,7 +1,7 @@
 """CUDA (issue #15): the allocator model's terms checked here; the lean runtime, the meter and the
 training loops checked on a real GPU (marker ``cuda``, skipped without one, with the reason).
 
-On a GPU machine: ``bash scripts/gpu_check.sh --device cuda --out DIR`` (README, "CUDA") runs
+On a GPU machine: ``bash scripts/gpu_check.sh --device cuda --out DIR`` (docs/cuda.md) runs
 the ``cuda`` tests and writes the figures they measured to ``$EDGETL_CUDA_FIGURES`` (JSON),
 passing or not, so a failure still tells by how much.
 """
@@ -31,7 +31,7 @@ from edgetl.memory.meter import measure_training_memory
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 HAVE_CUDA = torch.cuda.is_available()
-CUDA_REASON = "needs a CUDA GPU (issue #15: run scripts/gpu_check.sh on a GPU machine, README 'CUDA')"
+CUDA_REASON = "needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine, docs/cuda.md)"
 
 
 def cuda(fn):

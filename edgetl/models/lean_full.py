@@ -6,7 +6,7 @@ and each project conv + BN a ``conv'``, where conv' is the conv with the BN's ev
 statistics folded in (``torch.nn.utils.fusion.fuse_conv_bn_weights``: weight w * s, bias
 beta + (b - mean) * s, s = gamma / sqrt(var + eps)). The folded weight and bias train
 (so Adam's per-element steps act on w * s rather than w; the stock "full" mode keeps BN
-in training mode and is the other method, see README). Block indices, the residual adds
+in training mode and is the other method, see docs/lean-runtime.md). Block indices, the residual adds
 and the classifier are unchanged.
 
 What each part keeps for backward:
