@@ -242,6 +242,9 @@ def test_a_kept_edge_owns_its_node_after_the_output_is_dropped(owns, monkeypatch
 
     from edgetl.models import stream
 
+    if owns and not stream._EDGE_OWNS_NODE:
+        pytest.skip(f"torch {torch.__version__}: the bare edge's node is freed under it (backward segfaults), "
+                    "the crash the view prevents")
     monkeypatch.setattr(stream, "_EDGE_OWNS_NODE", owns)
     x = torch.randn(3, 4, requires_grad=True)
     out = _Double.apply(x * 1)
