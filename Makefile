@@ -41,7 +41,7 @@ clean:
 
 # The CUDA check (issue #15). Here: `make gpu-wheels` downloads the torch-pruning wheel into
 # .whl/ for a device call to carry; `make gpu-check DEVICE=cpu` runs the same driver at tiny
-# scale. On a GPU machine: `bash scripts/gpu_check.sh --device cuda --out DIR` (README, CUDA).
+# scale. On a GPU machine: `bash scripts/gpu_check.sh --device cuda --out DIR` (docs/cuda.md).
 DEVICE ?= cpu
 GPU_OUT ?= gpu-results
 .PHONY: gpu-wheels gpu-check
@@ -50,3 +50,17 @@ gpu-wheels:
 
 gpu-check: setup
 	PYTHON=$(PY) bash scripts/gpu_check.sh --device $(DEVICE) --out $(GPU_OUT) $(if $(filter cpu,$(DEVICE)),--quick,)
+
+# The emulated Jetson check (issue #28): Debian's arm64 CPython 3.11 under qemu user-mode
+# emulation (no binfmt handler, host architectures untouched) with the pins of
+# docker/requirements-jetson.txt, built into .jetson/ (downloads cached); results in
+# jetson-check/summary.json. Short: the CI subset (about 8 min on 2 cores); full: about 15 min.
+.PHONY: jetson-env jetson-check jetson-check-short
+jetson-env:
+	bash scripts/jetson_env.sh
+
+jetson-check:
+	$(PYTHON) scripts/jetson_check.py
+
+jetson-check-short:
+	$(PYTHON) scripts/jetson_check.py --short
