@@ -54,7 +54,8 @@ gpu-check: setup
 # The emulated Jetson check (issue #28): Debian's arm64 CPython 3.11 under qemu user-mode
 # emulation (no binfmt handler, host architectures untouched) with the pins of
 # docker/requirements-jetson.txt, built into .jetson/ (downloads cached); results in
-# jetson-check/summary.json. Short: the CI subset (about 8 min on 2 cores); full: about 15 min.
+# jetson-check/summary.json. Short: the CI subset (5 min on 2 cores, rebuilding .jetson/ from its
+# cached downloads included); full: 12 min.
 .PHONY: jetson-env jetson-check jetson-check-short
 jetson-env:
 	bash scripts/jetson_env.sh

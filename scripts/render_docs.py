@@ -292,7 +292,9 @@ def render_tested_on() -> str:
     summary = BENCH / "jetson_check_summary.json"
     if not (summary.is_file() and (SCRIPTS / "tested_on.py").is_file()):
         return TESTED_ON_PLACEHOLDER
-    return _script("tested_on").render([json.loads(summary.read_text())])
+    host = BENCH / "host_check_summary.json"  # the same checks natively on x86-64, when committed
+    summaries = [summary, host] if host.is_file() else [summary]
+    return _script("tested_on").render([json.loads(p.read_text()) for p in summaries])
 
 
 RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
@@ -307,7 +309,7 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "levers-grad": (render_levers_grad, "benchmarks/levers_accuracy.json"),
     "storage": (render_storage, "benchmarks/storage_accuracy.json"),
     "stream": (render_stream, "benchmarks/stream_figures_224.md"),
-    "tested-on": (render_tested_on, "benchmarks/jetson_check_summary.json (scripts/tested_on.py)"),
+    "tested-on": (render_tested_on, "benchmarks/{jetson,host}_check_summary.json (scripts/tested_on.py)"),
 }
 
 
