@@ -121,7 +121,7 @@ def test_measure_follows_device_and_rejects_bad_input():
     net = LinearNet(12, 5)
     with pytest.raises(ConfigError, match="move it first"):
         measure_training_peak(net, resolution=2, batch_size=2, device="meta")
-    with pytest.raises(ConfigError, match="optimizer"):
+    with pytest.raises(ConfigError, match="optim.name is 'lion'; allowed: 'adam', 'sgd'"):
         measure_training_peak(net, resolution=2, batch_size=2, optimizer="lion")
     net.requires_grad_(False)
     with pytest.raises(ConfigError, match="nothing trains"):
