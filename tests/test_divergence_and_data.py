@@ -10,17 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
 from tests.conftest import make_color_folder
-from tests.test_failures import error_line, exit_code, finetune_argv
-
-
-@pytest.fixture(scope="module")
-def backbone(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("backbone")
-    torch.manual_seed(0)
-    save_backbone(folder, build_backbone(BackboneSpec(width=0.35, num_classes=3)).eval())
-    return folder
+from tests.test_failures import backbone, error_line, exit_code, finetune_argv  # noqa: F401 (a fixture)
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -3,36 +3,21 @@ a folder in use is refused; edgetl never overwrites or removes a file it did not
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from edgetl.errors import ConfigError
-from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
 from edgetl.runfolder import MANIFEST, Manifest, check_output_folder, run_lock
 from tests.conftest import make_color_folder
-from tests.test_failures import error_line, exit_code, finetune_argv
-
-
-@pytest.fixture(scope="module")
-def backbone(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("backbone")
-    torch.manual_seed(0)
-    save_backbone(folder, build_backbone(BackboneSpec(width=0.35, num_classes=3)).eval())
-    return folder
+from tests.test_divergence_and_data import tree_digest as digest
+from tests.test_failures import backbone, error_line, exit_code, finetune_argv  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return make_color_folder(tmp_path_factory.mktemp("d"), 8, 4)
-
-
-def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_a_run_folder_below_a_file_is_one_line(tmp_path, capsys, backbone, data):
