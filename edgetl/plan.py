@@ -10,8 +10,10 @@ a smaller pooling factor k, then a larger batch. Every candidate lies on one fix
 from the exact configuration to the most memory-saving one, each step degrading one
 dimension and never undoing another:
 
-1. storage, cheapest accuracy per byte saved first (``storage_ladder``, measured in
-   ``benchmarks/levers_accuracy.md``): frozen weights fp32 -> fp16 -> int8, activations
+1. storage and the step, cheapest accuracy per byte saved first (``storage_ladder``,
+   measured in ``benchmarks/levers_accuracy.md``): the frozen backbone streamed by 1 (with
+   the batch kept as uint8 pixels), then recomputed in backward, fused optimizer kernels,
+   the update inside backward, frozen weights fp32 -> fp16 -> int8, activations
    fp32 -> half (fp16 where this machine's convolutions run it, else bf16), side pooling
    k 1 -> 2 -> 4 (dimensions the caller fixes are skipped, and a k whose side convs would
    store exactly as the smaller k's, small maps pooling less);
@@ -22,9 +24,10 @@ dimension and never undoing another:
 3. with ``batch_size="auto"`` the path starts at batch 1 and, once the exact
    configuration fits, the batch grows up to ``max_batch_size``.
 
-The plan is the least degraded path element whose predicted peak fits. Because the path
-is fixed and each dimension only degrades along it, a larger budget never prunes more,
-never pools coarser and never shrinks the batch. The predicted peak falls along the path
+The plan is the least degraded path element whose predicted peak fits, less the
+optimizer's levers (and recomputing) it fits without, at the largest micro-batch that fits
+where it streams. Because the path is fixed and each dimension only degrades along it, a
+larger budget never prunes more, never pools coarser and never shrinks the batch. The predicted peak falls along the path
 (every step shrinks tensors), so the boundary is found by bracketing: a model (peak
 linear in the cap T) guesses, real accounting decides. A block's kept channels follow a
 linear model of its per-image peak between unpruned and ``max_ratio``; it only shapes the
@@ -150,6 +153,8 @@ class Storage:
     stream: int = 0  # micro-batch of the streamed frozen backbone; 0: not streamed
     conv_storage: str = "exact"  # lean full fine-tuning: what each trained conv keeps (LeanOptions.storage)
     recompute: bool = False  # streamed segments may run forward again in backward (LeanOptions.recompute)
+    fused: bool = False  # the optimizer runs fused kernels (optim.fused)
+    step_in_backward: bool = False  # each parameter is updated inside backward (optim.step_in_backward)
 
     @property
     def uint8_input(self) -> bool:
@@ -172,6 +177,9 @@ class PlanConfig:
         conv_storage: mode full: what each trained conv keeps for its weight gradient.
         recompute: streamed segments may keep their input and run forward again in
             backward where that lowers the peak (``LeanOptions.recompute``).
+        fused: the step's optimizer runs fused kernels (recipe ``optim.fused``).
+        step_in_backward: the step updates each parameter inside backward and frees its
+            gradient at once (recipe ``optim.step_in_backward``).
     """
 
     kept: dict[int, int]
@@ -184,6 +192,8 @@ class PlanConfig:
     mode: str = MODE
     conv_storage: str = "exact"
     recompute: bool = False
+    fused: bool = False
+    step_in_backward: bool = False
 
     @property
     def blocks(self) -> list[int]:
@@ -202,12 +212,14 @@ class PlanConfig:
         prune = ", ".join(f"{b}:{self.channels[b]}->{self.kept[b]}" for b in self.blocks) or "none"
         stream = f" | stream {self.stream}" if self.stream else ""
         stream += " (recompute)" if self.recompute else ""
+        step = " | fused" if self.fused else ""
+        step += " | update in backward" if self.step_in_backward else ""
         if self.mode == "full":
-            return f"mode full | storage {self.conv_storage} | batch {self.batch_size}"
+            return f"mode full | storage {self.conv_storage} | batch {self.batch_size}{step}"
         head = "" if self.mode == MODE else f"mode {self.mode} | "
         pool = "" if self.mode != MODE else f" | k={self.pool}"
         return (f"{head}prune {prune}{pool} | act {self.precision} | frozen {self.frozen_weights} "
-                f"| batch {self.batch_size}{stream}")
+                f"| batch {self.batch_size}{stream}{step}")
 
     @property
     def uint8_input(self) -> bool:
@@ -216,7 +228,7 @@ class PlanConfig:
     @property
     def storage(self) -> "Storage":
         return Storage(self.pool, self.precision, self.frozen_weights, self.stream, self.conv_storage,
-                       self.recompute)
+                       self.recompute, self.fused, self.step_in_backward)
 
     def to_dict(self) -> dict:
         return {
@@ -227,7 +239,8 @@ class PlanConfig:
                          "frozen_weights": self.frozen_weights, "bn": "fold",
                          "batch_size": self.batch_size, "stream": self.stream,
                          "uint8_input": self.uint8_input, "recompute": self.recompute,
-                         "storage": self.conv_storage},
+                         "storage": self.conv_storage, "fused": self.fused,
+                         "step_in_backward": self.step_in_backward},
         }
 
     @classmethod
@@ -235,10 +248,16 @@ class PlanConfig:
         _check_keys(data, {"prune", "finetune"}, where)
         p, f = data["prune"], data["finetune"]
         _check_keys(p, {"blocks", "ratios", "channels", "kept"}, f"{where}.prune")
-        # plans written before streaming stream nothing; before issue #16 every plan was Rep-Net's
-        f = {"stream": 0, "runtime": "lean", "storage": "exact", "recompute": False, **f}
+        # plans written before streaming stream nothing; before issue #16 every plan was Rep-Net's;
+        # before issue #30 no plan changed the optimizer step
+        f = {"stream": 0, "runtime": "lean", "storage": "exact", "recompute": False, "fused": False,
+             "step_in_backward": False, **f}
         _check_keys(f, {"mode", "runtime", "pool", "precision", "frozen_weights", "bn", "batch_size", "stream",
-                        "storage", "recompute", "uint8_input"} - ({"uint8_input"} - set(f)), f"{where}.finetune")
+                        "storage", "recompute", "uint8_input", "fused", "step_in_backward"}
+                    - ({"uint8_input"} - set(f)), f"{where}.finetune")
+        for key in ("fused", "step_in_backward"):
+            if not isinstance(f[key], bool):
+                raise ConfigError(f"{where}.finetune.{key}: {f[key]!r}; allowed: true, false")
         kept = {int(b): int(k) for b, k in p["kept"].items()}
         channels = {int(b): int(c) for b, c in p["channels"].items()}
         if sorted(kept) != sorted(channels) or sorted(kept) != [int(b) for b in p["blocks"]]:
@@ -254,7 +273,7 @@ class PlanConfig:
                               "(mode full), exact (other modes)")
         config = cls(kept, channels, int(f["pool"]), str(f["precision"]), str(f["frozen_weights"]),
                      int(f["batch_size"]), int(f["stream"]), str(f["mode"]), str(f["storage"]),
-                     bool(f["recompute"]))
+                     bool(f["recompute"]), f["fused"], f["step_in_backward"])
         if config.recompute and not config.stream:
             raise ConfigError(f"{where}.finetune.recompute: true needs stream >= 1 (it applies to streamed segments)")
         if config.stream < 0:
@@ -465,13 +484,17 @@ def ratio_for(channels: int, kept: int) -> float:
 # ----------------------------------------------------------------------------- search
 
 
-def plan_step():
+def plan_step(storage: Storage | None = None):
     """The training step a plan is made for, predicted and verified: Adam, no weight decay,
-    no label smoothing (``edgetl.step.Step.plain``). finetune's pre-flight predicts the
-    recipe's own step again before training."""
+    no label smoothing, single-tensor updates (``edgetl.step.Step.plain``), with fused
+    kernels and the update inside backward where ``storage`` takes them. No DDP, foreach or
+    loss scaling, so the levers never meet what ``Step`` refuses them with. finetune's
+    pre-flight predicts the recipe's own step again before training."""
     from edgetl.step import Step
 
-    return Step.plain(OPTIMIZER)
+    if storage is None:
+        return Step.plain(OPTIMIZER)
+    return Step.plain(OPTIMIZER, fused=storage.fused, step_in_backward=storage.step_in_backward)
 
 
 def half_precision() -> str:
@@ -506,19 +529,45 @@ def _half_precision_probe() -> str:
 def storage_ladder(*, pool: int | None = None, precision: str | None = None,
                    frozen_weights: str | None = None,
                    stored_pools: Callable[[int], list[int]] | None = None,
-                   half: str | None = None, stream: int | None = None, mode: str = MODE) -> list[Storage]:
-    """Storage options from exact to most saving; a fixed dimension never changes.
+                   half: str | None = None, stream: int | None = None, mode: str = MODE,
+                   fused: bool | None = None, step_in_backward: bool | None = None) -> list[Storage]:
+    """Storage and step options from exact to most saving; a fixed dimension never changes.
 
     Rep-Net (``mode`` "repnet") as below; bias-only TinyTL-B the same without pooling (it
     has no side network); lean full fine-tuning trains every conv in fp32 with nothing
-    frozen to stream or quantise, so its only lever is what each conv keeps for its weight
-    gradient: exact, then pooled by 2, then by 4 (``CONV_STORAGES``; the compressors store
-    about as little as pool4 at 224 px and are left to the user, ``--storage``).
+    frozen to stream or quantise, so its levers are the optimizer's two (below), then what
+    each conv keeps for its weight gradient: exact, then pooled by 2, then by 4
+    (``CONV_STORAGES``; the compressors store about as little as pool4 at 224 px and are
+    left to the user, ``--storage``).
 
-    The order is the measured accuracy cost per byte saved, cheapest first
-    (``benchmarks/levers_accuracy.md``: Rep-Net fine-tuning on Fashion-MNIST, 3 seeds; MB
-    saved by the runtime accounting at 224 px, batch 8; points lost per MB saved, negative =
-    no measured loss):
+    Streaming by 1 (the batch kept as uint8 pixels) and recomputing streamed segments come
+    first (issue #14): the same gradients up to the rounding of the frozen backbone's convs
+    run on fewer samples (recomputing: bit for bit); they cost speed only. The optimizer's
+    levers come next, fused kernels, then the update inside backward:
+
+    * fused kernels (``optim.fused``) allocate nothing beyond the optimizer state and launch
+      fewer kernels, but round every update of the trained weights differently (within 2e-4
+      of the unfused weights after 3 steps at lr 1e-2, README "Step in backward"): after
+      streaming, which only regroups the frozen backbone's arithmetic, and far below
+      rounding every frozen weight to fp16's 11 bits, so before the frozen-weight levers.
+    * the update inside backward (``optim.step_in_backward``) gives the same weights bit for
+      bit and frees each gradient as soon as its parameter is updated, yet comes after fused
+      kernels: without them each update's temporaries (single-tensor Adam: two copies of the
+      parameter) land during backward, beside live activations, and can raise the peak
+      (stock Rep-Net on MobileNetV2 0.35, 64 px, batch 4: 10.80 -> 11.72 MB), which the
+      bisection below cannot have; with them the update allocates nothing, so freeing
+      gradients early only lowers it. So it is a rung only where fused kernels are on or
+      searched. It rules out DDP, foreach and fp16 loss scaling (``edgetl.step``); the
+      planned step has none of them.
+
+    ``plan`` drops either lever again where the chosen configuration fits without it
+    (``_fewest_optimizer_levers``): past the levers, e.g. when pruning, the peak may be a
+    forward temporary they do not touch.
+
+    The storage levers after them go in the order of the measured accuracy cost per byte
+    saved, cheapest first (``benchmarks/levers_accuracy.md``: Rep-Net fine-tuning on
+    Fashion-MNIST, 3 seeds; MB saved by the runtime accounting at 224 px, batch 8; points
+    lost per MB saved, negative = no measured loss):
 
     1. frozen weights fp16 (-1.14 points/MB, 0.76 MB saved), then 2. int8 (-0.81, 1.12 MB):
        both fine-tuned +0.9 points above fp32, within the baseline seeds' 2.2-point spread;
@@ -551,8 +600,22 @@ def storage_ladder(*, pool: int | None = None, precision: str | None = None,
     fp32 copy of a layer's weight plus its half cast) can outweigh what half activations
     save, and half+int8 then predicts more than a step before it.
     """
+    def optimizer_steps() -> None:
+        if fused is None:
+            step(fused=True)
+        if step_in_backward is None and fused is not False:
+            step(step_in_backward=True)
+
+    def step(**change):
+        ladder.append(dataclasses.replace(ladder[-1], **change))
+
+    first_step = dict(fused=bool(fused), step_in_backward=bool(step_in_backward))
     if mode == "full":
-        return [Storage(1, "fp32", "fp32", 0, s) for s in CONV_STORAGES]
+        ladder = [Storage(1, "fp32", "fp32", 0, CONV_STORAGES[0], **first_step)]
+        optimizer_steps()
+        for s in CONV_STORAGES[1:]:
+            step(conv_storage=s)
+        return ladder
     if mode != MODE:
         pool = 1
     if half is None:
@@ -562,14 +625,12 @@ def storage_ladder(*, pool: int | None = None, precision: str | None = None,
     p = 1 if pool is None else pool
     a = "fp32" if precision is None else precision
     w = "fp32" if frozen_weights is None else frozen_weights
-    ladder = [Storage(p, a, w, stream or 0)]
-
-    def step(**change):
-        ladder.append(dataclasses.replace(ladder[-1], **change))
+    ladder = [Storage(p, a, w, stream or 0, **first_step)]
 
     if stream is None:  # streaming first: it costs no accuracy (issue #14), only speed
         step(stream=1)
         step(recompute=True)  # then forward again in backward where masks outweigh inputs
+    optimizer_steps()  # then the optimizer's levers: see above for their order
 
     if frozen_weights is None:
         step(frozen_weights="fp16")
@@ -602,6 +663,11 @@ def lean_options(storage: Storage):
                        uint8_input=storage.uint8_input, recompute=storage.recompute)
 
 
+def _network_key(storage: Storage) -> Storage:
+    """What of a storage builds the network: the optimizer's levers change only the step."""
+    return dataclasses.replace(storage, fused=False, step_in_backward=False)
+
+
 class _Evaluator:
     """runtime_report of a configuration, cached per configuration (meta networks)."""
 
@@ -619,12 +685,15 @@ class _Evaluator:
             storage = dataclasses.replace(storage, stream=0, recompute=False)
         key = (tuple(sorted(kept.items())), storage, batch)
         if key not in self.reports:
-            if key[:2] not in self.nets:
+            # predict_step fits and applies the schedule of this step each time: a network
+            # serves every step
+            net_key = (key[0], _network_key(storage))
+            if net_key not in self.nets:
                 spec = dataclasses.replace(self.base, hidden={**self.base.hidden, **kept})
-                self.nets[key[:2]] = build_network(spec, self.mode, device="meta", lean=lean_options(storage))
-            net = self.nets[key[:2]]
+                self.nets[net_key] = build_network(spec, self.mode, device="meta", lean=lean_options(storage))
+            net = self.nets[net_key]
             self.reports[key] = predict_step(net, mode=self.mode, resolution=self.resolution, batch_size=batch,
-                                             step=plan_step())
+                                             step=plan_step(storage))
             self.count += 1
             log.debug("evaluated %s %s batch %d: %d bytes", kept, storage, batch,
                       self.reports[key].total_bytes)
@@ -719,9 +788,14 @@ def _check_budget(budget_bytes, device_preset, budget_scope: str, batch_size, ma
     return preset
 
 
-def _check_levers(*, precision, pool, frozen_weights, stream, max_ratio: float, mode: str, blocks) -> None:
-    """Refuse fixed levers (storage, streaming, pruning) that are unknown or not planned for ``mode``."""
+def _check_levers(*, precision, pool, frozen_weights, stream, max_ratio: float, mode: str, blocks,
+                  fused=None, step_in_backward=None) -> None:
+    """Refuse fixed levers (storage, streaming, the optimizer's, pruning) that are unknown or
+    not planned for ``mode``."""
     _check_storage(1 if pool is None else pool, precision or "fp32", frozen_weights or "fp32", "plan")
+    for name, value in (("fused", fused), ("step_in_backward", step_in_backward)):
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{name} {value!r} is not allowed; allowed: True, False or None (searched)")
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream < 0):
         raise ConfigError(f"stream micro-batch {stream!r} is not allowed; allowed: 0 (never) or an integer >= 1")
     if not 0 <= max_ratio < 1:
@@ -773,7 +847,7 @@ class _Search:
         stream = storage.stream if storage.stream < batch else 0  # m >= batch streams nothing
         return PlanConfig(dict(kept), {b: self.chan[b] for b in kept}, storage.pool, storage.precision,
                           storage.frozen_weights, batch, stream, self.mode, storage.conv_storage,
-                          storage.recompute and stream > 0)
+                          storage.recompute and stream > 0, storage.fused, storage.step_in_backward)
 
     def fits(self, total: int) -> bool:
         """Whether a predicted total is within the tensor budget."""
@@ -850,6 +924,26 @@ class _Search:
         return self.config(path.kept(last - i), saving, self.batch), (0, i)
 
 
+def _fewest_optimizer_levers(chosen: PlanConfig, ev: _Evaluator, budget: int, *, fused: bool | None,
+                             step_in_backward: bool | None) -> PlanConfig:
+    """The chosen configuration with the fewest optimizer levers that still fit, everything
+    else kept: none, the update inside backward alone (the same weights), fused kernels alone.
+
+    The path pulls them before the storage levers and keeps them on past them, into
+    pruning; where the peak lies elsewhere (a forward temporary) they save nothing there,
+    and a plan that fits without them must not take them. Levers the caller fixed stay.
+    """
+    have = (chosen.fused, chosen.step_in_backward)
+    for option in ((False, False), (False, True), (True, False)):
+        fewer = option != have and all(o <= h for o, h in zip(option, have))
+        kept = all(f is None or o == f for o, f in zip(option, (fused, step_in_backward)))
+        if fewer and kept:
+            lighter = dataclasses.replace(chosen, fused=option[0], step_in_backward=option[1])
+            if ev.total(lighter.kept, lighter.storage, lighter.batch_size) <= budget:
+                return lighter
+    return chosen
+
+
 def _fastest_stream(chosen: PlanConfig, ev: _Evaluator, budget: int) -> PlanConfig:
     """A streamed pick without recomputing if that fits (recomputing costs speed), then at
     the largest micro-batch that fits."""
@@ -863,6 +957,13 @@ def _notes_and_overheads(chosen: PlanConfig, half: str, preset: DevicePreset,
                   total_bytes: int) -> tuple[list[str], dict[str, int], int | None]:
     """The plan's notes, the device's overheads for ``total_bytes`` of tensors and its process limit."""
     notes = []
+    if chosen.step_in_backward:
+        notes.append("each parameter is updated inside backward (optim.step_in_backward, the same weights): "
+                     "finetune refuses it under DDP (torchrun), with optim.foreach and with fp16 loss "
+                     "scaling; plan with --no-step-in-backward for those")
+    if chosen.fused:
+        notes.append("fused optimizer kernels (optim.fused): the same update up to float rounding; "
+                     "not with optim.foreach")
     if chosen.precision == half != HALF_DTYPES[0]:
         notes.append(f"half activations are {half}: this machine's torch runs no {HALF_DTYPES[0]} "
                      f"convolutions on the CPU (where --verify measures); same bytes")
@@ -893,6 +994,8 @@ def plan(
     max_ratio: float = MAX_RATIO,
     max_batch_size: int = MAX_BATCH_SIZE,
     mode: str = MODE,
+    fused: bool | None = None,
+    step_in_backward: bool | None = None,
 ) -> Plan:
     """Choose pruning, pooling, precision, frozen-weight storage and batch size to fit a budget.
 
@@ -918,7 +1021,12 @@ def plan(
         max_batch_size: upper end of the "auto" search.
         mode: what fine-tunes (``PLAN_MODES``): "repnet" searches everything above;
             "bias" the same without pooling and pruning; "full" (lean full fine-tuning)
-            each conv's stored input, exact, pooled by 2, pooled by 4, and the batch.
+            the optimizer's levers, each conv's stored input, exact, pooled by 2, pooled
+            by 4, and the batch.
+        fused: fix fused optimizer kernels (``optim.fused``) on or off; None searches.
+        step_in_backward: fix the update inside backward (``optim.step_in_backward``) on or
+            off (off for a run under DDP); None searches (only where fused kernels are on or
+            searched, see ``storage_ladder``).
 
     Raises:
         PlanImpossible: nothing fits; carries the smallest budget that would.
@@ -930,7 +1038,7 @@ def plan(
     if precision == "half":
         precision = half
     _check_levers(precision=precision, pool=pool, frozen_weights=frozen_weights, stream=stream,
-                  max_ratio=max_ratio, mode=mode, blocks=blocks)
+                  max_ratio=max_ratio, mode=mode, blocks=blocks, fused=fused, step_in_backward=step_in_backward)
     from edgetl.profile import check_options
 
     check_options(mode=mode, accounting="runtime", resolution=resolution, batch_size=1)
@@ -943,9 +1051,10 @@ def plan(
     ev = _Evaluator(base, resolution, mode)
     ladder = storage_ladder(pool=pool, precision=precision, frozen_weights=frozen_weights,
                             stored_pools=_stored_pools_of(base, resolution) if mode == MODE else None,
-                            half=half, stream=stream, mode=mode)
+                            half=half, stream=stream, mode=mode, fused=fused, step_in_backward=step_in_backward)
     request = {"mode": mode, "batch_size": batch_size, "precision": precision, "pool": pool,
-               "frozen_weights": frozen_weights, "stream": stream,
+               "frozen_weights": frozen_weights, "stream": stream, "fused": fused,
+               "step_in_backward": step_in_backward,
                "blocks": None if blocks is None else list(blocks),
                "max_ratio": max_ratio, "max_batch_size": max_batch_size}
 
@@ -956,6 +1065,8 @@ def plan(
                      1 if auto else batch_size, mode, tensor_budget, impossible)
     chosen, chosen_pos = search.walk(auto=auto, max_batch_size=max_batch_size, blocks=blocks,
                                      max_ratio=max_ratio)
+    # fewer optimizer levers before speed: they change the update's rounding or its speed
+    chosen = _fewest_optimizer_levers(chosen, ev, tensor_budget, fused=fused, step_in_backward=step_in_backward)
     if chosen.stream and stream is None:
         chosen = _fastest_stream(chosen, ev, tensor_budget)
     report = ev.report(chosen.kept, chosen.storage, chosen.batch_size)
@@ -1107,10 +1218,12 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_network(copy.deepcopy(plan.spec), c.mode, device=device, lean=lean_options(c.storage))
-    # the step the plan predicted (and finetune runs): its schedule fitted and applied
-    prepare_step(net, resolution=plan.resolution, batch_size=c.batch_size, step=plan_step())
+    # the step the plan predicted (and finetune runs): its schedule fitted and applied, its
+    # optimizer fused and updating inside backward where the plan says so
+    step = plan_step(c.storage)
+    prepare_step(net, resolution=plan.resolution, batch_size=c.batch_size, step=step)
     measured = measure_training_peak(net, resolution=plan.resolution, batch_size=c.batch_size,
-                                     steps=steps, step=plan_step(), device=device, seed=seed)
+                                     steps=steps, step=step, device=device, seed=seed)
     plan.measured_bytes, plan.verify_steps = int(measured), steps
     log.info("verify: predicted %d, measured %d bytes", plan.predicted_bytes, measured)
     return int(measured)

@@ -42,6 +42,13 @@ def tiny_plan(budget_bytes: int, **kw) -> Plan:
     return plan(budget_bytes=budget_bytes, resolution=RES, backbone=TINY, **kw)
 
 
+def step_of(config):
+    """The step a planned configuration runs: plain Adam with its optimizer levers."""
+    from edgetl.step import Step
+
+    return Step.plain("adam", fused=config.fused, step_in_backward=config.step_in_backward)
+
+
 def predicted(config, num_classes: int = 102) -> int:
     """Independent runtime accounting of a configuration."""
     spec = dataclasses.replace(TINY, num_classes=num_classes, hidden=dict(config.kept))
@@ -51,14 +58,18 @@ def predicted(config, num_classes: int = 102) -> int:
                        precision=config.precision, stream=config.stream, uint8_input=config.uint8_input,
                        recompute=config.recompute)
     net = build_network(spec, "repnet", device="meta", lean=lean)
-    prepare_step(net, resolution=RES, batch_size=config.batch_size)  # streams, as finetune runs it
-    return runtime_report(net, mode="repnet", resolution=RES, batch_size=config.batch_size).total_bytes
+    step = step_of(config)
+    prepare_step(net, resolution=RES, batch_size=config.batch_size, step=step)  # streams, as finetune runs it
+    return runtime_report(net, mode="repnet", resolution=RES, batch_size=config.batch_size, step=step).total_bytes
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    """Plans over a sweep of budgets, batch 8 and auto (one search each)."""
-    budgets = {8: (4.2, 4.45, 5.0, 9.0), "auto": (4.45, 5.0, 9.0)}
+    """Plans over a sweep of budgets, batch 8 and auto (one search each). At batch 8: 3.3 MB
+    is impossible, 3.45 MB prunes, 4.45 MB needs fused kernels and frozen fp16, 9.0 MB
+    nothing; with "auto", 4.45 MB needs both optimizer levers at batch 1, 5.0 MB fused
+    kernels."""
+    budgets = {8: (3.3, 3.45, 4.45, 9.0), "auto": (4.45, 5.0, 9.0)}
     return {batch: [(int(x * MB), _try(int(x * MB), batch)) for x in xs] for batch, xs in budgets.items()}
 
 
@@ -82,17 +93,20 @@ def _steps(ladder) -> list[tuple[str, object]]:
 
 def test_ladder_goes_one_dimension_at_a_time():
     ladder = storage_ladder(half="bf16")
-    assert ladder[0] == Storage(1, "fp32", "fp32") and ladder[-1] == Storage(4, "bf16", "int8", 1, recompute=True)
-    # streaming first, then recomputing streamed segments: they cost no accuracy (issue #14)
-    assert _steps(ladder) == [("stream", 1), ("recompute", True), ("frozen_weights", "fp16"),
-                              ("frozen_weights", "int8"), ("precision", "bf16"), ("pool", 2), ("pool", 4)]
+    assert ladder[0] == Storage(1, "fp32", "fp32")
+    assert ladder[-1] == Storage(4, "bf16", "int8", 1, recompute=True, fused=True, step_in_backward=True)
+    # streaming first, then recomputing streamed segments: they cost no accuracy (issue #14);
+    # then the optimizer's levers (issue #30), fused kernels before the update inside backward
+    assert _steps(ladder) == [("stream", 1), ("recompute", True), ("fused", True), ("step_in_backward", True),
+                              ("frozen_weights", "fp16"), ("frozen_weights", "int8"), ("precision", "bf16"),
+                              ("pool", 2), ("pool", 4)]
     assert {s.stream for s in storage_ladder(stream=0)} == {0}
     assert {s.stream for s in storage_ladder(stream=2)} == {2}
     assert storage_ladder()[-1].precision == half_precision() in HALF_DTYPES
     fixed = storage_ladder(precision="fp32", pool=2)
     assert {s.precision for s in fixed} == {"fp32"} and {s.pool for s in fixed} == {2}
-    assert _steps(fixed) == [("stream", 1), ("recompute", True), ("frozen_weights", "fp16"),
-                             ("frozen_weights", "int8")]
+    assert _steps(fixed) == [("stream", 1), ("recompute", True), ("fused", True), ("step_in_backward", True),
+                             ("frozen_weights", "fp16"), ("frozen_weights", "int8")]
 
 
 def test_half_is_fp16_where_the_cpu_runs_it():
@@ -137,22 +151,24 @@ def test_ladder_order_is_the_measured_cost_per_byte():
     spec = BackboneSpec(width=1.0, num_classes=102)
     ladder = storage_ladder(stored_pools=_stored_pools_of(spec, 224))
     steps = [("precision", "half") if step[0] == "precision" else step for step in _steps(ladder)]
-    # no accuracy cost at all: the gradients are the same
-    assert steps[:2] == [("stream", 1), ("recompute", True)]
-    assert steps[2:] == measured
+    # no accuracy cost at all: the gradients are the same; then the optimizer's levers (the
+    # update the same up to float rounding, then the same weights)
+    assert steps[:4] == [("stream", 1), ("recompute", True), ("fused", True), ("step_in_backward", True)]
+    assert steps[4:] == measured
 
 
 def test_ladder_totals_fall_at_224px_batch_8():
     """plan bisects the ladder: for the stock configuration (MobileNetV2 1.0, 102 classes,
     224 px, batch 8) every dtype step lowers the predicted total; pooling does not move
     this unpruned network's peak (a forward temporary), so a pool step may only keep it, and
-    recomputing is applied only where it lowers the peak, so it may only keep it too."""
+    recomputing is applied only where it lowers the peak, so it may only keep it too; nor
+    do the optimizer's levers lower a peak that is not in the update or in backward."""
     spec = BackboneSpec(width=1.0, num_classes=102)
     ev = _Evaluator(spec, 224)
     ladder = storage_ladder(stored_pools=_stored_pools_of(spec, 224))
     totals = [ev.total({}, s, 8) for s in ladder]
     for (lever, _), before, after in zip(_steps(ladder), totals, totals[1:]):
-        if lever in ("pool", "recompute"):
+        if lever in ("pool", "recompute", "fused", "step_in_backward"):
             assert after <= before
         else:
             assert after < before, (lever, before, after)
@@ -167,8 +183,9 @@ def test_ladder_skips_a_pool_factor_that_stores_like_the_smaller_one():
 
 
 def test_plan_at_64px_prunes_at_k2_not_an_idle_k4(sweep):
-    chosen = dict(sweep[8])[int(4.45 * MB)].chosen
+    chosen = dict(sweep[8])[int(3.45 * MB)].chosen
     assert chosen.kept and chosen.pool == 2
+    assert chosen.fused and chosen.step_in_backward  # pruning comes past every other lever
 
 
 def test_ratio_for_keeps_exactly_the_planned_channels():
@@ -193,6 +210,23 @@ def test_sweep_fits_and_matches_accounting(sweep):
                 assert c.batch_size == 8
             seen_pruned |= bool(c.kept)
     assert seen_impossible and seen_pruned
+
+
+def test_sweep_takes_the_optimizer_levers_only_where_the_budget_needs_them(sweep):
+    """With fewer of them (everything else as chosen) no plan of the sweep would fit."""
+    seen = set()
+    for batch, rows in sweep.items():
+        for budget, result in rows:
+            if isinstance(result, PlanImpossible):
+                continue
+            c = result.chosen
+            seen.add((c.fused, c.step_in_backward))
+            for fused in {False, c.fused}:
+                for inside in {False, c.step_in_backward}:
+                    if (fused, inside) != (c.fused, c.step_in_backward):
+                        lighter = dataclasses.replace(c, fused=fused, step_in_backward=inside)
+                        assert predicted(lighter) > budget, (budget, lighter.describe())
+    assert {(False, False), (True, False), (True, True)} <= seen
 
 
 def test_sweep_is_monotone(sweep):
@@ -223,7 +257,7 @@ def test_auto_batch_is_the_largest_that_fits(sweep):
 
 
 def test_impossible_reports_the_smallest_budget_that_works(sweep):
-    impossible = dict(sweep[8])[int(4.2 * MB)]
+    impossible = dict(sweep[8])[int(3.3 * MB)]
     assert isinstance(impossible, PlanImpossible)
     need = impossible.min_budget_bytes
     assert "smallest budget that works" in str(impossible)
@@ -247,7 +281,7 @@ def test_process_scope_subtracts_device_overheads():
 
 
 def test_yaml_round_trip_and_strict_keys(tmp_path, sweep):
-    result = dict(sweep[8])[int(4.45 * MB)]
+    result = dict(sweep[8])[int(3.45 * MB)]
     path = tmp_path / "plan.yaml"
     result.save(path)
     again = load_plan(path)
@@ -325,7 +359,7 @@ def test_prune_and_finetune_take_the_plan(tmp_path, sweep, capsys):
     from edgetl.errors import ConfigError
     from edgetl.models.backbone import read_backbone_spec
 
-    result = dict(sweep[8])[int(4.45 * MB)]
+    result = dict(sweep[8])[int(3.45 * MB)]
     assert result.chosen.kept
     path = tmp_path / "plan.yaml"
     result.save(path)
@@ -364,26 +398,30 @@ def mode_total(mode: str, storage: Storage, batch: int = 8) -> int:
                        precision=storage.precision, stream=storage.stream, storage=storage.conv_storage,
                        uint8_input=storage.uint8_input, recompute=storage.recompute)
     net = build_network(dataclasses.replace(TINY, num_classes=102), mode, device="meta", lean=lean)
-    prepare_step(net, resolution=RES, batch_size=batch)
-    return runtime_report(net, mode=mode, resolution=RES, batch_size=batch).total_bytes
+    step = step_of(storage)
+    prepare_step(net, resolution=RES, batch_size=batch, step=step)
+    return runtime_report(net, mode=mode, resolution=RES, batch_size=batch, step=step).total_bytes
 
 
 def test_full_plans_the_least_coarse_storage_that_fits_and_is_monotone():
-    """Lean full fine-tuning's ladder is exact -> pool2 -> pool4; a larger budget never stores coarser."""
+    """Lean full fine-tuning's ladder is exact -> fused kernels -> update inside backward ->
+    pool2 -> pool4; a larger budget never stores coarser."""
     ladder = storage_ladder(mode="full")
-    assert [s.conv_storage for s in ladder] == ["exact", "pool2", "pool4"]
+    assert _steps(ladder) == [("fused", True), ("step_in_backward", True), ("conv_storage", "pool2"),
+                              ("conv_storage", "pool4")]
     totals = [mode_total("full", s) for s in ladder]
-    assert totals[0] > totals[1] > totals[2]
+    # at 64 px the peak is in backward, not in the update: fused kernels alone save nothing
+    assert totals[0] == totals[1] > totals[2] > totals[3] > totals[4]
     chosen = []
-    for budget in (totals[2], (totals[1] + totals[2]) // 2, totals[1], totals[0] - 1, totals[0]):
+    for budget in (totals[4], totals[3], totals[0] - 1, totals[0]):
         result = tiny_plan(budget, mode="full")
         c = result.chosen
         assert (c.mode, c.kept, c.precision, c.frozen_weights, c.stream) == ("full", {}, "fp32", "fp32", 0)
         assert result.predicted_bytes == mode_total("full", c.storage) <= budget
         chosen.append(ladder.index(c.storage))
-    assert chosen == [2, 2, 1, 1, 0]
-    with pytest.raises(PlanImpossible, match=re.escape("mode full | storage pool4")):
-        tiny_plan(totals[2] - 1, mode="full")
+    assert chosen == [4, 3, 2, 0]  # one short of the exact total: the first rung that saves
+    with pytest.raises(PlanImpossible, match=re.escape("mode full | storage pool4 | batch 8 | fused | update")):
+        tiny_plan(totals[4] - 1, mode="full")
 
 
 def test_bias_plans_stream_and_storage_but_never_pool_or_prune():
@@ -397,13 +435,17 @@ def test_bias_plans_stream_and_storage_but_never_pool_or_prune():
     assert tiny_plan(exact, mode="bias").chosen.storage == ladder[0]
 
 
-@pytest.mark.parametrize("mode", ["full", "bias"])
-def test_mode_plans_verify_round_trip_and_reach_finetune(mode, tmp_path):
+# full: the update inside backward with fused kernels; bias: streamed by 1
+@pytest.mark.parametrize("mode, rung", [("full", 2), ("bias", 1)])
+def test_mode_plans_verify_round_trip_and_reach_finetune(mode, rung, tmp_path):
     from edgetl.cli import build_parser
     from edgetl.cli.finetune import recipe_from_args
 
     ladder = storage_ladder(mode=mode, half="bf16")
-    result = tiny_plan(mode_total(mode, ladder[1]), mode=mode)
+    result = tiny_plan(mode_total(mode, ladder[rung]), mode=mode)
+    c = result.chosen
+    assert (c.fused, c.step_in_backward, c.stream >= ladder[rung].stream) == (
+        ladder[rung].fused, ladder[rung].step_in_backward, True)
     assert verify_plan(result, steps=2) == result.predicted_bytes
     path = tmp_path / "plan.yaml"
     result.save(path)

@@ -62,7 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
     p.add_argument("--plan", metavar="PLAN",
                    help="plan.yaml from edgetl plan: supplies --mode, --runtime, --storage, --pool, --precision, "
-                        "--frozen-weights, --stream, --recompute, --uint8-input, --batch-size and --budget "
+                        "--frozen-weights, --stream, --recompute, --uint8-input, --fused, --step-in-backward, --batch-size "
+                        "and --budget "
                         "(explicit flags win); checks the backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B)")
@@ -117,7 +118,8 @@ def apply_plan(args) -> None:
     for name, value in (("pool", c.pool), ("precision", c.precision), ("frozen_weights", c.frozen_weights),
                         ("stream", c.stream), ("batch_size", c.batch_size), ("budget", plan.tensor_budget_bytes),
                         ("mode", c.mode), ("runtime", "lean"), ("storage", c.conv_storage),
-                        ("uint8_input", c.uint8_input or None), ("recompute", c.recompute or None)):
+                        ("uint8_input", c.uint8_input or None), ("recompute", c.recompute or None),
+                        ("fused", c.fused or None), ("step_in_backward", c.step_in_backward or None)):
         if getattr(args, name) is None:
             setattr(args, name, value)
     want = plan.spec.hidden

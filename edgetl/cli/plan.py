@@ -33,8 +33,10 @@ def add_parser(sub) -> None:
             "step (runtime accounting, MB = 10^6 B) fits the budget. Objective: fit the budget "
             "removing as few hidden channels as possible, then prefer a smaller k, then a larger "
             "batch. Streaming the frozen backbone on micro-batches (no accuracy cost) comes "
-            "first, then storage savings (frozen fp16, int8 frozen weights, half activations), "
-            "then pooling, then pruning; a streamed plan keeps the largest micro-batch that fits. "
+            "first, then recomputing streamed segments, then fused optimizer kernels and the update "
+            "inside backward, then storage savings (frozen fp16, int8 frozen weights, half "
+            "activations), then pooling, then pruning; a streamed plan keeps the largest "
+            "micro-batch that fits. "
             "With --batch-size auto the batch grows once "
             "the exact configuration fits. All plans lie on one path, so a larger budget never "
             "prunes more, pools coarser or shrinks the batch. --verify measures real training "
@@ -64,6 +66,11 @@ def add_parser(sub) -> None:
                    help="fix the activation precision (half = fp16 where this machine runs fp16 convolutions, else bf16); default: searched")
     p.add_argument("--stream", type=int, metavar="M",
                    help="fix the micro-batch of the streamed frozen backbone (0: never stream); default: searched")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="fix fused optimizer kernels (optim.fused) on or off; default: searched")
+    p.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=None,
+                   help="fix the update inside backward (optim.step_in_backward) on or off; --no-step-in-backward "
+                        "for a run under DDP (torchrun), which refuses it; default: searched")
     p.add_argument("--backbone", metavar="DIR|NAME", help="backbone folder or weights name, e.g. mobilenet_v2:IMAGENET1K_V1 (default: MobileNetV2 --width)")
     p.add_argument("--width", type=float, default=1.0, help="width multiplier without --backbone")
     p.add_argument("--max-ratio", type=float, default=MAX_RATIO, help="most any block may be pruned")
@@ -78,10 +85,17 @@ def add_parser(sub) -> None:
 
 def _storage(c) -> str:
     if c.mode == "full":
-        return f"each conv keeps its input {c.conv_storage}"
+        return f"each conv keeps its input {c.conv_storage}{_step(c)}"
     stream = f", backbone streamed by {c.stream}" if c.stream else ""
+    stream += " (recompute)" if c.recompute else ""
     pool = f"k={c.pool}, " if c.mode == "repnet" else ""
-    return f"{pool}activations {c.precision}, frozen weights {c.frozen_weights}{stream}"
+    return f"{pool}activations {c.precision}, frozen weights {c.frozen_weights}{stream}{_step(c)}"
+
+
+def _step(c) -> str:
+    """The optimizer's levers the plan takes (they are the step's, not the network's)."""
+    step = ", fused Adam" if c.fused else ""
+    return step + (", updated inside backward" if c.step_in_backward else "")
 
 
 def _pruning(c) -> str:
@@ -140,7 +154,8 @@ def run(args) -> int:
     result = plan(budget_bytes=args.budget, device_preset=args.device, budget_scope=args.budget_scope,
                   batch_size=args.batch_size, resolution=args.resolution, num_classes=args.num_classes,
                   precision=args.precision, stream=args.stream, backbone=args.backbone, width=args.width,
-                  max_ratio=args.max_ratio, max_batch_size=args.max_batch_size, mode=args.mode)
+                  max_ratio=args.max_ratio, max_batch_size=args.max_batch_size, mode=args.mode,
+                  fused=args.fused, step_in_backward=args.step_in_backward)
     if args.verify:
         verify_plan(result)
     print_plan(result)
