@@ -31,6 +31,7 @@ from torch import nn
 
 from edgetl.errors import BudgetError, ConfigError, EdgetlError
 from edgetl.io import atomic_text_json, atomic_torch_save
+from edgetl.memory import search
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.models.backbone import EdgeNet, describe_backbone
 from edgetl.models.side import (
@@ -138,14 +139,7 @@ def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
 
 def largest_batch(net: EdgeNet, recipe: Recipe, budget_bytes: int, upper: int) -> int:
     """Largest batch size <= ``upper`` whose predicted peak fits; 0 if not even batch 1."""
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if predict_peak(net, recipe, mid).total_bytes <= budget_bytes:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return search.largest_batch(lambda b: predict_peak(net, recipe, b).total_bytes, budget_bytes, upper)[0]
 
 
 def preflight(net: EdgeNet, recipe: Recipe, budget_bytes: int | None) -> MemoryReport:

@@ -11,7 +11,7 @@ import torch
 import torchvision
 
 from edgetl.bench import (
-    METHODS, PLAN, REFERENCE, BenchResult, bench, largest_fitting, plot_bench, pruned_hidden,
+    METHODS, PLAN, REFERENCE, BenchResult, bench, plot_bench, pruned_hidden,
     to_markdown,
 )
 from edgetl.cli import main
@@ -185,30 +185,6 @@ def test_plan_row_is_the_plan_for_the_budget(result):
 
 def test_pruned_hidden_is_the_papers():
     assert pruned_hidden(1.0, 102) == {1: 22, 2: 21, 3: 77, 4: 77}
-
-
-def test_largest_fitting_equals_brute_force():
-    budget = 1000
-    cases = [
-        lambda b: 100 + 7 * b,
-        lambda b: max(300 + 2 * b, 50 + 9 * b),  # convex, piecewise affine (two peaks)
-        lambda b: max(900 + b, 10 * b),
-        lambda b: 2000 + b,  # nothing fits
-        lambda b: 5 + b // 3,  # flat-ish steps
-    ]
-    for f in cases:
-        truth = max((b for b in range(1, 5000) if f(b) <= budget), default=0)
-        for start in ((1, 8), (1, 2), (4, 64)):
-            calls = []
-
-            def total(b, f=f):
-                calls.append(b)
-                return f(b)
-
-            got, seen = largest_fitting(total, budget, {b: f(b) for b in start}, upper=4999)
-            assert got == truth
-            assert all(seen[b] == f(b) for b in seen)
-            assert len(calls) <= 14
 
 
 def test_outputs_round_trip(result, tmp_path, capsys):

@@ -76,3 +76,13 @@ def test_no_import_cycle_under_edgetl():
     assert "edgetl.memory.cost" in graph["edgetl.models.lean"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+MAX_MODULE_LINES = 650  # "about 600": rooms split along their seams (export.py, 633, is the largest)
+
+
+def test_no_module_under_edgetl_is_over_about_600_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert len(sizes) > 40  # the walk found the package
+    big = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not big, big

@@ -582,7 +582,7 @@ def test_keeping_small_maps_exact_costs_1_4_kB_an_image_at_64px(monkeypatch):
     Side conv inputs 16x4x4, 24x2x2, 32x2x2 stay exact instead of 2x2, 1x1, 1x1:
     16*12 + 24*3 + 32*3 = 360 values.
     """
-    import edgetl.models.lean as lean_module
+    import edgetl.models.lean.pooled_conv as lean_module  # the module that reads MIN_POOLED_SIDE
 
     def saved(min_side: int) -> int:
         monkeypatch.setattr(lean_module, "MIN_POOLED_SIDE", min_side)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import edgetl.models.lean as lean_module
+import edgetl.models.lean.frozen as lean_module  # the module that reads DEQUANT_CHUNK
 from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.report import MB
 from edgetl.memory.runtime import runtime_report

@@ -9,7 +9,8 @@ from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.paper import sensitive
 from edgetl.memory.report import MB
 from edgetl.memory.cost import LayerCost
-from edgetl.memory.runtime import runtime_report, stock_cost
+from edgetl.memory.rules import stock_cost
+from edgetl.memory.runtime import runtime_report
 from edgetl.step import Step
 from edgetl.models.backbone import BackboneSpec, EdgeNet
 from edgetl.models.side import Resize, build_network

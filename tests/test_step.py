@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgetl.errors import CapabilityError
 from edgetl.memory.meter import measure_training_peak
-from edgetl.memory.runtime import optimizer_cost, runtime_report
+from edgetl.memory.runtime import runtime_report
+from edgetl.memory.step_cost import optimizer_cost
 from edgetl.memory.schedule import Schedule, apply_schedule, fit_schedule, prepare_step
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.side import LeanOptions, build_network

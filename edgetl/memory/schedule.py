@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from edgetl.errors import ConfigError
-from edgetl.memory.runtime import layer_cost, runtime_report, simulate
+from edgetl.memory.rules import layer_cost
+from edgetl.memory.runtime import runtime_report, simulate
 from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample, mask_forward_chunked
 from edgetl.models.stream import apply_streams, segments_of
 from edgetl.step import Step, resolve_step

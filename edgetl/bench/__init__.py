@@ -1,0 +1,266 @@
+"""Benchmark stage: fine-tuning methods in, a BenchResult (memory three ways, speed, largest batch) out.
+
+The paper's Table I, measured. Per method: paper accounting (DESIGN 2a), runtime
+accounting (DESIGN 2b), measured peak (DESIGN 2c), training throughput, the largest
+batch that fits a memory budget and the trainable parameter count. Throughput follows
+Liu et al. ("An Evaluation of Memory Optimization Methods", shared/papers/003): memory
+methods are compared at the same batch size in the same process, and steps are
+interleaved round-robin (one step of each method per round) so machine noise hits all
+methods alike; the reported figure is the median step time after warm-up.
+
+On CUDA the measured column is the caching allocator's allocated peak, and a reserved
+column (what the device loses, DESIGN 2d) stands beside it; the storage meter's tensor
+peak over the same steps is kept in the result too (``tensor_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from edgetl.errors import ConfigError
+from edgetl.memory.report import MB
+from edgetl.memory.search import largest_batch
+from edgetl.models.backbone import EdgeNet
+from edgetl.recipe import MAX_BATCH
+from edgetl.step import Step, set_train_mode, training_step
+from edgetl.bench.methods import (
+    FROZEN_BITS, METHODS, PAPER_PRUNING, PLAN, REFERENCE, Checkpointed, Method, build_method, count_trainable,
+    default_methods, plan_available, planned_method, pruned_hidden,
+)
+from edgetl.bench.result import (
+    BenchResult, BenchRow, caption, has_reserved, plot_bench, set_ratios, table_rows, to_markdown,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FROZEN_BITS", "METHODS", "PAPER_PRUNING", "PLAN", "REFERENCE", "BenchResult", "BenchRow", "Checkpointed",
+    "Method", "bench", "build_method", "caption", "count_trainable", "default_methods", "has_reserved",
+    "interleaved_step_times", "plan_available", "planned_method", "plot_bench", "pruned_hidden", "set_ratios",
+    "table_rows", "to_markdown",
+]
+
+
+# ----------------------------------------------------------------------------- throughput
+
+
+class _Trainer:
+    """One method's network, Adam and a fixed random batch; ``step()`` returns seconds of
+    ``edgetl.step.training_step``, the step the meter measures and fit runs."""
+
+    def __init__(self, net: EdgeNet, *, resolution: int, batch_size: int, num_classes: int,
+                 device: torch.device, lr: float, seed: int):
+        self.spec = Step.plain("adam", lr)
+        set_train_mode(net, self.spec.bn)
+        self.net = net
+        self.opt = self.spec.optimizer(net)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
+        self.image = image.to(device, getattr(net, "input_dtype", torch.float32))
+        self.labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
+        self.device = device
+
+    def step(self) -> float:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        sync(self.device)
+        start = time.perf_counter()
+        training_step(self.net, self.spec, self.opt, self.image, self.labels)
+        sync(self.device)
+        return time.perf_counter() - start
+
+
+def interleaved_step_times(trainers: dict[str, _Trainer], *, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Round-robin: each round runs one step of every method; warm-up rounds are dropped."""
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for round_ in range(warmup + steps):
+        for name, trainer in trainers.items():
+            seconds = trainer.step()
+            if round_ >= warmup:
+                times[name].append(seconds)
+        log.info("throughput round %d/%d done", round_ + 1, warmup + steps)
+    return times
+
+
+# ----------------------------------------------------------------------------- the bench
+
+
+def bench(
+    *,
+    resolution: int = 224,
+    batch_size: int = 8,
+    num_classes: int = 102,
+    width: float = 1.0,
+    budget_bytes: int = 256 * 10**6,
+    methods: list[str] | tuple[str, ...] | None = None,
+    steps: int = 10,
+    warmup: int = 2,
+    device: str | torch.device = "cpu",
+    verify_images: int = 64,
+    measure_steps: int = 2,
+    lr: float = 1e-3,
+    seed: int = 0,
+    command: str | None = None,
+    largest_steps: int = 3,
+    largest_cap: int = 256,
+) -> BenchResult:
+    """Measure every method side by side.
+
+    Args:
+        resolution: input side in pixels.
+        batch_size: images per step for the memory figures and the throughput.
+        num_classes: classifier outputs.
+        width: MobileNetV2 width multiplier.
+        budget_bytes: memory budget for the largest-batch column.
+        methods: names from ``METHODS`` (default: all), in table order.
+        steps: measured throughput rounds (one step of every method per round).
+        warmup: throughput rounds run first and dropped.
+        device: where to measure and time.
+        verify_images: the largest batch found by runtime accounting is re-measured with
+            the meter when batch x resolution^2 <= verify_images x 224^2 (cheap enough).
+        measure_steps: training steps per meter measurement (the peak comes in step 2,
+            once optimizer state exists).
+        lr: Adam learning rate of the timed and measured steps.
+        seed: seeds the random batches.
+        command: the command line that made this result, stored with it.
+        largest_steps: timed steps (after one warm-up step) of each method at its largest
+            batch, for the throughput that batch buys (Liu et al., seed 003); 0: skip.
+        largest_cap: time at most this batch (a streamed row's largest batch can run to
+            thousands of small-input images); the row records the batch it timed.
+    """
+    from edgetl.memory.meter import count_step_ops, measure_training_memory
+    from edgetl.memory.runtime import runtime_report
+    from edgetl.memory.schedule import prepare_step
+    from edgetl.profile import check_options, paper_report
+
+    names = list(methods) if methods is not None else default_methods()
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
+    if not names:
+        raise ConfigError("no methods to bench")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"methods repeat: {', '.join(names)}")
+    if steps < 1 or warmup < 0 or measure_steps < 1 or largest_steps < 0 or largest_cap < 1:
+        raise ConfigError(f"need steps >= 1, warmup >= 0, measure_steps >= 1, largest_steps >= 0, largest_cap >= 1; "
+                          f"got {steps}, {warmup}, {measure_steps}, {largest_steps}, {largest_cap}")
+    if budget_bytes < 1:
+        raise ConfigError(f"budget {budget_bytes} bytes is not allowed; give a positive size")
+    for name in names:
+        check_options(mode=METHODS[name].mode, accounting="runtime", resolution=resolution,
+                      batch_size=batch_size)
+    device = torch.device(device)
+    hidden = pruned_hidden(width, num_classes)
+    result = BenchResult(
+        resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
+        budget_bytes=budget_bytes, steps=steps, warmup=warmup, optimizer="adam", device=str(device),
+        threads=torch.get_num_threads(), torch_version=torch.__version__, reference=REFERENCE,
+        command=command,
+    )
+    verify_pixels = verify_images * 224 * 224
+    trainers: dict[str, _Trainer] = {}
+    builders: dict[str, Callable[[torch.device, int], EdgeNet]] = {}
+    for name in names:
+        method, plan_note = METHODS[name], ""
+        if method.planned:
+            method, plan_note = planned_method(budget_bytes=budget_bytes, batch_size=batch_size,
+                                               resolution=resolution, num_classes=num_classes, width=width)
+        method_hidden = method.hidden if method.hidden is not None else (hidden if method.pruned else {})
+        def build(dev, b: int, m=method, h=method_hidden) -> EdgeNet:
+            net = build_method(m, width=width, num_classes=num_classes, device=dev, hidden=h)
+            if m.lean is not None:  # as edgetl finetune runs it: whole-batch backward where the peak allows
+                prepare_step(net, resolution=resolution, batch_size=b)
+            return net
+
+        log.info("%s: accounting", name)
+
+        def measure(b: int, build=build):
+            return measure_training_memory(build(device, b), resolution=resolution, batch_size=b,
+                                           steps=measure_steps, lr=lr, seed=seed)
+
+        def measured(b: int) -> int:
+            return measure(b).peak_bytes
+
+        if method.checkpoint:
+            # Neither accounting models recomputation: the paper walk and the runtime
+            # simulation would both describe the plain full fine-tune.
+            paper_bytes = runtime_bytes = None
+            note = "accountings do not model recomputation; largest batch by measurement"
+        else:
+            stock_meta = build_method(
+                dataclasses.replace(method, lean=None), width=width, num_classes=num_classes,
+                device="meta", hidden=method_hidden)
+            paper_bytes = paper_report(stock_meta, mode=method.mode, resolution=resolution,
+                                       batch_size=batch_size, frozen_bits=FROZEN_BITS).total_bytes
+            meta = build("meta", batch_size)
+
+            def accounted(b: int, meta=meta, mode=method.mode) -> int:
+                return runtime_report(meta, mode=mode, resolution=resolution, batch_size=b).total_bytes
+
+            runtime_bytes = accounted(batch_size)
+            note = plan_note
+        log.info("%s: measuring the peak", name)
+        at_size = measure(batch_size)
+        measured_bytes = at_size.peak_bytes
+        log.info("%s: largest batch in %.1f MB", name, budget_bytes / MB)
+        if method.checkpoint:
+            source, total_fn, at_batch = "measured", measured, measured_bytes
+        else:
+            source, total_fn, at_batch = "runtime", accounted, runtime_bytes
+        largest, seen = largest_batch(total_fn, budget_bytes, MAX_BATCH, {batch_size: at_batch})
+        verify = None
+        if source == "measured":
+            verify = seen.get(largest)
+        elif 1 <= largest and largest * resolution**2 <= verify_pixels:
+            verify = measured(largest)
+        # the meta network the accounting used, its schedule applied (checkpointed rows have none)
+        counted = build("meta", batch_size) if method.checkpoint else meta
+        ops = count_step_ops(counted, resolution=resolution, batch_size=batch_size)
+        builders[name] = build
+        real = build(device, batch_size)
+        trainers[name] = _Trainer(real, resolution=resolution, batch_size=batch_size,
+                                  num_classes=num_classes, device=device, lr=lr, seed=seed)
+        result.rows.append(BenchRow(
+            method=name, label=method.label, mode=method.mode,
+            runtime="lean" if method.lean else ("stock+checkpoint" if method.checkpoint else "stock"),
+            lean=None if method.lean is None else dataclasses.asdict(method.lean),
+            hidden={str(k): v for k, v in sorted(method_hidden.items())},
+            trainable_params=count_trainable(real),
+            paper_bytes=paper_bytes, runtime_bytes=runtime_bytes, measured_bytes=measured_bytes,
+            images_per_s=0.0, step_seconds=[],
+            largest_batch=largest, largest_batch_source=source,
+            largest_batch_bytes=seen.get(largest), next_batch_bytes=seen.get(largest + 1),
+            largest_batch_measured_bytes=verify, note=note,
+            reserved_bytes=at_size.reserved_bytes,
+            tensor_bytes=at_size.tensor_bytes if at_size.allocated_bytes is not None else None,
+            step_ops=ops.total, forward_ops=ops.forward, unstreamed=method.unstreamed,
+        ))
+    log.info("throughput: %d warm-up + %d rounds of %d methods", warmup, steps, len(trainers))
+    times = interleaved_step_times(trainers, steps=steps, warmup=warmup)
+    for row in result.rows:
+        row.step_seconds = times[row.method]
+        row.images_per_s = batch_size / statistics.median(row.step_seconds)
+    trainers.clear()
+    if largest_steps:
+        for row in result.rows:
+            if row.largest_batch < 1:
+                continue
+            timed = min(row.largest_batch, largest_cap)
+            log.info("%s: %d steps at batch %d (largest %d)", row.method, largest_steps, timed, row.largest_batch)
+            trainer = _Trainer(builders[row.method](device, timed), resolution=resolution,
+                               batch_size=timed, num_classes=num_classes, device=device, lr=lr, seed=seed)
+            trainer.step()  # warm-up
+            seconds = [trainer.step() for _ in range(largest_steps)]
+            row.largest_timed_batch = timed
+            row.largest_step_seconds = seconds
+            row.largest_images_per_s = timed / statistics.median(seconds)
+            del trainer
+    set_ratios(result)
+    return result
+
+

@@ -1,0 +1,255 @@
+"""The data flow of a training step's forward: a network in, each op's inputs and output storages
+and how long Python holds each storage out (traced once on the meta device)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from edgetl.memory.rules import leaf_parameters
+from edgetl.memory.trace import Leaf, trace_network
+from edgetl.models.backbone import EdgeNet
+from edgetl.models.stream import mark_shapes_only
+
+
+@dataclass
+class Op:
+    name: str
+    block: int
+    part: str
+    inputs: list[int]  # value ids
+    output: int  # value id
+    module: nn.Module | None = None  # original (not meta) module, None for functions
+    leaf: Leaf | None = None
+    func: str = ""
+
+
+@dataclass
+class Value:
+    storage: int
+    nbytes: int  # bytes of the storage
+    shape: tuple[int, ...]
+    act_bytes: int
+    requires_grad: bool = False
+    producer: int | None = None  # op index
+
+
+@dataclass
+class Flow:
+    ops: list[Op]
+    values: list[Value]
+    holds: dict[int, int]  # storage -> op index after which Python no longer refers to it
+    image: int  # value id of the input batch
+    leaves: list[Leaf]
+
+
+ALIAS_FUNCS = {"flatten", "view", "reshape", "squeeze", "unsqueeze", "__getitem__", "detach"}
+ADD_FUNCS = {"add", "__add__", "__radd__", "__iadd__", "add_"}
+# new output, nothing saved, backward allocates grad_input (a cast back, upsample_*_backward)
+PLAIN_FUNCS = {"to", "float", "half", "bfloat16", "type", "interpolate"}
+
+
+def _func_name(func) -> str:
+    return getattr(func, "__name__", str(func))
+
+
+def _leaf_now(module: nn.Module, inputs: list[torch.Tensor]) -> bool:
+    """A leaf module is one op, except a streamed segment that does not stream at this batch
+    (its blocks then run as they are, and are accounted layer by layer)."""
+    if getattr(module, "accounting_kind", None) == "streamed_segment":
+        return bool(inputs) and inputs[0].shape[0] > module.micro_batch
+    return True
+
+
+def _skey(t: torch.Tensor) -> int:
+    """The key of a tensor's storage."""
+    return t.untyped_storage()._cdata
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    """The tensors among a call's arguments."""
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+class _FlowRecorder(TorchFunctionMode):
+    """Records a meta forward as ops and values: leaf modules through their hooks, the
+    functions called between them (adds, views, casts) as a torch function mode."""
+
+    def __init__(self, originals: dict[str, nn.Module], leaves: list[Leaf]) -> None:
+        super().__init__()
+        self.originals = originals
+        self.leaf_iter = iter(leaves)
+        self.keep: list[torch.Tensor] = []  # keeps meta storages alive so their keys stay unique
+        self.values: list[Value] = []
+        self.latest: dict[int, int] = {}  # storage key -> newest value id
+        self.ops: list[Op] = []
+        self.spans: list[tuple[int, int, int]] = []  # (storage, first op, last op) of module inputs
+        self.stack: list[tuple[int | None, int, bool]] = []
+        self.ignored: list[bool] = []  # per module call: inside a streamed segment (its own leaf)
+        self.busy = False  # inside a hook: its own tensor calls are no ops
+        self.leaf_depth = 0
+
+    def value_of(self, t: torch.Tensor) -> int:
+        """The newest value of ``t``'s storage (a new one for a storage not seen yet)."""
+        key = _skey(t)
+        if key not in self.latest:
+            self.keep.append(t)
+            self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size()))
+            self.latest[key] = len(self.values) - 1
+        return self.latest[key]
+
+    def new_value(self, t: torch.Tensor, producer: int) -> int:
+        """A new value for ``t``, written by op ``producer``."""
+        self.keep.append(t)
+        self.values.append(Value(_skey(t), t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(),
+                                  producer=producer))
+        self.latest[_skey(t)] = len(self.values) - 1
+        return len(self.values) - 1
+
+    def pre(self, name: str, is_leaf: bool):
+        """The forward pre-hook of module ``name``: opens its call."""
+        def hook(module, args):
+            self.ignored.append(bool(self.leaf_depth))
+            if self.ignored[-1]:
+                return
+            self.busy = True
+            ts = _tensors(args)
+            leaf = is_leaf and _leaf_now(module, ts)
+            self.stack.append((_skey(ts[0]) if ts else None, len(self.ops), leaf))
+            if leaf:
+                self.leaf_depth += 1
+            self.busy = False
+
+        return hook
+
+    def post(self, name: str, is_leaf: bool):
+        """The forward hook of module ``name``: records a leaf's op and the span of its input."""
+        def hook(module, args, output):
+            if self.ignored.pop():
+                return
+            self.busy = True
+            key, first, leaf_call = self.stack.pop()
+            if leaf_call:
+                self.leaf_depth -= 1
+                self.record_leaf(name, module, args, output)
+            if key is not None and len(self.ops) > first:
+                self.spans.append((key, first, len(self.ops) - 1))
+            self.busy = False
+
+        return hook
+
+    def record_leaf(self, name: str, module: nn.Module, args, output) -> None:
+        """The op of a leaf call; a leaf returning its input unchanged is an identity."""
+        leaf = next(self.leaf_iter)
+        if leaf.name != name:
+            raise RuntimeError(f"trace order mismatch: {leaf.name} vs {name}")
+        ins = [self.value_of(t) for t in _tensors(args)]
+        if any(output is t for t in _tensors(args)) and not getattr(module, "inplace", False):
+            self.latest[_skey(output)] = ins[0]  # identity (e.g. Resize to the same size)
+            self.ops.append(Op(name, leaf.block, leaf.part, ins, ins[0], self.originals[name], leaf,
+                                func="identity"))
+        else:
+            self.ops.append(Op(name, leaf.block, leaf.part, ins, -1, self.originals[name], leaf))
+            self.ops[-1].output = self.new_value(output, len(self.ops) - 1)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.busy or self.leaf_depth or not isinstance(out, torch.Tensor):
+            return out
+        if any(out is t for t in _tensors(args)):
+            return out  # x.to(x.dtype) and the like: the very same tensor, no op
+        ins = [self.value_of(t) for t in _tensors(args)]
+        if not ins:
+            return out
+        block, part = (self.ops[-1].block, self.ops[-1].part) if self.ops else (0, "backbone")
+        self.ops.append(Op(_func_name(func), block, part, ins, -1, func=_func_name(func)))
+        self.ops[-1].output = self.new_value(out, len(self.ops) - 1)
+        return out
+
+    def run(self, meta: EdgeNet, resolution: int, batch_size: int, dtype: torch.dtype) -> int:
+        """Run ``meta`` on a meta batch under the hooks; returns the batch's value id."""
+        handles = []
+        for name, module in meta.named_modules():
+            is_leaf = len(list(module.children())) == 0
+            handles.append(module.register_forward_pre_hook(self.pre(name, is_leaf)))
+            handles.append(module.register_forward_hook(self.post(name, is_leaf)))
+        image_t = torch.empty(batch_size, 3, resolution, resolution, device="meta", dtype=dtype)
+        image = self.value_of(image_t)
+        try:
+            with torch.no_grad(), self:
+                logits = meta(image_t)
+        finally:
+            for h in handles:
+                h.remove()
+        del logits
+        return image
+
+
+def _meta_copy(net: EdgeNet) -> EdgeNet:
+    """``net`` on meta, shapes only, BN in eval mode.
+
+    BN in eval mode for tracing only: shapes are the same, and a batch-1 train-mode BN
+    on a 1x1 map refuses to run; the rules read training flags from ``net`` itself.
+    """
+    meta = copy.deepcopy(net).to("meta")
+    mark_shapes_only(meta)
+    for m in meta.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return meta
+
+
+def trace_flow(net: EdgeNet, resolution: int, batch_size: int) -> Flow:
+    """Trace ``net`` on meta, recording for each op which tensors it reads and writes."""
+    meta = _meta_copy(net)
+    trace = trace_network(meta, resolution, batch_size=batch_size)
+    recorder = _FlowRecorder(dict(net.named_modules()), trace.leaves)
+    image = recorder.run(meta, resolution, batch_size, getattr(net, "input_dtype", torch.float32))
+    ops, values = recorder.ops, recorder.values
+    _mark_requires_grad(ops, values)
+    holds = _holds(net, ops, values, recorder.spans)
+    return Flow(ops, values, holds, image, trace.leaves)
+
+
+def _mark_requires_grad(ops: list[Op], values: list[Value]) -> None:
+    """Which values need grad: any input that does, or a param of the layer that trains."""
+    for op in ops:
+        if op.func == "identity":
+            continue
+        own = op.module is not None and any(p.requires_grad for p in leaf_parameters(op.module))
+        values[op.output].requires_grad = own or any(values[v].requires_grad for v in op.inputs)
+
+
+def _holds(net: EdgeNet, ops: list[Op], values: list[Value],
+           spans: list[tuple[int, int, int]]) -> dict[int, int]:
+    """Storage -> index of the op after which Python no longer refers to it: its last
+    reader, the end of a module call it was passed to, a side tap's span, the loss."""
+    holds: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for v in op.inputs:
+            s = values[v].storage
+            holds[s] = max(holds.get(s, i), i)
+    for key, _, last in spans:
+        holds[key] = max(holds.get(key, last), last)
+    # EdgeNet.forward keeps ``side_in`` bound until it rebinds it, just before the next tap
+    # block (or the streamed segment that ends at it) runs
+    side = getattr(net, "side", None)
+    if side is not None:
+        taps = list(side.taps)
+        for j, tap in enumerate(taps):
+            name = f"side.blocks.{j}."
+            first = next((op for op in ops if op.name.startswith(name)), None)
+            if first is None:
+                continue
+            nxt = taps[j + 1] if j + 1 < len(taps) else None
+            end = next((i - 1 for i, op in enumerate(ops) if nxt is not None and op.block == nxt
+                        and op.part == "backbone"), len(ops) - 1)
+            s = values[first.inputs[0]].storage
+            holds[s] = max(holds.get(s, end), end)
+    holds[values[ops[-1].output].storage] = len(ops)  # the logits: until the loss has them
+    return holds
+

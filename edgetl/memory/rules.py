@@ -1,0 +1,115 @@
+"""What a leaf layer keeps for backward and allocates while it runs: a leaf module and its shapes
+in, a LayerCost out (the rule table of the runtime accounting, ``edgetl.memory.runtime``).
+
+Stock rules (torch 2.14, train mode), checked layer by layer against the meter in
+tests/test_runtime_accounting.py: conv saves its input whenever its output needs grad
+(frozen or not); BN saves its input plus save_mean/save_invstd (2 x C floats);
+in-place ReLU6 (``hardtanh_``) saves a *clone* of its input; in-place ReLU saves its
+result (no copy); linear saves its input only if its weight trains; AvgPool2d saves
+its input; AdaptiveAvgPool2d to 1x1 is a ``mean`` and saves nothing; dropout saves a
+mask as large as its input (input dtype); bilinear resize, add and flatten save nothing.
+
+Lean-layer protocol: a leaf module may define
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, in_bytes, input_requires_grad,
+                     output_requires_grad) -> LayerCost
+
+(``act_bytes``/``in_bytes``: element sizes of its output/input) returning a :class:`LayerCost` (what it keeps for backward, whether it is in-place,
+forward and backward temporaries, whether its backward produces a grad_input). The rule
+table consults this method first, so a frozen conv that saves nothing, a BN folded
+into its conv, a ReLU6 that keeps a bit-packed mask, or a side conv that keeps its
+input average-pooled by k plugs in without touching this file. ``saved_new_bytes`` is
+for tensors the layer allocates and keeps (a packed mask, a pooled input); referenced
+input or output storages are declared with ``saves_input`` / ``saves_output`` so a
+storage shared with a neighbour is counted once. A leaf that returns the very tensor it
+was given is taken as an identity (no op, no grad_fn) unless it has ``inplace = True``,
+in which case it is an in-place op whose output shares its input's storage.
+Temporaries are the *largest* extra a layer holds at any moment inside its forward
+(beyond its output and ``saved_new_bytes``) or backward (beyond grad_input and its
+param grads); the lean layers (edgetl.models.lean, lean_side) derive them from the
+sequence of allocations their code makes, checked against the meter in
+tests/test_lean_runtime.py. A leaf whose parameters are registered elsewhere (the lean
+side tail) lists them with ``runtime_parameters()``. The input batch is built in
+``net.input_dtype`` when the network has one (the lean runtime feeds bf16/fp16 batches);
+a pass-through gradient (add, view) whose input has another dtype is a new cast buffer.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from edgetl.errors import CapabilityError
+from edgetl.memory.cost import LayerCost, numel as _numel
+
+
+def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
+               input_requires_grad: bool, output_requires_grad: bool,
+               in_bytes: int | None = None) -> LayerCost:
+    """The rule table for stock torch leaf modules (see the module docstring)."""
+    nx = _numel(in_shape) * act_bytes
+    grad = output_requires_grad
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return LayerCost(saves_input=grad)
+    if isinstance(module, nn.Linear):
+        return LayerCost(saves_input=grad and module.weight.requires_grad)
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm)):
+        if isinstance(module, nn.GroupNorm):
+            stats = 2 * in_shape[0] * module.num_groups * 4
+        else:
+            stats = 2 * in_shape[1] * 4 if module.training else 0
+        if grad:
+            return LayerCost(saves_input=True, saved_new_bytes=stats)
+        return LayerCost(forward_temp_bytes=stats)
+    if isinstance(module, (nn.ReLU6, nn.Hardtanh)):
+        if module.inplace:
+            # hardtanh_'s formula needs the original input: autograd clones it first
+            return LayerCost(inplace=True, saved_new_bytes=nx if grad else 0)
+        return LayerCost(saves_input=grad)
+    if isinstance(module, (nn.ReLU, nn.LeakyReLU)):
+        if module.inplace:
+            return LayerCost(inplace=True, saves_output=grad)
+        return LayerCost(saves_output=grad) if isinstance(module, nn.ReLU) else LayerCost(saves_input=grad)
+    if isinstance(module, (nn.Sigmoid, nn.Tanh)):
+        return LayerCost(saves_output=grad)
+    if isinstance(module, (nn.Hardswish, nn.SiLU, nn.GELU, nn.Hardsigmoid)):
+        if getattr(module, "inplace", False):
+            return LayerCost(inplace=True, saved_new_bytes=nx if grad else 0)
+        return LayerCost(saves_input=grad)
+    if isinstance(module, (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
+        return LayerCost(saves_input=grad)
+    if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
+        return LayerCost(saves_input=grad, saved_new_bytes=_numel(out_shape) * 8 if grad else 0)
+    if isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
+        if all(int(s) == 1 for s in out_shape[2:]):
+            return LayerCost()  # lowered to mean(): saves only sizes
+        return LayerCost(saves_input=grad)
+    if isinstance(module, (nn.Dropout, nn.Dropout2d, nn.Dropout1d)):
+        if module.training and module.p > 0:
+            mask = nx if not isinstance(module, (nn.Dropout1d, nn.Dropout2d)) else (
+                _numel(in_shape[:2]) * act_bytes)
+            return LayerCost(saved_new_bytes=mask) if grad else LayerCost(forward_temp_bytes=mask)
+        return LayerCost(inplace=True, grad_input=False)
+    if isinstance(module, (nn.Flatten, nn.Identity)):
+        return LayerCost(inplace=True, grad_input=False)
+    if isinstance(module, nn.Upsample) or type(module).__name__ == "Resize":
+        return LayerCost()  # upsample_*_backward needs only sizes
+    raise CapabilityError(
+        f"the runtime accounting has no rule for the layer {type(module).__name__}: give it a "
+        f"runtime_cost method (see edgetl.memory.rules) or add a rule to stock_cost")
+
+
+def layer_cost(module: nn.Module, **kwargs) -> LayerCost:
+    """A leaf's own ``runtime_cost`` if it has one, else the stock rule table."""
+    own = getattr(module, "runtime_cost", None)
+    if callable(own):
+        return own(**kwargs)
+    return stock_cost(module, **kwargs)
+
+
+def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters a leaf's backward produces grads for: its own, or ``runtime_parameters()``."""
+    own = getattr(module, "runtime_parameters", None)
+    if callable(own):
+        return list(own())
+    return list(module.parameters(recurse=False))
+

@@ -1,0 +1,116 @@
+"""Lean runtime layers: stock conv/BN/ReLU6 modules in, modules that save only what backward needs out.
+
+DESIGN 4. Every layer here is a ``torch.autograd.Function`` whose forward is exact and
+whose saved-for-backward tensors are chosen by hand:
+
+    module              saved for backward (when a backward through it is needed)
+    PooledConv2d        its input average-pooled by k (k=1: the exact input); small maps
+                        pool less or not at all (effective_pool)
+    LeanAvgPool2d       nothing (only the input shape)
+    LeanGlobalAvgPool   nothing
+    FrozenConvBNAct     fold / eval BN: a 1-bit ReLU6 mask (nothing without activation);
+                        batch BN in training: the conv output + per-channel mean, invstd
+    LeanSideTail        BN1's input + per-channel batch stats (conv2's input, the ReLU
+                        mask and BN2's input are recomputed in backward)
+
+Saved-bytes contract, for the runtime accounting (edgetl/memory/runtime.py):
+every lean module has a class attribute ``saved_rule`` (a short name of the rule above)
+and a method ``saved_bytes(in_shape, out_shape) -> int``: the bytes of *new* storage it
+saves for backward for one call with those shapes, assuming a backward through it is
+needed (its input requires grad or one of its parameters trains). Parameters and buffers
+it keeps a reference to are not counted (they are already counted as parameters). When
+no backward is needed (e.g. frozen layers before the first side tap, or under
+``torch.no_grad``) it saves 0. ``predicted_saved_bytes`` sums the rule over a real
+forward; ``count_saved_bytes`` measures the same thing with ``saved_tensors_hooks``;
+tests check that the two agree to the byte.
+
+Runtime-accounting contract: every lean leaf also has ``runtime_cost(...) -> LayerCost``
+(see edgetl/memory/rules.py): saved bytes plus the largest forward and backward
+temporaries, derived from the allocations its code makes (dequantised weights, cast
+copies, mask construction, per-sample masked gradients, upsampled pooled inputs).
+tests/test_lean_runtime.py checks the whole step against the meter to the byte. Keep
+the two in step when changing a forward or backward here.
+
+Rooms, by concern (import from this package; the submodules are its layout):
+
+    masks         1-bit masks: pack_mask, unpack_mask, unpack_as, mask_bytes
+    pooled_conv   PooledConv2d and its pooled-input gradient (effective_pool, POOLS)
+    pooling       pooling that saves nothing: LeanAvgPool2d, InputNorm, ImagePool,
+                  LeanGlobalAvgPool
+    frozen        FrozenConvBNAct, its autograd Function, int8 weights and mask helpers
+    leanify       leanify_backbone: a built EdgeNet's frozen features to lean layers
+    saved         measuring: count_saved_bytes, predicted_saved_bytes
+"""
+
+from edgetl.memory.cost import LayerCost  # what every lean leaf's runtime_cost returns (above)
+from edgetl.models.lean.frozen import (
+    DEQUANT_CHUNK,
+    FrozenConvBNAct,
+    mask_backward_per_sample,
+    mask_forward_chunked,
+    quantize_int8,
+)
+from edgetl.models.lean.leanify import ACT_DTYPES, BN_MODES, WEIGHT_DTYPES, check_act_dtype, leanify_backbone
+from edgetl.models.lean.masks import (
+    UNPACK_TABLE_BUILD,
+    mask_bytes,
+    pack_mask,
+    pack_mask_,
+    unpack_as,
+    unpack_mask,
+    unpack_table,
+)
+from edgetl.models.lean.pooled_conv import (
+    MIN_POOLED_SIDE,
+    POOLS,
+    PooledConv2d,
+    effective_pool,
+    grad_weight_cosine,
+    inflate_saved,
+    pool_for_save,
+    pooled_grad_weight,
+)
+from edgetl.models.lean.pooling import ImagePool, InputNorm, LeanAvgPool2d, LeanGlobalAvgPool, by_micro_batch
+from edgetl.models.lean.saved import SavedBytes, count_saved_bytes, predicted_saved_bytes
+
+# private helpers that edgetl.models.lean_full and lean_side import from here
+from edgetl.models.lean.frozen import _relu6_mask, _sample_aligned
+from edgetl.models.lean.masks import _pack_phases
+from edgetl.models.lean.pooled_conv import _check_pool
+
+__all__ = [
+    "ACT_DTYPES",
+    "BN_MODES",
+    "DEQUANT_CHUNK",
+    "FrozenConvBNAct",
+    "ImagePool",
+    "InputNorm",
+    "LayerCost",
+    "LeanAvgPool2d",
+    "LeanGlobalAvgPool",
+    "MIN_POOLED_SIDE",
+    "POOLS",
+    "PooledConv2d",
+    "SavedBytes",
+    "UNPACK_TABLE_BUILD",
+    "WEIGHT_DTYPES",
+    "by_micro_batch",
+    "check_act_dtype",
+    "count_saved_bytes",
+    "effective_pool",
+    "grad_weight_cosine",
+    "inflate_saved",
+    "leanify_backbone",
+    "mask_backward_per_sample",
+    "mask_bytes",
+    "mask_forward_chunked",
+    "pack_mask",
+    "pack_mask_",
+    "pool_for_save",
+    "pooled_grad_weight",
+    "predicted_saved_bytes",
+    "quantize_int8",
+    "unpack_as",
+    "unpack_mask",
+    "unpack_table",
+]

@@ -1,0 +1,559 @@
+"""Frozen backbone layer: a frozen conv + BN (+ ReLU6) in, a FrozenConvBNAct that keeps no input out
+(a 1-bit ReLU6 mask, or the conv output under batch BN), with its autograd Function and mask helpers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+from torch.nn.grad import conv2d_input
+
+from edgetl.errors import ConfigError
+from edgetl.memory.cost import LayerCost, dtype_bytes as _dtype_bytes, numel as _numel, over as _over
+from edgetl.models.lean.masks import (
+    UNPACK_TABLE_BUILD,
+    _fold_bits_,
+    _pack_phases,
+    mask_bytes,
+    pack_mask_,
+    unpack_as,
+    unpack_table,
+)
+from edgetl.models.lean.pooled_conv import _is_pointwise
+
+# fp32 values per chunk when an int8 weight is dequantised into a half one: the fp32 copy of
+# the widest frozen conv (1280 x 320) alone would be 1.6 MB at the streamed step's peak
+DEQUANT_CHUNK = 1 << 16
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: weight in, (int8 codes, fp32 scale per channel) out.
+
+    Dequantised weight = codes * scale; each element is off by at most scale / 2.
+    """
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=tuple(range(1, w.dim())))
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    view = (-1,) + (1,) * (w.dim() - 1)
+    codes = torch.round(w / scale.view(view)).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def _bn_scale(bn: nn.BatchNorm2d) -> torch.Tensor:
+    return bn.weight.detach().float() * torch.rsqrt(bn.running_var.float() + bn.eps)
+
+
+class FrozenConvBNAct(nn.Module):
+    """A frozen conv (+ BN, + optional ReLU6) that never saves its input.
+
+    grad_input comes from the weight alone (``conv2d_input``). With ``bn="fold"`` the BN
+    (eval statistics) is folded into the conv's weight and bias and the only thing saved
+    is a 1-bit ReLU6 mask. With ``bn="batch"`` the BN uses batch statistics in training
+    (and updates its running statistics), which forces keeping the conv output (BN's
+    backward needs it) plus per-channel mean and invstd; the ReLU6 mask is recomputed from
+    them. The frozen weight is stored as fp32, fp16 or per-output-channel int8 and
+    dequantised per call into the activation dtype (a large 1x1 weight a chunk at a time,
+    ``chunked``, unless the schedule allows it whole). The only trainable parameter allowed
+    is ``bias`` (the BN beta, folded or not), for the "repnet+bias" mode.
+    """
+
+    saved_rule = "relu6_mask|batch_bn_output"
+
+    def __init__(
+        self,
+        conv: nn.Conv2d,
+        bn: nn.BatchNorm2d,
+        act: bool,
+        *,
+        bn_mode: str = "fold",
+        weight_dtype: torch.dtype = torch.float32,
+        act_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        if conv.weight.requires_grad or (conv.bias is not None and conv.bias.requires_grad):
+            raise ConfigError("the lean backbone needs frozen conv weights (modes full/bn+last cannot use it)")
+        if bn.weight.requires_grad:
+            raise ConfigError("the lean backbone needs frozen BN scales (mode bn+last cannot use it)")
+        if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ConfigError("the lean backbone supports numeric zero padding only")
+        self.stride, self.padding = conv.stride, conv.padding
+        self.dilation, self.groups = conv.dilation, conv.groups
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size = conv.kernel_size
+        self.pointwise = conv.groups == 1 and _is_pointwise(conv.weight.shape, conv.stride, conv.padding, conv.dilation)
+        self.act = bool(act)
+        # output shapes whose masked backward runs on the whole batch at once (faster; one
+        # masked copy of grad_output per sample more): set by
+        # edgetl.memory.schedule.apply_schedule, where the step's peak allows it
+        self.whole_batch_shapes: frozenset[tuple[int, ...]] = frozenset()
+        # output shape -> samples per chunk while the forward packs the ReLU6 mask (1 when
+        # absent: the least memory, the most kernel launches); set by apply_schedule too
+        self.mask_chunks: dict[tuple[int, ...], int] = {}
+        # convert the stored weight whole per call (fewer, larger kernels) rather than a
+        # chunk at a time (``chunked``, the default where it applies): set by apply_schedule
+        # too, where the step's peak allows it
+        self.whole_weight = False
+        self.bn_mode = bn_mode
+        self.act_dtype = act_dtype
+        weight = conv.weight.detach().float()
+        conv_bias = conv.bias.detach().float() if conv.bias is not None else torch.zeros_like(bn.running_mean, dtype=torch.float32)
+        beta = bn.bias.detach().float()
+        if bn_mode == "fold":
+            scale = _bn_scale(bn)
+            weight = weight * scale.view(-1, 1, 1, 1)
+            bias = beta + (conv_bias - bn.running_mean.float()) * scale
+        else:
+            if conv.bias is not None:
+                raise ConfigError("bn='batch' expects a conv without bias before the BN")
+            bias = beta
+            self.register_buffer("bn_weight", bn.weight.detach().float().clone())
+            self.register_buffer("running_mean", bn.running_mean.detach().float().clone())
+            self.register_buffer("running_var", bn.running_var.detach().float().clone())
+            self.register_buffer("num_batches_tracked", bn.num_batches_tracked.detach().clone())
+            self.eps, self.momentum = bn.eps, bn.momentum
+        self.bias = nn.Parameter(bias.clone(), requires_grad=bn.bias.requires_grad)
+        self.weight_dtype = weight_dtype
+        if weight_dtype == torch.int8:
+            codes, scale = quantize_int8(weight)
+            self.register_buffer("weight", codes)
+            self.register_buffer("weight_scale", scale)
+        else:
+            self.register_buffer("weight", weight.to(weight_dtype))
+            self.weight_scale = None
+
+    accounting_kind = "lean_frozen_conv"
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.act_dtype
+        if self.weight_scale is None:
+            return self.weight.to(dtype)
+        scale = self.weight_scale.view(-1, 1, 1, 1)
+        if dtype == torch.float32:  # one fp32 buffer, scaled in place (same values as codes * scale)
+            return self.weight.float().mul_(scale)
+        # a half weight: dequantised a few output channels at a time through a small fp32
+        # chunk (the same values as the whole weight in fp32 cast at once)
+        out = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+        rows = self._dequant_rows()
+        for i in range(0, out.shape[0], rows):
+            out[i:i + rows].copy_(self.weight[i:i + rows].float().mul_(scale[i:i + rows]))
+        return out
+
+    def _dequant_rows(self) -> int:
+        """Output channels dequantised at a time into a half weight (``DEQUANT_CHUNK`` values)."""
+        per_row = self.weight[0].numel()
+        return max(1, min(self.weight.shape[0], DEQUANT_CHUNK // per_row))
+
+    @property
+    def chunked(self) -> bool:
+        """Whether this conv runs on its weight a chunk at a time (``chunkable``, and the
+        schedule did not allow the whole weight for it: ``whole_weight``)."""
+        return not self.whole_weight and self.chunkable
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether this conv can run on its weight a chunk at a time and never hold it whole
+        in the activation dtype: a 1x1 conv whose stored weight (int8, or a float dtype other
+        than the activations') needs converting and is larger than one chunk. Its forward
+        computes ``DEQUANT_CHUNK`` weights' worth of output channels at a time, its
+        grad_input as many input channels at a time (each with the full sum over the other
+        side, so no partial sums are rounded), one matrix product per sample written into
+        the batch-sized result. Only where a chunk (int8: its fp32 and act-dtype copies)
+        peaks below converting the whole weight (int8 under a half dtype: the whole half
+        weight plus its fp32 chunk), i.e. above one chunk; a smaller weight is converted
+        whole once per call, as before. That compares the conversions alone, which is what
+        matters inside a streamed segment's small micro-batches; where a batch-sized output
+        sits next to the weight, the whole weight (held with it) can be the smaller one, and
+        the schedule chooses per conv (``whole_weight``)."""
+        if not (self.pointwise and self.weight.dtype != self.act_dtype):
+            return False
+        a = _dtype_bytes(self.act_dtype)
+        return max(self.row_chunk_peak(a), self.col_chunk_peak(a)) < self._dequant_bytes(a)[1]
+
+    @staticmethod
+    def _chunk_size(other: int) -> int:
+        """Rows (or columns) of a chunk: ``DEQUANT_CHUNK`` weights, at least one row."""
+        return max(1, DEQUANT_CHUNK // other)
+
+    def weight_chunk(self, rows: slice, cols: slice, dtype: torch.dtype) -> torch.Tensor:
+        """``weight[rows, cols]`` of a 1x1 conv as a contiguous (rows, cols) matrix in ``dtype``:
+        int8 dequantised through an fp32 chunk (the values of ``dequantized_weight``)."""
+        w = self.weight[rows, cols].to(torch.float32 if self.weight_scale is not None else dtype,
+                                      memory_format=torch.contiguous_format)
+        if self.weight_scale is not None:
+            w.mul_(self.weight_scale[rows].view(-1, 1, 1, 1))
+            if dtype != torch.float32:
+                w = w.to(dtype)
+        return w.view(w.shape[0], w.shape[1])
+
+    def chunk_peak_bytes(self, values: int, dtype_bytes: int) -> int:
+        """Peak bytes while ``weight_chunk`` converts ``values`` weights into the act dtype."""
+        if self.weight_scale is not None and dtype_bytes != 4:
+            return values * (4 + dtype_bytes)
+        return values * dtype_bytes
+
+    def row_chunk_peak(self, dtype_bytes: int) -> int:
+        rows = min(self.out_channels, self._chunk_size(self.in_channels))
+        return self.chunk_peak_bytes(rows * self.in_channels, dtype_bytes)
+
+    def col_chunk_peak(self, dtype_bytes: int) -> int:
+        cols = min(self.in_channels, self._chunk_size(self.out_channels))
+        return self.chunk_peak_bytes(self.out_channels * cols, dtype_bytes)
+
+    def pointwise_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The 1x1 conv of ``x`` (in the act dtype), a chunk of output channels at a time.
+        ``x`` is contiguous here (every producer's output is); the cost rule counts no copy."""
+        n, _, h, w = x.shape
+        y = torch.empty((n, self.out_channels, h, w), dtype=x.dtype, device=x.device)
+        xs = x.reshape(n, self.in_channels, h * w)
+        step = self._chunk_size(self.in_channels)
+        for i in range(0, self.out_channels, step):
+            wc = self.weight_chunk(slice(i, i + step), slice(None), x.dtype)
+            for s in range(n):
+                torch.mm(wc, xs[s], out=y[s, i:i + wc.shape[0]].view(wc.shape[0], h * w))
+            del wc
+        return y
+
+    def pointwise_grad_input(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        """W^T @ g of a 1x1 conv written into ``out`` (samples of ``g``, same count), a chunk
+        of input channels at a time."""
+        n, _, h, w = g.shape
+        gs = g.reshape(n, self.out_channels, h * w)
+        step = self._chunk_size(self.out_channels)
+        for j in range(0, self.in_channels, step):
+            wc = self.weight_chunk(slice(None), slice(j, j + step), g.dtype)
+            for s in range(n):
+                torch.mm(wc.t(), gs[s], out=out[s, j:j + wc.shape[1]].view(wc.shape[1], h * w))
+            del wc
+
+    def _uses_batch_stats(self) -> bool:
+        return self.bn_mode == "batch" and self.training
+
+    def mask_chunk(self, out_shape) -> int:
+        """Samples per chunk with which the forward packs this output shape's ReLU6 mask."""
+        shape = tuple(int(d) for d in out_shape)
+        return max(1, min(self.mask_chunks.get(shape, 1), shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        momentum = 0.0
+        if self._uses_batch_stats():
+            self.num_batches_tracked.add_(1)
+            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        return _FrozenConvFn.apply(x, self.bias, self, momentum)
+
+    def saved_bytes(self, in_shape, out_shape) -> int:
+        if self._uses_batch_stats():
+            return _numel(out_shape) * _dtype_bytes(self.act_dtype) + 2 * int(out_shape[1]) * 4
+        return mask_bytes(_numel(out_shape)) if self.act else 0
+
+    def _dequant_bytes(self, dtype_bytes: int) -> tuple[int, int]:
+        """(bytes of the dequantised weight, peak bytes while dequantising) in the act dtype."""
+        w = self.weight.numel()
+        if self.weight_scale is not None:  # int8: one fp32 buffer scaled in place, or a half
+            if dtype_bytes == 4:           # weight filled through an fp32 chunk
+                return w * 4, w * 4
+            # the fp32 chunk of ``_dequant_rows`` rows, sized from the shape (no tensor op:
+            # ``chunkable`` asks this on the forward's path)
+            per_row = w // int(self.weight.shape[0])
+            rows = max(1, min(int(self.weight.shape[0]), DEQUANT_CHUNK // per_row))
+            return w * dtype_bytes, w * dtype_bytes + rows * per_row * 4
+        if self.weight.dtype == self.act_dtype:
+            return 0, 0
+        return w * dtype_bytes, w * dtype_bytes
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        """Runtime accounting rule (edgetl.memory.runtime), mirroring ``_FrozenConvFn``.
+
+        Forward: the dequantised weight and a cast copy of the input live during the conv;
+        fold mode builds the ReLU6 mask from two byte-per-element comparisons and packs it
+        in place; batch mode keeps a copy of the conv output plus per-channel statistics.
+        Backward: the unpack table and its int32 row indices, the mask unpacked into the
+        act dtype (grad_output is multiplied into it in place), the dequantised weight
+        again, conv2d_input's 1-element dummy input (not for 1x1 convs run sample by
+        sample: W^T @ g is written into grad_input), grad_input in the act dtype and,
+        when the input came in another dtype, its cast. A ``chunked`` conv never holds its
+        dequantised weight: forward and backward each hold one chunk of it (its fp32 and
+        act-dtype copies) next to the batch-sized output or grad_input instead.
+        """
+        a = _dtype_bytes(self.act_dtype)
+        b = in_bytes or a
+        grad = output_requires_grad
+        nin, nout, c = _numel(in_shape), _numel(out_shape), int(out_shape[1])
+        big_y = nout * a
+        dq, dq_peak = (0, 0) if self.chunked else self._dequant_bytes(a)
+        xc = nin * a if b != a else 0
+        phases = [xc + big_y + self.row_chunk_peak(a)] if self.chunked else [dq_peak, dq + xc + big_y]
+        saved_new = 0
+        batch = self._uses_batch_stats()
+        small = c * a if a != 4 else 0  # a per-channel vector cast to the act dtype
+        if self.bn_mode == "fold":
+            phases.append(big_y + small)
+        elif batch:
+            yf = nout * 4 if a != 4 else 0
+            phases.append(big_y + yf + 2 * c * 4)  # var_mean of an fp32 view of y
+            phases.append(big_y + 4 * c * 4)  # var, mean, var + eps, invstd
+            if grad:
+                saved_new = big_y + 2 * c * 4  # the BN input + mean, invstd
+                phases.append(big_y + saved_new + c * 4 + 4 * c * 4 + small)
+            else:
+                phases.append(big_y + 2 * c * 4 + 4 * c * 4 + small)
+        else:  # batch BN in eval mode: running statistics
+            phases.append(big_y + 5 * c * 4 + small)
+        if self.act and grad and not batch:
+            saved_new = mask_bytes(nout)
+            if _sample_aligned(out_shape):  # one chunk of samples' comparisons at a time
+                per = nout // int(out_shape[0]) * self.mask_chunk(out_shape)
+                phases.append(big_y + saved_new + 2 * per)  # two comparisons, then a shifted copy
+            else:
+                phases.append(big_y + 2 * nout)  # y > 0 and y < 6, and-ed in place
+                phases += [big_y + p for p in _pack_phases(nout)]
+        if not grad:
+            return LayerCost(forward_temp_bytes=_over(phases, big_y))
+        fwd = _over(phases, big_y + saved_new)
+
+        gx_in = nin * b if input_requires_grad else 0
+        gbias = c * 4 if self.bias.requires_grad else 0
+        g = nout * a
+        tab = 256 * 8 * a  # unpack_table
+        bw: list[int] = [0]
+        if not batch and mask_backward_per_sample(self, input_requires_grad, out_shape):
+            n = int(out_shape[0])
+            gxa, po, pi = nin * a, nout // n, nin // n  # grad_input in the act dtype; one sample
+            sc = c * a if self.bn_mode == "batch" else 0
+            if sc:
+                bw += [gbias + gxa + 3 * c * 4, gbias + gxa + c * 4 + sc]
+            if not self.chunked:
+                bw.append(gbias + gxa + sc + dq_peak)
+            base = gbias + gxa + sc + dq
+            bw.append(base + UNPACK_TABLE_BUILD + tab)
+            base += tab
+            bw.append(base + po // 2 + po * a)  # one sample's int32 row indices, its unpacked mask
+            if gbias:
+                bw.append(base + po * a + c * 4)
+            if self.chunked:  # one chunk of input channels' weights at a time
+                bw.append(base + po * a + self.col_chunk_peak(a))
+            elif not self.pointwise:  # conv2d_input's dummy input + its result (1x1: W^T @ g into grad_input)
+                bw.append(base + po * a + a + pi * a)
+            if b != a:
+                bw.append(gbias + gxa + nin * b)
+            return LayerCost(saved_new_bytes=saved_new, forward_temp_bytes=fwd,
+                             backward_temp_bytes=_over(bw, gx_in + gbias))
+        if batch:
+            held = 0
+            if self.act:
+                bw += [5 * c * 4, g + 2 * nout + small, nout + g]  # y*scale+shift, keep mask, gy*keep
+                held = g
+            if a != 4:
+                bw.append(held + 2 * nout * 4 + nout * 4 + gbias)  # fp32 gy, y, grad
+                bw.append(nout * 4 + g + gbias)
+                gc = g
+            else:
+                bw.append(held + nout * 4 + gbias)
+                gc = nout * 4
+        else:
+            gc = 0
+            if self.act:
+                # the table, int32 row indices, the unpacked mask (then gy in place)
+                bw += [UNPACK_TABLE_BUILD + tab, tab + 4 * mask_bytes(nout) + g]
+                gc = g
+            if self.bn_mode == "batch":  # eval: gy * a fixed scale
+                bw += [gc + 3 * c * 4, gc + g + c * 4 + small]
+                gc = g
+            bw.append(gc + gbias)
+        if input_requires_grad and self.chunked:  # grad_input, then a chunk of weights at a time
+            bw.append(gc + gbias + nin * a + self.col_chunk_peak(a))
+        elif input_requires_grad:
+            bw += [gc + gbias + dq_peak, gc + gbias + dq + a + nin * a]
+        if input_requires_grad and b != a:
+            bw.append(gbias + nin * a + nin * b)
+        return LayerCost(saved_new_bytes=saved_new, forward_temp_bytes=fwd,
+                         backward_temp_bytes=_over(bw, gx_in + gbias))
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"groups={self.groups}, act={'relu6' if self.act else None}, bn={self.bn_mode}, "
+            f"weight={self.weight_dtype}, act_dtype={self.act_dtype}"
+        )
+
+
+def _scale_shift(m: FrozenConvBNAct, mean: torch.Tensor, invstd: torch.Tensor, beta: torch.Tensor):
+    scale = m.bn_weight * invstd
+    return scale, beta.float() - mean * scale
+
+
+class _FrozenConvFn(Function):
+    @staticmethod
+    def forward(ctx, x, bias, m: FrozenConvBNAct, momentum):
+        act = m.act_dtype
+        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        if m.chunked:
+            y = m.pointwise_forward(x.to(act))
+        else:
+            w = m.dequantized_weight(act)
+            y = F.conv2d(x.to(act), w, None, m.stride, m.padding, m.dilation, m.groups)
+            del w
+        c = (1, -1, 1, 1)
+        saved: tuple = ()
+        if m.bn_mode == "fold":
+            y.add_(bias.to(act).view(c))
+        elif m._uses_batch_stats():
+            n = y.numel() // y.shape[1]
+            if n <= 1:
+                raise ValueError("batch BN needs more than 1 value per channel")
+            var, mean = torch.var_mean(y.float(), dim=(0, 2, 3), correction=0)
+            invstd = torch.rsqrt(var + m.eps)
+            m.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            m.running_var.mul_(1 - momentum).add_(var * (n / (n - 1)), alpha=momentum)
+            if need:
+                saved = (y.clone(), mean, invstd)  # the BN input, before it is overwritten below
+            scale, shift = _scale_shift(m, mean, invstd, bias)
+            y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
+        else:
+            invstd = torch.rsqrt(m.running_var + m.eps)
+            scale, shift = _scale_shift(m, m.running_mean, invstd, bias)
+            y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
+        if m.act:
+            if need and not saved:
+                saved = (_relu6_mask(y, m.mask_chunk(y.shape)),)
+            y.clamp_(0, 6)
+        ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
+        ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        m = ctx.m
+        act = m.act_dtype
+        c = (1, -1, 1, 1)
+        gy = gy.to(act)
+        gbias = None
+        if _per_sample(ctx):
+            return _per_sample_backward(ctx, gy)
+        if ctx.kind == "batch":
+            y, mean, invstd = ctx.saved_tensors
+            if m.act:
+                scale, shift = _scale_shift(m, mean, invstd, m.bias.detach())
+                out = y * scale.to(act).view(c)
+                out.add_(shift.to(act).view(c))
+                del scale, shift
+                keep = out > 0
+                keep &= out < 6
+                del out
+                gy = keep.view(torch.uint8).to(act).mul_(gy)  # not gy * keep: see unpack_as
+                del keep
+            g_conv, _, gbias = torch.ops.aten.native_batch_norm_backward(
+                gy.float(), y.float(), m.bn_weight, None, None, mean, invstd, True, m.eps,
+                [ctx.needs_input_grad[0], False, ctx.needs_input_grad[1]],
+            )
+            gy = None
+            g_conv = g_conv.to(act) if g_conv is not None else None
+        else:
+            if ctx.kind == "mask":
+                (packed,) = ctx.saved_tensors
+                gy = unpack_as(packed, ctx.out_shape, unpack_table(act, gy.device)).mul_(gy)
+            if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
+                scale = m.bn_weight * torch.rsqrt(m.running_var + m.eps)
+                g_conv = gy * scale.to(act).view(c)
+            else:
+                g_conv = gy
+            if ctx.needs_input_grad[1]:
+                # accumulates in fp32 without a visible fp32 copy of gy
+                gbias = gy.sum((0, 2, 3), dtype=torch.float32)
+        del gy
+        gx = None
+        if ctx.needs_input_grad[0]:
+            if m.chunked:
+                gx = torch.empty(ctx.in_shape, dtype=act, device=g_conv.device)
+                m.pointwise_grad_input(g_conv, gx)
+                del g_conv
+            else:
+                w = m.dequantized_weight(act)
+                gx = conv2d_input(ctx.in_shape, w, g_conv, m.stride, m.padding, m.dilation, m.groups)
+                del w, g_conv
+            gx = gx.to(ctx.in_dtype)
+        return gx, gbias, None, None
+
+
+def _sample_aligned(shape) -> bool:
+    """More than one sample, and each sample's mask fills whole bytes."""
+    n = int(shape[0])
+    return n > 1 and (_numel(shape) // n) % 8 == 0
+
+
+def _relu6_mask(y: torch.Tensor, chunk: int = 1) -> torch.Tensor:
+    """The packed mask of 0 < y < 6, built ``chunk`` samples at a time when the bytes align
+    (the byte-per-element comparisons of a whole batch would sit next to y; chunks of
+    several samples launch fewer kernels where the step's peak allows them, issue #17)."""
+    if not _sample_aligned(y.shape):
+        mask = y > 0
+        mask &= y < 6
+        return pack_mask_(mask)
+    n = y.shape[0]
+    step = y.numel() // n // 8
+    packed = torch.empty(n * step, dtype=torch.uint8, device=y.device)
+    for i in range(0, n, chunk):
+        part = y[i : i + chunk]
+        mask = part > 0
+        mask &= part < 6
+        packed[i * step : (i + part.shape[0]) * step] = _fold_bits_(mask.reshape(-1).view(torch.uint8))
+        del mask
+    return packed
+
+
+def mask_forward_chunked(m: "FrozenConvBNAct", output_requires_grad: bool, out_shape) -> bool:
+    """Whether the forward packs this output's ReLU6 mask in chunks of samples (``mask_chunk``)."""
+    return (m.act and output_requires_grad and not m._uses_batch_stats()
+            and _sample_aligned(out_shape))
+
+
+def mask_backward_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
+    """Whether the masked backward runs sample by sample: each sample's mask fills whole
+    bytes, and the whole batch was not allowed for this shape (``whole_batch_shapes``)."""
+    return (m.act and needs_input_grad and _sample_aligned(out_shape)
+            and tuple(int(d) for d in out_shape) not in m.whole_batch_shapes)
+
+
+def _per_sample(ctx) -> bool:
+    return ctx.kind == "mask" and mask_backward_per_sample(ctx.m, ctx.needs_input_grad[0], ctx.out_shape)
+
+
+def _per_sample_backward(ctx, gy):
+    """Masked backward one sample at a time: only one sample's unpacked mask and masked
+    grad_output exist at once (a whole-batch masked copy would coexist with grad_output
+    and grad_input). The default; layers whose whole-batch backward stays within the
+    step's peak run ``_FrozenConvFn.backward``'s whole-batch path instead
+    (``edgetl.memory.schedule``)."""
+    m = ctx.m
+    act = m.act_dtype
+    (packed,) = ctx.saved_tensors
+    n = ctx.out_shape[0]
+    one_out, one_in = (1,) + tuple(ctx.out_shape[1:]), (1,) + tuple(ctx.in_shape[1:])
+    step = _numel(one_out) // 8
+    gbias = torch.zeros(m.out_channels, dtype=torch.float32, device=gy.device) if ctx.needs_input_grad[1] else None
+    gx = torch.empty(ctx.in_shape, dtype=act, device=gy.device)
+    scale = None
+    if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
+        scale = (m.bn_weight * torch.rsqrt(m.running_var + m.eps)).to(act).view(1, -1, 1, 1)
+    w = None if m.chunked else m.dequantized_weight(act)
+    table = unpack_table(act, gy.device)
+    # a 1x1 conv's grad_input is W^T @ grad_output, written straight into gx: no result
+    # to copy, and no batch-1 conv backward (which falls to a slow kernel on CPU)
+    wt = w.view(m.out_channels, m.in_channels).t() if m.pointwise and w is not None else None
+    for i in range(n):
+        g = unpack_as(packed[i * step : (i + 1) * step], one_out, table).mul_(gy[i : i + 1])
+        if gbias is not None:
+            gbias.add_(g.sum((0, 2, 3), dtype=torch.float32))
+        if scale is not None:
+            g.mul_(scale)
+        if w is None:  # the weight a chunk of input channels at a time (``chunked``)
+            m.pointwise_grad_input(g, gx[i : i + 1])
+        elif wt is not None:
+            torch.mm(wt, g.reshape(m.out_channels, -1), out=gx[i].view(m.in_channels, -1))
+        else:
+            gx[i : i + 1] = conv2d_input(one_in, w, g, m.stride, m.padding, m.dilation, m.groups)
+        del g
+    del w, wt, table
+    return gx.to(ctx.in_dtype), gbias, None, None

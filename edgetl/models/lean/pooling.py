@@ -1,0 +1,191 @@
+"""Pooling that saves nothing: average pools, the uint8 input normalisation and the side
+network's image pool, none of which keep a tensor for backward."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from edgetl.errors import ConfigError
+from edgetl.imagenet import IMAGENET_MEAN, IMAGENET_STD
+from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
+
+
+class _AvgPoolFn(Function):
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.conf = (k, tuple(x.shape), x.dtype)
+        return F.avg_pool2d(x, k)
+
+    @staticmethod
+    def backward(ctx, gy):
+        k, shape, dtype = ctx.conf
+        n, c, h, w = shape
+        hp, wp = gy.shape[-2:]
+        # Every cell of a k x k window gets the window's gradient / k^2 (floor mode: the rows
+        # and columns no window covers get 0), written straight into grad_input by a
+        # broadcast copy. No full-size temporary on any device: avg_pool2d_backward would
+        # need a stand-in for the input, and its CUDA kernel makes that contiguous (issue 17).
+        covered = (hp * k, wp * k) == (h, w)
+        gx = gy.new_empty(shape, dtype=dtype) if covered else gy.new_zeros(shape, dtype=dtype)
+        windows = gx[:, :, :hp * k, :wp * k].unflatten(3, (wp, k)).unflatten(2, (hp, k))
+        windows.copy_(gy[:, :, :, None, :, None].expand(n, c, hp, k, wp, k))
+        return gx.div_(k * k), None
+
+
+class LeanAvgPool2d(nn.AvgPool2d):
+    """nn.AvgPool2d(k) (stride k, floor mode) that saves nothing for backward (stock saves its input)."""
+
+    saved_rule = "none"
+
+    def __init__(self, kernel_size: int):
+        super().__init__(kernel_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _AvgPoolFn.apply(x, self.kernel_size)
+
+    def saved_bytes(self, in_shape, out_shape) -> int:
+        return 0
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        # backward writes grad_input directly: nothing beyond it
+        return LayerCost()
+
+
+def by_micro_batch(x: torch.Tensor, m: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` over ``m`` rows of ``x`` at a time, each part copied into one batch-sized output
+    (allocated once the first part shows its shape) and dropped."""
+    n = x.shape[0]
+    out = None
+    for i in range(0, n, m):
+        part = fn(x[i:i + m])
+        if out is None:
+            out = part.new_empty((n, *part.shape[1:]))
+        out[i:i + part.shape[0]].copy_(part)
+        del part
+    return out
+
+
+class InputNorm(nn.Module):
+    """uint8 images (0-255, NCHW) in, the loaders' normalised batch out in ``out_dtype``
+    (issue #14 item 2): the same values as torchvision's ``ToTensor`` + ``Normalize`` and a
+    cast, bit for bit (``x.float() / 255``, then ``- mean``, ``/ std`` in fp32).
+
+    The batch then stays uint8 (1 byte a value) until a micro-batch of the first streamed
+    segment, or the side network's image pool, needs it. A half output is filled one sample
+    at a time through an fp32 sample. A float batch (already normalised: export, a caller's
+    own tensors) passes through unchanged. The statistics are non-persistent buffers, so
+    checkpoints and the exported model, whose input stays the normalised float batch the
+    preprocessing metadata describes, do not change."""
+
+    saved_rule = "none"
+
+    def __init__(self, mean=None, std=None, out_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean or IMAGENET_MEAN).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std or IMAGENET_STD).view(1, -1, 1, 1), persistent=False)
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` without module hooks: for callers that are one leaf of the accounting."""
+        if x.dtype != torch.uint8:
+            return x
+        if self.out_dtype == torch.float32:
+            return x.float().div_(255).sub_(self.mean).div_(self.std)
+        out = torch.empty(x.shape, dtype=self.out_dtype, device=x.device)
+        for i in range(x.shape[0]):
+            out[i:i + 1].copy_(x[i:i + 1].float().div_(255).sub_(self.mean).div_(self.std))
+        return out
+
+    def sample_temp_bytes(self, in_shape) -> int:
+        """The fp32 sample a half output is filled through (0 for an fp32 output)."""
+        return 0 if self.out_dtype == torch.float32 else _numel(in_shape[1:]) * 4
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        return LayerCost(forward_temp_bytes=self.sample_temp_bytes(in_shape) if in_bytes == 1 else 0,
+                         grad_input=False)
+
+
+class ImagePool(LeanAvgPool2d):
+    """The side network's pool of the image; a uint8 image is normalised (``norm``) and pooled
+    ``micro_batch`` samples at a time into the batch-sized pooled map, so no normalised
+    batch-sized image exists (``edgetl.models.stream.apply_streams`` sets both)."""
+
+    def __init__(self, kernel_size: int):
+        super().__init__(kernel_size)
+        self._norm: tuple[InputNorm, ...] = ()
+        self.micro_batch: int | None = None
+
+    def set_input(self, norm: InputNorm | None, micro_batch: int | None) -> None:
+        self._norm = (norm,) if norm is not None else ()
+        self.micro_batch = micro_batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.uint8:
+            return super().forward(x)
+        if not self._norm:
+            raise ConfigError("a uint8 image reached the side network's image pool without its normalisation")
+        norm = self._norm[0]
+        return by_micro_batch(x, self.micro_batch or x.shape[0],
+                              lambda rows: F.avg_pool2d(norm.normalize(rows), self.kernel_size))
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        if in_bytes != 1:
+            return super().runtime_cost(in_shape=in_shape, out_shape=out_shape, act_bytes=act_bytes,
+                                        input_requires_grad=input_requires_grad,
+                                        output_requires_grad=output_requires_grad, in_bytes=in_bytes)
+        n, norm = int(in_shape[0]), self._norm[0]
+        m = min(self.micro_batch or n, n)
+        # one micro-batch normalised (through its fp32 sample), then its pooled rows
+        rows = _numel((m, *in_shape[1:])) * act_bytes
+        phases = [rows + norm.sample_temp_bytes(in_shape), rows + _numel((m, *out_shape[1:])) * act_bytes]
+        return LayerCost(forward_temp_bytes=max(phases), grad_input=False)
+
+
+class _GlobalPoolFn(Function):
+    @staticmethod
+    def forward(ctx, x, out_dtype):
+        ctx.conf = (tuple(x.shape), x.dtype)
+        return x.mean((2, 3), keepdim=True, dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        shape, dtype = ctx.conf
+        g = (gy / (shape[2] * shape[3])).to(dtype)
+        return g.expand(shape).contiguous(), None
+
+
+class LeanGlobalAvgPool(nn.AdaptiveAvgPool2d):
+    """Global average pool to 1x1 computed (and returned) in ``out_dtype``; saves nothing."""
+
+    saved_rule = "none"
+
+    def __init__(self, out_dtype: torch.dtype = torch.float32):
+        super().__init__(1)
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GlobalPoolFn.apply(x, self.out_dtype)
+
+    def saved_bytes(self, in_shape, out_shape) -> int:
+        return 0
+
+    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
+                     output_requires_grad, in_bytes=None) -> LayerCost:
+        in_bytes = in_bytes or act_bytes
+        nc = int(in_shape[0]) * int(in_shape[1])
+        gx = _numel(in_shape) * in_bytes if input_requires_grad else 0
+        # backward: gy / (H*W) in fp32, cast to the input dtype, then expanded into grad_input
+        phases = [nc * 4 + (nc * in_bytes if in_bytes != 4 else 0), nc * in_bytes + gx]
+        return LayerCost(backward_temp_bytes=_over(phases, gx))
+

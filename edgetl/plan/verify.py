@@ -1,0 +1,37 @@
+"""Verify a plan: the plan in, the measured peak of real training steps of the planned network out."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from edgetl.plan.document import Plan
+from edgetl.plan.ladder import lean_options, plan_step
+
+log = logging.getLogger(__name__)
+
+
+def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 0) -> int:
+    """Build the planned network (random weights) and measure real training steps; returns bytes.
+
+    Also stores the measurement in ``plan.measured_bytes``.
+    """
+    import torch
+
+    from edgetl.memory.meter import measure_training_peak
+    from edgetl.memory.schedule import prepare_step
+    from edgetl.models.side import build_network
+
+    c = plan.chosen
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = build_network(copy.deepcopy(plan.spec), c.mode, device=device, lean=lean_options(c.storage))
+    # the step the plan predicted (and finetune runs): its schedule fitted and applied, its
+    # optimizer fused and updating inside backward where the plan says so
+    step = plan_step(c.storage)
+    prepare_step(net, resolution=plan.resolution, batch_size=c.batch_size, step=step)
+    measured = measure_training_peak(net, resolution=plan.resolution, batch_size=c.batch_size,
+                                     steps=steps, step=step, device=device, seed=seed)
+    plan.measured_bytes, plan.verify_steps = int(measured), steps
+    log.info("verify: predicted %d, measured %d bytes", plan.predicted_bytes, measured)
+    return int(measured)
