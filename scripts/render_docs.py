@@ -22,8 +22,8 @@ Blocks (NAME: source):
 * ``cuda-allocator``: ``benchmarks/cuda_h100_allocator.json``
 * ``cuda-graphs``: ``benchmarks/cuda_h100_graphs_summary.json``
 * ``levers``, ``levers-grad``: ``benchmarks/levers_accuracy.json`` (summarised as
-  ``scripts/levers_accuracy.py`` does)
-* ``storage``: ``benchmarks/storage_accuracy.json`` (summarised as ``scripts/storage_accuracy.py`` does)
+  ``experiments/levers_accuracy.py`` does)
+* ``storage``: ``benchmarks/storage_accuracy.json`` (summarised as ``experiments/storage_accuracy.py`` does)
 * ``stream``: ``benchmarks/stream_figures_224.md`` (``scripts/stream_figures.py``'s output; that
   script writes markdown only, so its committed table is the source)
 * ``tested-on``: ``benchmarks/jetson_check_summary.json`` through ``scripts/tested_on.py``; a
@@ -63,6 +63,13 @@ def _script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _study(name: str):
+    """An accuracy study of experiments/ (a package of the checkout, not installed)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"experiments.{name}")
 
 
 def _signed(n: int) -> str:
@@ -206,7 +213,7 @@ def render_cuda_graphs() -> str:
 
 
 def render_levers() -> str:
-    levers = _script("levers_accuracy")
+    levers = _study("levers_accuracy")
     data = json.loads((BENCH / "levers_accuracy.json").read_text())
     rows = {r["config"]: r for r in levers.summarize(data["results"], data["peaks"])}
     pruning = levers.PAPER_RATIOS
@@ -252,7 +259,7 @@ def render_levers_grad() -> str:
 
 
 def render_storage() -> str:
-    storage = _script("storage_accuracy")
+    storage = _study("storage_accuracy")
     data = json.loads((BENCH / "storage_accuracy.json").read_text())
     cos = {k: v["storages"] for k, v in data.get("grad_cosine", {}).items()}
     keep = data["meta"].get("keep", storage.KEEP)

@@ -17,7 +17,7 @@ a control that gives the unpruned backbone the same 3 extra epochs.
 Writes ``OUT/levers_accuracy.json`` after every run (rerunning skips what it holds) and
 ``OUT/levers_accuracy.md``; work folders (backbones, run folders) go to ``OUT/work``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/levers_accuracy.py --out /tmp/levers
+    OMP_NUM_THREADS=1 .venv/bin/python -m experiments.levers_accuracy --out /tmp/levers
 
 The defaults are the accuracy test's scale (2000 images, 3 epochs, 1000 validation images);
 benchmarks/levers_accuracy.* were run with ``--samples 1000`` (about 45 minutes on one CPU
@@ -26,21 +26,22 @@ thread: bf16 and fp16 convolutions run 3x slower than fp32 there).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
 import statistics
-import time
 from pathlib import Path
 
-SOURCE_CLASSES = [0, 1, 2, 3, 4]
-PAPER_BLOCKS = [1, 2, 3, 4]
-PAPER_RATIOS = [0.3, 0.78, 0.46, 0.46]
-PAPER_BATCH, PAPER_RESOLUTION = 8, 224
+from experiments import harness
+from experiments.harness import (
+    BATCH_SIZE,
+    PAPER_BATCH,
+    PAPER_BLOCKS,
+    PAPER_RATIOS,
+    PAPER_RESOLUTION,
+    RESOLUTION,
+    SOURCE_EPOCHS,
+)
+
+STUDY = "levers_accuracy"
 BASELINE = "fp32/fp32/pool1"
-# The source task is the fixture's at every scale of the study: the same backbone throughout.
-SOURCE_SAMPLES, SOURCE_EPOCHS = 2000, 3
 
 
 def _config(act: str, weights: str, pool: int = 1, backbone: str = "pretrained") -> dict:
@@ -70,88 +71,20 @@ TABLE_ORDER = [f"{a}/{w}/pool1" for a in ("fp32", "bf16", "fp16") for w in ("fp3
     "fp32/fp32/pool2", "fp32/fp32/pool4", "pruned+retrained", "pruned (not retrained)", "control: unpruned+retrained"]
 
 
-def source_recipe(samples: int, epochs: int, backbone: str | None = None):
-    """The pretrained_backbone fixture's source-task recipe (classes 0-4, full fine-tuning)."""
-    from edgetl.recipe import load_recipe
-
-    values = {"data.classes": SOURCE_CLASSES, "data.max_samples": samples, "data.max_val_samples": 200,
-              "model.mode": "full", "optim.lr_head": 3e-3, "optim.lr_side": None, "train.epochs": epochs}
-    if backbone is not None:
-        values["model.backbone"] = backbone
-    return load_recipe("fashion_mnist", values)
-
-
 def target_recipe(backbone: Path, config: dict, *, seed: int, samples: int, epochs: int, val_samples: int):
-    """The pooled-storage accuracy test's recipe (classes 5-9, Rep-Net) with one lever set."""
-    from edgetl.recipe import load_recipe
-
-    return load_recipe("fashion_mnist", {
-        "model.backbone": str(backbone), "model.pool": config["pool"], "model.precision": config["precision"],
-        "model.frozen_weights": config["frozen_weights"], "train.seed": seed, "train.epochs": epochs,
-        "data.max_samples": samples, "data.max_val_samples": val_samples, "train.checkpoint_every": 100})
-
-
-def make_backbones(work: Path, *, names: set[str], samples: int = SOURCE_SAMPLES,
-                   epochs: int = SOURCE_EPOCHS) -> dict[str, Path]:
-    """The backbone folders the configurations need, each built once (kept in ``work``)."""
-    from edgetl.data import datasets_from_recipe, loaders_from_recipe
-    from edgetl.models.backbone import BackboneSpec, build_backbone, load_backbone, save_backbone
-    from edgetl.models.side import set_trainable
-    from edgetl.prune import calibration_batches, prune, save_pruned
-    from edgetl.retrain import retrain
-    from edgetl.train import fit, seed_everything
-
-    folders = {"pretrained": work / "pretrained", "pruned": work / "pruned",
-               "pruned_retrained": work / "pruned_retrained", "control_retrained": work / "control_retrained"}
-    pre = folders["pretrained"]
-    if not (pre / "backbone.json").is_file():
-        # tests/conftest.py::pretrained_backbone, step for step
-        recipe = source_recipe(samples, epochs)
-        seed_everything(0)
-        splits = datasets_from_recipe(recipe)
-        net = build_backbone(BackboneSpec(width=0.35, num_classes=5))
-        set_trainable(net, "full")
-        train_loader, val_loader = loaders_from_recipe(recipe, splits)
-        shutil.rmtree(pre, ignore_errors=True)
-        fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=recipe, out_dir=pre / "run")
-        save_backbone(pre, net)
-    if names & {"pruned", "pruned_retrained"} and not (folders["pruned"] / "backbone.json").is_file():
-        batches = calibration_batches("fashion-mnist", resolution=64, batches=4)  # as edgetl demo prunes
-        result = prune(net=load_backbone(pre), blocks=PAPER_BLOCKS, ratios=PAPER_RATIOS, importance="activation-l2",
-                       calib_batches=batches, calibration="fashion-mnist", resolution=64)
-        save_pruned(result, folders["pruned"])
-    for name, start in (("pruned_retrained", folders["pruned"]), ("control_retrained", pre)):
-        if name in names and not (folders[name] / "backbone.json").is_file():
-            shutil.rmtree(folders[name], ignore_errors=True)
-            seed_everything(0)
-            retrain(recipe=source_recipe(samples, epochs, str(start)), out_dir=folders[name])
-    return folders
+    """The harness's target recipe with this configuration's levers."""
+    return harness.target_recipe(backbone, pool=config["pool"], precision=config["precision"],
+                                 frozen_weights=config["frozen_weights"], seed=seed, samples=samples,
+                                 epochs=epochs, val_samples=val_samples)
 
 
 def peak_bytes(backbone: Path, config: dict, *, resolution: int, batch_size: int) -> int:
     """Runtime accounting's predicted peak of one training step (meta tensors: no compute)."""
-    from edgetl.finetune import build_model, predict_peak
     from edgetl.recipe import apply_overrides
 
     recipe = apply_overrides(target_recipe(backbone, config, seed=0, samples=8, epochs=1, val_samples=8),
                              {"data.resolution": resolution, "train.batch_size": batch_size})
-    return predict_peak(build_model(recipe, len(SOURCE_CLASSES)), recipe, batch_size).total_bytes
-
-
-def run_one(backbone: Path, config: dict, run_dir: Path, *, seed: int, samples: int, epochs: int,
-            val_samples: int) -> dict:
-    from edgetl.finetune import finetune
-
-    recipe = target_recipe(backbone, config, seed=seed, samples=samples, epochs=epochs, val_samples=val_samples)
-    resume = (run_dir / "last.pt").is_file()
-    if not resume:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    t0 = time.perf_counter()
-    result = finetune(recipe=recipe, out_dir=run_dir, resume=resume, measure=False)
-    return {"best_acc1": max(row["val_acc1"] for row in result.history),
-            "val_acc1": [row["val_acc1"] for row in result.history],
-            "final_train_loss": result.history[-1].get("train_loss"),
-            "seconds": round(time.perf_counter() - t0, 1), "resumed": resume}
+    return harness.predicted_peak(recipe)
 
 
 def grad_check(backbone: Path, *, samples: int, val_samples: int, trained: Path | None) -> dict:
@@ -168,9 +101,7 @@ def grad_check(backbone: Path, *, samples: int, val_samples: int, trained: Path 
     import torch.nn.functional as F
 
     from edgetl.data import datasets_from_recipe, loaders_from_recipe
-    from edgetl.finetune import build_model, lean_options
     from edgetl.models.lean import FrozenConvBNAct
-    from edgetl.models.side import make_lean
     from edgetl.train import seed_everything
 
     grads, flow = {}, {}
@@ -179,12 +110,7 @@ def grad_check(backbone: Path, *, samples: int, val_samples: int, trained: Path 
         recipe = target_recipe(backbone, _config(act, "fp32"), seed=0, samples=samples, epochs=1,
                                val_samples=val_samples)
         splits = datasets_from_recipe(recipe, check=False)
-        seed_everything(0)
-        net = build_model(recipe, splits.num_classes)
-        if trained is not None:
-            net.load_state_dict(torch.load(trained / "model.pt", weights_only=True)["model"])
-        make_lean(net, lean_options(recipe))
-        net.train()
+        net = harness.lean_network(recipe, splits.num_classes, trained)
         images, labels = next(iter(loaders_from_recipe(recipe, splits)[0]))
         seed_everything(0)  # the same dropout mask in every dtype
         stats = {"n": 0, "zero": 0, "below_2^-24": 0, "below_2^-14": 0}
@@ -232,19 +158,19 @@ def summarize(results: dict, peaks: dict) -> list[dict]:
         runs = results.get(name, {})
         if not runs:
             continue
-        accs = [runs[s]["best_acc1"] for s in sorted(runs, key=int)]
+        seeds, accs, seconds = harness.seed_results(runs)
         mean = statistics.mean(accs)
         peak = peaks.get(name, {})
         saved = {k: peaks[BASELINE][k] - v for k, v in peak.items()} if BASELINE in peaks else {}
         delta = None if base_mean is None else mean - base_mean
         saved_mb = saved.get("paper", 0) / 1e6
         # same seed, same classifier init and data order: the paired difference is less noisy
-        paired = [runs[s]["best_acc1"] - base[s]["best_acc1"] for s in sorted(runs, key=int) if s in base]
-        rows.append({"config": name, "seeds": sorted(runs, key=int), "acc": accs, "paired": paired,
+        paired = [runs[s]["best_acc1"] - base[s]["best_acc1"] for s in seeds if s in base]
+        rows.append({"config": name, "seeds": seeds, "acc": accs, "paired": paired,
                      "mean": mean, "min": min(accs),
                      "max": max(accs), "delta": delta, "peak": peak, "saved": saved,
                      "points_per_mb": (-delta / saved_mb) if delta is not None and saved_mb > 0 else None,
-                     "seconds": statistics.mean(runs[s]["seconds"] for s in runs)})
+                     "seconds": seconds})
     return rows
 
 
@@ -269,7 +195,7 @@ def markdown(data: dict) -> str:
         f"inputs pooled 2 2 1 1 1 1 for pool 2 and pool 4 alike (the same run), and the step's peak is a "
         f"forward temporary, not stored side inputs, so the peak does not move.",
         "",
-        f"`{meta['command']}` ({meta['threads']} thread{'s' if meta['threads'] != 1 else ''}; {meta['note']})",
+        f"`{meta['command']}` ({harness.threads_text(meta['threads'])}; {meta['note']})",
         "",
         "| config | top-1 per seed (%) | mean | min | max | Δ mean (points) | Δ per seed | peak MB, b"
         f"{meta['batch_size']}/{meta['resolution']} px | peak MB, b{PAPER_BATCH}/{PAPER_RESOLUTION} px | "
@@ -285,10 +211,7 @@ def markdown(data: dict) -> str:
             f"{r['max']:.1f} | {delta} | {paired} | {r['peak'].get('recipe', 0) / 1e6:.2f} | "
             f"{r['peak'].get('paper', 0) / 1e6:.2f} | {r['saved'].get('paper', 0) / 1e6:.2f} | {per_mb} | "
             f"{r['seconds']:.0f} |")
-    missing = [f"{n} (seeds {', '.join(map(str, s))})" for n in TABLE_ORDER
-               if (s := [x for x in meta["seeds"] if str(x) not in data["results"].get(n, {})])]
-    if missing:
-        lines += ["", "Not measured: " + "; ".join(missing) + "."]
+    lines += harness.not_measured(TABLE_ORDER, data)
     base = next((r for r in rows if r["config"] == BASELINE), None)
     if base and len(base["acc"]) > 1:
         lines += ["", f"Noise: the baseline's seeds span {base['max'] - base['min']:.1f} points; a Δ mean "
@@ -312,97 +235,50 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, data: dict) -> None:
-    from edgetl.io import atomic_text_json
+def _slug(name: str) -> str:
+    """A configuration's name as a run folder's (``fp32/fp32/pool1`` -> ``fp32_fp32_pool1``)."""
+    return "".join(c if c.isalnum() else "_" for c in name)
 
-    atomic_text_json(out / "levers_accuracy.json", data)
-    (out / "levers_accuracy.md.tmp").write_text(markdown(data))
-    os.replace(out / "levers_accuracy.md.tmp", out / "levers_accuracy.md")
+
+def run_one(name: str, seed: int, *, folders: dict[str, Path], runs: Path, args) -> dict:
+    """One fine-tuning run of configuration ``name`` at ``seed``, in ``runs/<slug>_s<seed>``."""
+    config = CONFIGS[name]
+    recipe = target_recipe(folders[config["backbone"]], config, seed=seed, samples=args.samples,
+                           epochs=args.epochs, val_samples=args.val_samples)
+    return harness.finetune_run(recipe, runs / f"{_slug(name)}_s{seed}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON, the table and work/")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default 0,1,2)")
-    parser.add_argument("--samples", type=int, default=2000, help="fine-tuning images (2000)")
-    parser.add_argument("--epochs", type=int, default=3, help="fine-tuning epochs (3)")
-    parser.add_argument("--val-samples", type=int, default=1000, help="validation images (1000)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: this runs beside other work)")
-    parser.add_argument("--configs", default=None,
-                        help=f"comma-separated subset, in run order (default all): {', '.join(CONFIGS)}")
-    parser.add_argument("--no-grad-check", action="store_true", help="skip the fp16 gradient underflow check")
-    parser.add_argument("--note", default="", help="free text kept in the JSON (e.g. which commit ran)")
-    parser.add_argument("--table-only", action="store_true", help="rewrite the markdown from the JSON and stop")
+    parser = harness.study_parser(__doc__, CONFIGS, grad_check="skip the fp16 gradient underflow check",
+                                  note="free text kept in the JSON (e.g. which commit ran)")
     args = parser.parse_args(argv)
-
-    import torch
-
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("EDGETL_OFFLINE", "1")  # nothing is downloaded: the backbone is trained here
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "levers_accuracy.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    seeds = [int(s) for s in args.seeds.split(",")]
-    names = list(CONFIGS) if args.configs is None else [n.strip() for n in args.configs.split(",")]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-    meta = {"samples": args.samples, "epochs": args.epochs, "val_samples": args.val_samples, "seeds": seeds,
-            "threads": args.threads, "resolution": 64, "batch_size": 32, "note": args.note,
-            "command": "python scripts/levers_accuracy.py " + " ".join(
-                f"--{k} {v}" for k, v in (("out", out), ("seeds", args.seeds), ("samples", args.samples),
-                                          ("epochs", args.epochs), ("threads", args.threads)))}
-    old = data.get("meta")
-    scale = ("samples", "epochs", "val_samples")
-    if old and any(old[k] != meta[k] for k in scale):
-        parser.error(f"{path} holds a study at another scale ({ {k: old[k] for k in scale} }); choose another --out")
-    if old:
-        meta["seeds"] = sorted(set(old["seeds"]) | set(seeds))
-        meta["note"] = args.note or old.get("note", "")
-    data["meta"] = meta
-    data.setdefault("results", {})
-    data.setdefault("peaks", {})
+    results, seeds, names = harness.open_results(parser, args, study=STUDY, configs=CONFIGS, markdown=markdown)
     if args.table_only:
-        write(out, data)
+        results.close()
         return 0
 
-    work = out / "work"
-    folders = make_backbones(work, names={CONFIGS[n]["backbone"] for n in names} | {"pretrained"})
-    data["backbones"] = {}
-    for key, folder in folders.items():
-        if (folder / "run" / "metrics.jsonl").is_file() or (folder / "metrics.jsonl").is_file():
-            log = folder / "run" / "metrics.jsonl" if (folder / "run").is_dir() else folder / "metrics.jsonl"
-            rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-            data["backbones"][key] = {"source_val_acc1": max(r["val_acc1"] for r in rows)}
-    for name in [BASELINE] + [n for n in names if n != BASELINE]:
-        config = CONFIGS[name]
-        backbone = folders[config["backbone"]]
+    data, runs = results.data, results.work / "runs"
+    # The baseline's peak always (every saving is against it) and, when it runs, its runs first.
+    order = [BASELINE] + [n for n in names if n != BASELINE]
+    folders = harness.make_backbones(results.work, names={CONFIGS[n]["backbone"] for n in order})
+    harness.record_backbones(data, folders)
+    for name in order:
         if name not in data["peaks"]:
+            config = CONFIGS[name]
+            backbone = folders[config["backbone"]]
             data["peaks"][name] = {
-                "recipe": peak_bytes(backbone, config, resolution=64, batch_size=32),
+                "recipe": peak_bytes(backbone, config, resolution=RESOLUTION, batch_size=BATCH_SIZE),
                 "paper": peak_bytes(backbone, config, resolution=PAPER_RESOLUTION, batch_size=PAPER_BATCH)}
-        if name not in names:
-            continue
-        for seed in seeds:
-            done = data["results"].setdefault(name, {})
-            if str(seed) in done:
-                continue
-            slug = "".join(c if c.isalnum() else "_" for c in name)
-            done[str(seed)] = run_one(backbone, config, work / "runs" / f"{slug}_s{seed}", seed=seed,
-                                      samples=args.samples, epochs=args.epochs, val_samples=args.val_samples)
-            print(f"{name} seed {seed}: best {done[str(seed)]['best_acc1']:.1f} % "
-                  f"in {done[str(seed)]['seconds']:.0f} s", flush=True)
-            write(out, data)
+    results.run_seeds([n for n in order if n in names], seeds,
+                      lambda name, seed: run_one(name, seed, folders=folders, runs=runs, args=args))
     if not args.no_grad_check and "grad_check" not in data:
-        base_run = work / "runs" / f"fp32_fp32_pool1_s{seeds[0]}"
+        base_run = runs / f"{_slug(BASELINE)}_s{seeds[0]}"
         data["grad_check"] = {"initialisation": grad_check(folders["pretrained"], samples=args.samples,
                                                             val_samples=args.val_samples, trained=None)}
         if (base_run / "model.pt").is_file():
             data["grad_check"]["after fine-tuning (baseline seed %d)" % seeds[0]] = grad_check(
                 folders["pretrained"], samples=args.samples, val_samples=args.val_samples, trained=base_run)
-    write(out, data)
-    print(f"wrote {path} and {out / 'levers_accuracy.md'}")
+    results.close()
     return 0
 
 
