@@ -134,7 +134,7 @@ def bench(
             thousands of small-input images); the row records the batch it timed.
     """
     from edgetl.memory.meter import count_step_ops, measure_training_memory
-    from edgetl.memory.runtime import runtime_report
+    from edgetl.memory.runtime import runtime_peak_bytes
     from edgetl.memory.schedule import prepare_step
     from edgetl.profile import check_options, paper_report
 
@@ -199,8 +199,8 @@ def bench(
                                        batch_size=batch_size, frozen_bits=FROZEN_BITS).total_bytes
             meta = build("meta", batch_size)
 
-            def accounted(b: int, meta=meta, mode=method.mode) -> int:
-                return runtime_report(meta, mode=mode, resolution=resolution, batch_size=b).total_bytes
+            def accounted(b: int, meta=meta) -> int:
+                return runtime_peak_bytes(meta, resolution=resolution, batch_size=b)
 
             runtime_bytes = accounted(batch_size)
             note = plan_note

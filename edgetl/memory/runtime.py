@@ -429,6 +429,24 @@ def simulate(net: EdgeNet, *, resolution: int, batch_size: int, step: Step | Non
 # ----------------------------------------------------------------------------- report
 
 
+def _step_of(net: EdgeNet, step: Step | None, optimizer: str | None) -> tuple[Step, OptimizerCost]:
+    """The step to account and its optimizer's cost; ``net`` set to the step's train mode."""
+    step = resolve_step(step, optimizer)
+    if not any(p.requires_grad for p in net.parameters()):
+        raise ConfigError("nothing trains: no parameter requires grad")
+    set_train_mode(net, step.bn)
+    return step, optimizer_cost(net, step)
+
+
+def runtime_peak_bytes(net: EdgeNet, *, resolution: int, batch_size: int, optimizer: str | None = None,
+                       step: Step | None = None) -> int:
+    """``runtime_report(...).total_bytes`` alone: the step at ``batch_size`` simulated, without
+    the per-image block figures (a second simulation, at batch 1). For searches over the batch."""
+    step, opt = _step_of(net, step, optimizer)
+    flow = trace_flow(net, resolution, batch_size)
+    return _simulate(flow, net, batch_size, net.spec.num_classes, step, opt).peak_bytes
+
+
 def runtime_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
                    optimizer: str | None = None, step: Step | None = None) -> MemoryReport:
     """Runtime accounting (DESIGN 2b) of a built network (any device, meta is enough).
@@ -441,12 +459,8 @@ def runtime_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
     ``batch_size``, static memory included; ``breakdown`` splits it at the moment of
     the peak and sums to it.
     """
-    step = resolve_step(step, optimizer)
-    if not any(p.requires_grad for p in net.parameters()):
-        raise ConfigError("nothing trains: no parameter requires grad")
-    set_train_mode(net, step.bn)
+    step, opt = _step_of(net, step, optimizer)
     num_classes = net.spec.num_classes
-    opt = optimizer_cost(net, step)
     one = _simulate(trace_flow(net, resolution, 1), net, 1, num_classes, step, opt)
     full = one
     if batch_size != 1:

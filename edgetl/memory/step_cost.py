@@ -104,11 +104,41 @@ class OptimizerCost:
     param_step_bytes: dict[int, int] | None = None
 
 
+_COSTS: dict[tuple, tuple[int, int, tuple[int, ...] | None]] = {}  # by _signature
+_MAX_COSTS = 256
+
+
+def _signature(net: nn.Module, step: Step) -> tuple[tuple, list[nn.Parameter]]:
+    """What an optimizer's cost depends on, and nothing else: the optimizer's settings and,
+    group by group, the group's settings and each trainable tensor's shape and dtype (the
+    stand-ins are made from exactly these); with the parameters in that order."""
+    groups = step.param_groups(net)
+    key = (repr(step.optim), tuple(
+        (tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")),
+         tuple((tuple(p.shape), p.dtype) for p in g["params"]))
+        for g in groups))
+    return key, [p for g in groups for p in g["params"]]
+
+
 def optimizer_cost(net: nn.Module, step: Step) -> OptimizerCost:
     """Run the step's real optimizer twice on meta stand-ins of ``net``'s trainable parameters
     (same groups, shapes, dtypes; CPU zeros for fused kernels) under the storage meter:
-    exact for any optimizer setting.
+    exact for any optimizer setting. Kept by ``_signature``, so a network whose trainable
+    tensors look the same to the optimizer is not measured again.
     With ``step_in_backward`` each parameter is updated alone, as its hook does."""
+    key, params = _signature(net, step)
+    if key not in _COSTS:
+        cost = _measure(net, step)
+        per = None if cost.param_step_bytes is None else tuple(cost.param_step_bytes[id(p)] for p in params)
+        if len(_COSTS) >= _MAX_COSTS:
+            _COSTS.clear()
+        _COSTS[key] = (cost.state_bytes, cost.step_extra_bytes, per)
+    state, extra, per = _COSTS[key]
+    return OptimizerCost(state, extra, None if per is None else {id(p): b for p, b in zip(params, per)})
+
+
+def _measure(net: nn.Module, step: Step) -> OptimizerCost:
+    """``optimizer_cost`` measured."""
     from edgetl.memory.meter import StorageMeter
 
     optimizer, stand = step.stand_in_optimizer(net)

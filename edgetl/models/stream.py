@@ -342,10 +342,12 @@ def segments_of(num_blocks: int, taps: tuple[int, ...]) -> tuple[tuple[int, int]
 
 
 def mark_shapes_only(net: nn.Module) -> None:
-    """For a meta copy that is only traced: its segments skip the micro-batch loop (the trace
-    sees a streaming segment as one leaf and never looks inside it)."""
-    for segment in (net.streams.values() if getattr(net, "streams", None) is not None else ()):
-        segment.shapes_only = True
+    """For a meta copy that is only traced forward, never backward: the modules that can skip
+    work whose values nothing reads do (a streamed segment its micro-batch loop: the trace sees
+    it as one leaf and never looks inside; a frozen conv its ReLU6 mask)."""
+    for module in net.modules():
+        if hasattr(module, "shapes_only"):
+            module.shapes_only = True
 
 
 def check_streamable(net: nn.Module) -> None:

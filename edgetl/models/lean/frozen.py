@@ -59,6 +59,10 @@ class FrozenConvBNAct(nn.Module):
     """
 
     saved_rule = "relu6_mask|batch_bn_output"
+    # set on a meta copy that is only traced forward, never backward (``mark_shapes_only``):
+    # no mask is packed and a chunked 1x1 conv runs as one conv, since only the output's shape
+    # is read (a large batch's masks, sample by sample, cost minutes on meta)
+    shapes_only = False
 
     def __init__(
         self,
@@ -388,7 +392,7 @@ class _FrozenConvFn(Function):
     def forward(ctx, x, bias, m: FrozenConvBNAct, momentum):
         act = m.act_dtype
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        if m.chunked:
+        if m.chunked and not m.shapes_only:
             y = m.pointwise_forward(x.to(act))
         else:
             w = m.dequantized_weight(act)
@@ -415,7 +419,7 @@ class _FrozenConvFn(Function):
             scale, shift = _scale_shift(m, m.running_mean, invstd, bias)
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
         if m.act:
-            if need and not saved:
+            if need and not saved and not m.shapes_only:
                 saved = (_relu6_mask(y, m.mask_chunk(y.shape)),)
             y.clamp_(0, 6)
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)

@@ -84,6 +84,7 @@ class InputNorm(nn.Module):
     preprocessing metadata describes, do not change."""
 
     saved_rule = "none"
+    shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): no per-sample loop
 
     def __init__(self, mean=None, std=None, out_dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -101,6 +102,8 @@ class InputNorm(nn.Module):
         if self.out_dtype == torch.float32:
             return x.float().div_(255).sub_(self.mean).div_(self.std)
         out = torch.empty(x.shape, dtype=self.out_dtype, device=x.device)
+        if self.shapes_only:
+            return out
         for i in range(x.shape[0]):
             out[i:i + 1].copy_(x[i:i + 1].float().div_(255).sub_(self.mean).div_(self.std))
         return out
@@ -120,6 +123,8 @@ class ImagePool(LeanAvgPool2d):
     ``micro_batch`` samples at a time into the batch-sized pooled map, so no normalised
     batch-sized image exists (``edgetl.models.stream.apply_streams`` sets both)."""
 
+    shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): one micro-batch
+
     def __init__(self, kernel_size: int):
         super().__init__(kernel_size)
         self._norm: tuple[InputNorm, ...] = ()
@@ -135,6 +140,9 @@ class ImagePool(LeanAvgPool2d):
         if not self._norm:
             raise ConfigError("a uint8 image reached the side network's image pool without its normalisation")
         norm = self._norm[0]
+        if self.shapes_only:  # one sample gives the shape (a big batch's loop would cost minutes on meta)
+            one = F.avg_pool2d(norm.normalize(x[:1]), self.kernel_size)
+            return one.new_empty((x.shape[0], *one.shape[1:]))
         return by_micro_batch(x, self.micro_batch or x.shape[0],
                               lambda rows: F.avg_pool2d(norm.normalize(rows), self.kernel_size))
 
