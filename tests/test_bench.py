@@ -152,9 +152,9 @@ def test_trainable_params_equal_independent_count(result):
 
 
 def test_ops_per_step_are_the_steps_the_rows_run(result):
-    """The ops column: the stock row's step against the meter's independent op trace; the
-    lean row's forward is its fitted schedule's, fewer ops than one sample at a time."""
-    from edgetl.memory.meter import count_step_ops
+    """The ops column against the meter's op trace (``meter_op_count``, independent of the
+    bench's counter): the stock row's step, and the lean row's step with its fitted schedule,
+    fewer ops than with every mask one sample at a time."""
     from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
     from tests.conftest import meter_op_count
 
@@ -164,12 +164,27 @@ def test_ops_per_step_are_the_steps_the_rows_run(result):
     net = build_network(BackboneSpec(width=WIDTH, num_classes=CLASSES), "repnet", device="meta",
                         lean=METHODS["repnet-lean"].lean)
     prepare_step(net, resolution=RES, batch_size=BATCH)
-    assert lean.forward_ops == count_step_ops(net, resolution=RES, batch_size=BATCH).forward
+    assert lean.step_ops == meter_op_count(net, BATCH, RES)
+    assert lean.forward_ops < lean.step_ops
     apply_schedule(net, Schedule(BATCH, RES))  # every mask one sample at a time
-    assert lean.forward_ops < count_step_ops(net, resolution=RES, batch_size=BATCH).forward
+    assert lean.step_ops < meter_op_count(net, BATCH, RES)
+
+
+def test_plan_row_is_the_least_degraded_configuration_that_fits(result):
+    """Measured, not planned: the lean Rep-Net unpruned, exact storage, fp32 (the top of the
+    plan's ladder) fits the budget by the meter, so a plan for it degrades nothing: the plan
+    row is that network, with its measured peak."""
+    exact = result.row("repnet-lean")
+    assert exact.measured_bytes <= BUDGET
+    assert exact.lean == {"pool": 1, "bn": "fold", "frozen_weights": "fp32", "precision": "fp32", "stream": 0,
+                          "storage": "exact", "keep": 0.1, "uint8_input": False, "recompute": False}
+    row = result.row(PLAN)
+    assert (row.lean, row.hidden) == (exact.lean, exact.hidden) and row.hidden == {}
+    assert row.measured_bytes == exact.measured_bytes
 
 
 def test_plan_row_is_the_plan_for_the_budget(result):
+    """Wiring: the row is what ``edgetl plan`` picks for the bench's budget and batch."""
     from edgetl.plan import plan
 
     chosen = plan(budget_bytes=BUDGET, batch_size=BATCH, resolution=RES, num_classes=CLASSES, width=WIDTH)

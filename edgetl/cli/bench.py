@@ -12,10 +12,13 @@ from edgetl.cli._common import HelpFormatter, positive_float, positive_int, prin
 from edgetl.errors import ConfigError
 from edgetl.units import parse_bytes
 
-# --quick: a tiny backbone at 64 px, for a smoke run in well under a minute of work.
-QUICK = {"width": 0.35, "resolution": 64, "budget": "24MB", "steps": 2, "warmup": 1}
+# --quick: a tiny backbone at 64 px, for a smoke run of every row in about a minute and a half;
+# the largest batches are re-measured up to 49 images and timed at up to 16 (one step)
+QUICK = {"width": 0.35, "resolution": 64, "budget": "24MB", "steps": 2, "warmup": 1, "verify_images": 4,
+         "largest_steps": 1, "largest_cap": 16}
 # timing on a shared CPU is noisy: fewer than about 10 interleaved rounds can flip a 10 % ratio
-DEFAULTS = {"width": 1.0, "resolution": 224, "budget": "256MB", "steps": 10, "warmup": 2}
+DEFAULTS = {"width": 1.0, "resolution": 224, "budget": "256MB", "steps": 10, "warmup": 2, "verify_images": 64,
+            "largest_steps": 3, "largest_cap": 256}
 
 
 def method_list(text: str) -> list[str]:
@@ -55,15 +58,19 @@ def add_parser(sub) -> None:
     p.add_argument("--methods", type=method_list, metavar="A,B,...", help="comma-separated methods (default: all; plan only where edgetl.plan is installed)")
     p.add_argument("--steps", type=positive_int, help=f"timed rounds after warm-up (default {DEFAULTS['steps']})")
     p.add_argument("--warmup", type=nonnegative_int, help=f"warm-up rounds (default {DEFAULTS['warmup']})")
-    p.add_argument("--verify-images", type=nonnegative_int, default=64,
-                   help="re-measure the largest batch when batch x resolution^2 <= this x 224^2")
-    p.add_argument("--largest-steps", type=nonnegative_int, default=3,
-                   help="timed steps of each method at its largest batch (images/s at that batch); 0: skip")
-    p.add_argument("--largest-cap", type=positive_int, default=256,
-                   help="time at most this batch for the images/s at the largest batch")
+    p.add_argument("--verify-images", type=nonnegative_int,
+                   help="re-measure the largest batch when batch x resolution^2 <= this x 224^2 "
+                        f"(default {DEFAULTS['verify_images']})")
+    p.add_argument("--largest-steps", type=nonnegative_int,
+                   help="timed steps of each method at its largest batch (images/s at that batch); 0: skip "
+                        f"(default {DEFAULTS['largest_steps']})")
+    p.add_argument("--largest-cap", type=positive_int,
+                   help=f"time at most this batch for the images/s at the largest batch (default {DEFAULTS['largest_cap']})")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny scale: width {QUICK['width']}, {QUICK['resolution']} px, budget {QUICK['budget']}, "
-                        f"{QUICK['steps']} steps (explicit flags still win)")
+                        f"{QUICK['steps']} steps, largest batch re-measured up to {QUICK['verify_images']} x 224^2 "
+                        f"pixels and timed {QUICK['largest_steps']} step at up to {QUICK['largest_cap']} "
+                        "(explicit flags still win)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
     p.add_argument("--from", dest="source", metavar="PATH", help="render a saved JSON result instead of running")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown (for the README)")
@@ -85,8 +92,8 @@ def _command(args, pick) -> str:
     """The resolved command line (every value explicit), stored with the result."""
     parts = ["edgetl", "bench", "--resolution", pick("resolution"), "--batch-size", args.batch_size,
              "--num-classes", args.num_classes, "--width", f"{pick('width'):g}", "--budget", pick("budget"),
-             "--steps", pick("steps"), "--warmup", pick("warmup"), "--largest-steps", args.largest_steps,
-             "--largest-cap", args.largest_cap]
+             "--steps", pick("steps"), "--warmup", pick("warmup"), "--verify-images", pick("verify_images"),
+             "--largest-steps", pick("largest_steps"), "--largest-cap", pick("largest_cap")]
     if args.device != "cpu":
         parts += ["--device", args.device]
     if args.methods is not None:
@@ -110,8 +117,8 @@ def run(args) -> int:
         result = bench(
             resolution=pick("resolution"), batch_size=args.batch_size, num_classes=args.num_classes,
             width=pick("width"), budget_bytes=budget, methods=args.methods, steps=pick("steps"),
-            warmup=pick("warmup"), device=args.device, verify_images=args.verify_images,
-            command=_command(args, pick), largest_steps=args.largest_steps, largest_cap=args.largest_cap,
+            warmup=pick("warmup"), device=args.device, verify_images=pick("verify_images"),
+            command=_command(args, pick), largest_steps=pick("largest_steps"), largest_cap=pick("largest_cap"),
         )
     if args.markdown:
         print(to_markdown(result), end="")
