@@ -8,6 +8,7 @@ from edgetl.cli import main
 from tests.conftest import FMNIST_REASON, HAVE_FMNIST
 
 
+@pytest.mark.slow  # about 4 minutes on 2 cores: .ci/run runs it after `make test`
 @pytest.mark.skipif(not HAVE_FMNIST, reason=FMNIST_REASON)
 def test_quick_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
