@@ -42,7 +42,7 @@ from edgetl.models.side import (
     set_trainable,
     trains_backbone_convs,
 )
-from edgetl.profile import LEAN_MODES, describe_runtime, resolve_runtime
+from edgetl.profile import describe_runtime
 from edgetl.recipe import Recipe
 from edgetl.step import Step
 
@@ -57,23 +57,7 @@ MODEL_WEIGHTS = "model.pt"
 
 def lean_options(recipe: Recipe) -> LeanOptions | None:
     """The lean runtime options a recipe asks for; None where the mode needs stock modules."""
-    m = recipe.model
-    if resolve_runtime(m.mode, m.runtime) == "stock":
-        stock = (1, "fp32", 0, "exact", False, False)
-        if (m.pool, m.frozen_weights, m.stream, m.storage, m.uint8_input, m.recompute) != stock:
-            raise ConfigError(
-                f"model.mode {m.mode} on stock modules: model.pool, model.frozen_weights, model.stream, "
-                f"model.uint8_input, model.recompute and model.storage need the lean runtime (model.runtime "
-                f"lean; modes {', '.join(LEAN_MODES)})"
-            )
-        return None
-    if m.pool not in (1, 2, 4):
-        raise ConfigError(f"model.pool: {m.pool} is not allowed; allowed: 1, 2, 4")
-    options = LeanOptions(pool=m.pool, bn=m.bn, frozen_weights=m.frozen_weights, precision=m.precision,
-                          stream=m.stream, storage=m.storage, keep=m.keep, uint8_input=m.uint8_input,
-                          recompute=m.recompute)
-    options.check_applies(m.mode, defaults=LeanOptions(pool=1), prefix="model.")  # a recipe pools nothing by default
-    return options
+    return recipe.model.lean()
 
 
 def backbone_ref(recipe: Recipe) -> str:

@@ -19,34 +19,12 @@ from edgetl.memory.paper import paper_blocks, param_bytes, sensitive
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.memory.trace import trace_network
 from edgetl.models.backbone import BackboneSpec, EdgeNet, backbone_spec
-from edgetl.models.side import TRAIN_MODES, LeanOptions, build_network, check_stock_options
+from edgetl.models.side import TRAIN_MODES, build_network
+from edgetl.options import LeanOptions
 
 log = logging.getLogger(__name__)
 
 ACCOUNTINGS = ("paper", "runtime")
-RUNTIMES = ("auto", "lean", "stock")
-# Modes the lean runtime runs: with a frozen backbone whose BN it folds, or (full) with
-# every conv training and BN folded (edgetl.models.lean_full); BN scales that train
-# (bn+last) need the stock modules.
-LEAN_MODES = ("repnet", "repnet+bias", "last", "bias", "full")
-# Modes ``auto`` runs on stock modules although the lean runtime can run them: stock full
-# fine-tuning trains BN (batch statistics, gammas), lean full folds it; a different method.
-AUTO_STOCK_MODES = ("full",)
-
-
-def resolve_runtime(mode: str, runtime: str) -> str:
-    """"lean" or "stock": ``auto`` is lean wherever the mode allows it, except for full
-    fine-tuning (``AUTO_STOCK_MODES``), whose stock form trains BN."""
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"unknown runtime {runtime!r}; allowed: {', '.join(RUNTIMES)}")
-    if runtime == "auto":
-        return "lean" if mode in LEAN_MODES and mode not in AUTO_STOCK_MODES else "stock"
-    if runtime == "lean" and mode not in LEAN_MODES:
-        raise ConfigError(
-            f"mode {mode} trains backbone convs or BN scales; the lean runtime allows "
-            f"{', '.join(LEAN_MODES)}; use --runtime stock"
-        )
-    return runtime
 FROZEN_BITS = (32, 16, 8)
 MIN_RESOLUTION = 32
 MIN_RESOLUTION_SIDE = 64  # the last side module pools a stride-32 map 2x2: needs >= 2x2
@@ -202,11 +180,7 @@ def _applicable(mode: str, runtime: str, accounting: str, measure: bool, lean: L
     if accounting == "runtime" and frozen_bits != 8:
         raise ConfigError(f"frozen_bits {frozen_bits} applies to paper accounting; the runtime's frozen weights "
                           f"are frozen_weights (fp32, fp16, int8)")
-    if resolve_runtime(mode, runtime) == "stock":
-        check_stock_options(given, mode)
-        return None
-    options.check_applies(mode, defaults=LeanOptions())
-    return options
+    return options.for_mode(mode, runtime, defaults=LeanOptions())
 
 
 def describe_runtime(report: MemoryReport, net: EdgeNet, lean: LeanOptions | None) -> None:

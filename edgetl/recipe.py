@@ -28,6 +28,7 @@ from typing import Any, Literal
 import yaml
 
 from edgetl.errors import ConfigError
+from edgetl.options import MODES, RUNTIMES, LeanOptions, option_default
 from edgetl.schema import allowed, build, check_fields, parse_value, path_field, set_dotted, show
 
 INT32_MAX = 2**31 - 1  # counts (epochs, samples, steps) stay in 32 bits
@@ -37,10 +38,9 @@ SEED_MAX = 2**32 - 1  # the widest range every RNG edgetl seeds accepts (numpy's
 
 
 PRESETS = ("imagefolder", "fashion_mnist", "cifar10", "flowers102", "pets", "cub200", "imagenet")
-MODES = ("full", "last", "bias", "bn+last", "repnet", "repnet+bias")
 
 Preset = Literal["imagefolder", "fashion_mnist", "cifar10", "flowers102", "pets", "cub200", "imagenet"]
-Mode = Literal["full", "last", "bias", "bn+last", "repnet", "repnet+bias"]
+Mode = Literal[MODES]
 
 
 @dataclass
@@ -82,62 +82,43 @@ class DataConfig:
                 raise ConfigError(f"{where}.classes: {show(self.classes)} repeats an index; allowed: distinct indices")
 
 
-@dataclass
-class ModelConfig:
-    """What trains and how it is stored.
+@dataclass(kw_only=True)
+class ModelConfig(LeanOptions):
+    """What trains, and how the lean runtime stores it: the fields of
+    ``edgetl.options.LeanOptions`` (pool, bn, frozen_weights, precision, stream, storage,
+    keep, uint8_input, recompute; declared, documented and checked there) plus these.
 
     Attributes:
         mode: which parameters train (see edgetl.models.side.set_trainable).
         backbone: a backbone folder (from edgetl prune / retrain); None = the stock
             architecture with the width below.
         width: MobileNetV2 width multiplier when no backbone folder is given.
-        pool: side-network activations are stored average-pooled by this factor (1 = exact).
-        precision: activation dtype: the lean runtime casts the backbone itself (CPU and CUDA); stock modules use autocast (CUDA only for fp16/bf16).
-        frozen_weights: storage dtype of frozen backbone weights.
-        bn: "fold" keeps frozen BN layers in eval mode (statistics fixed, foldable);
-            "batch" lets them use batch statistics.
-        stream: micro-batch of the streamed frozen backbone segments (lean runtime, bn fold;
-            ``edgetl.models.stream``); 0 = no streaming.
         runtime: "lean" (edgetl's lean layers), "stock" (torch modules) or "auto" (lean
-            wherever the mode allows, except full: see ``edgetl.profile.resolve_runtime``).
-        storage: lean full fine-tuning: what each backbone conv keeps for its weight
-            gradient (exact, pool2, pool4, haar, db3, dct, threshold).
-        keep: share of each map's coefficients a compressor storage keeps, in (0, 1].
-        uint8_input: the loaders yield uint8 pixels and the network normalises them, micro-batch
-            by micro-batch where it streams (lean frozen backbone; ``LeanOptions.uint8_input``).
-        recompute: streamed segments keep their input and run forward again in backward where
-            that lowers the peak (``LeanOptions.recompute``); needs stream.
+            wherever the mode allows, except full: see ``edgetl.options.resolve_runtime``).
+            On stock modules precision is autocast's (CUDA only for fp16/bf16) and bn
+            chooses eval or batch statistics; the other options need the lean runtime.
+        pool: as LeanOptions.pool, but a recipe stores exactly unless it asks (default 1).
     """
 
     mode: Mode
     backbone: str | None = path_field(None)
     # published MobileNetV2 widths are 0.35-1.4; past 4 the network outgrows any Jetson
     width: float = allowed(1.0, gt=0, le=4)
-    pool: int = allowed(1, choices=(1, 2, 4))  # edgetl.models.lean.POOLS
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    frozen_weights: Literal["fp32", "fp16", "int8"] = "fp32"
-    bn: Literal["fold", "batch"] = "fold"
-    stream: int = allowed(0, ge=0, le=MAX_BATCH)  # a micro-batch: at most a batch
-    runtime: Literal["auto", "lean", "stock"] = "auto"
-    storage: str = "exact"
-    keep: float = allowed(0.1, gt=0, le=1)
-    uint8_input: bool = False
-    recompute: bool = False
+    runtime: Literal[RUNTIMES] = "auto"
+    pool: int = option_default("pool", 1)
 
     def __post_init__(self) -> None:
         self.check("model")
 
-    def check(self, where: str) -> None:
-        from edgetl.models.lean_full import STORAGES
+    def lean(self) -> LeanOptions | None:
+        """The lean options this model runs with (None: stock modules), after refusing every
+        option its mode and runtime would ignore (``LeanOptions.for_mode``)."""
+        return LeanOptions.of(self).for_mode(self.mode, self.runtime, defaults=RECIPE_DEFAULTS, prefix="model.",
+                                             stock_honours=STOCK_HONOURS)
 
-        check_fields(self, where)
-        if self.storage not in STORAGES:
-            raise ConfigError(f"{where}.storage: {show(self.storage)} is not allowed; allowed: {', '.join(STORAGES)}")
-        if self.recompute and not self.stream:
-            raise ConfigError(f"{where}.recompute needs {where}.stream >= 1 (it applies to streamed segments)")
-        if self.stream and self.bn != "fold":
-            raise ConfigError(f"{where}.stream: {self.stream} needs {where}.bn fold (got {self.bn}): "
-                              "with batch statistics the samples of a batch depend on each other")
+
+RECIPE_DEFAULTS = LeanOptions(pool=1)  # what a recipe that sets no option runs with
+STOCK_HONOURS = ("precision", "bn")  # on stock modules: autocast, and eval or batch statistics
 
 
 @dataclass
@@ -284,8 +265,12 @@ class Recipe:
             )
 
     def to_dict(self) -> dict:
-        """Plain dict (only str/int/float/bool/None/list/dict): YAML-, JSON- and checkpoint-safe."""
-        return dataclasses.asdict(self)
+        """Plain dict (only str/int/float/bool/None/list/dict): YAML-, JSON- and checkpoint-safe.
+        The model section starts with what trains, then the lean options."""
+        data = dataclasses.asdict(self)
+        own = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in LeanOptions.names()]
+        data["model"] = {k: data["model"][k] for k in [*own, *LeanOptions.names()]}
+        return data
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

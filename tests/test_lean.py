@@ -388,6 +388,7 @@ def test_inverted_residual_block_saved_bytes():
     randomize_bn(block)
     block.eval()
     wrapper = nn.Module()
+    wrapper.side = None  # an EdgeNet's features and side, without the head
     wrapper.features = nn.Sequential(block)
     lean = leanify_backbone(copy.deepcopy(wrapper)).features[0]
     x = randn(2, 16, 8, 8).requires_grad_()

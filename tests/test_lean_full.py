@@ -16,7 +16,8 @@ from edgetl.memory.runtime import runtime_report
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.compress import CompressedConv2d
 from edgetl.models.lean import PooledConv2d
-from edgetl.models.lean_full import STORAGES, LeanReLU6, full_state_dict, leanify_full
+from edgetl.options import STORAGES
+from edgetl.models.lean_full import LeanReLU6, full_state_dict, leanify_full
 from edgetl.models.side import LeanOptions, build_network, make_lean
 
 from tests.conftest import FMNIST_REASON, HAVE_FMNIST
@@ -162,7 +163,7 @@ def test_full_state_dict_rebuilds_the_trained_network_in_the_stock_layout():
 
 
 @pytest.mark.parametrize("options, needle", [
-    (dict(storage="pool3"), "unknown storage 'pool3'; allowed: exact, pool2"),
+    (dict(storage="pool3"), "storage: 'pool3' is not allowed; allowed: exact, pool2"),
     (dict(storage="haar", keep=0.0), "allowed: a fraction in (0, 1]"),
     (dict(storage="dct", keep=1.5), "allowed: a fraction in (0, 1]"),
 ])
@@ -243,7 +244,7 @@ def test_finetune_lean_full_run_folder_exports_the_network_that_trained(calibrat
     (["--storage", "pool3"], "invalid choice: 'pool3'"),
     (["--keep", "1.5"], "1.5 is not allowed; allowed: a fraction in (0, 1]"),
     (["--set", "model.keep=0"], "model.keep: 0.0 is not allowed; allowed: a fraction in (0, 1]"),
-    (["--runtime", "stock", "--storage", "pool2"], "model.storage need the lean runtime"),
+    (["--runtime", "stock", "--storage", "pool2"], "model.storage pool2 does not apply to mode full on stock modules"),
     (["--mode", "bn+last", "--runtime", "lean"], "the lean runtime allows"),
 ])
 def test_finetune_cli_bad_storage_input_exit_2_no_run_folder(args, needle, tmp_path, capsys):

@@ -300,6 +300,7 @@ def test_eval_batch_bn_per_sample_backward_equals_stock(batch):
     stock.requires_grad_(False).eval()
     stock[1].bias.requires_grad_(True)
     wrapper = nn.Module()
+    wrapper.side = None  # an EdgeNet's features and side, without the head
     wrapper.features = nn.Sequential(copy.deepcopy(stock))
     lean = leanify_backbone(wrapper, bn="batch").features[0][0].eval()
     x1 = torch.randn(batch, CH, 9, 9, requires_grad=True)  # 16 x 81 per sample: a multiple of 8

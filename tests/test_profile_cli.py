@@ -120,7 +120,8 @@ def test_python_dash_m_entry_point():
     (["--mode", "full", "--storage", "dct"],
      "storage dct does not apply to paper accounting (the papers' model of stock modules): it needs accounting runtime or measure"),
     (["--mode", "full", "--storage", "dct", "--accounting", "runtime"],
-     "storage dct does not apply to mode full on stock modules: it needs the lean runtime (runtime lean)"),
+     "storage dct does not apply to mode full on stock modules: it needs the lean runtime (runtime lean; modes "
+     "repnet, repnet+bias, last, bias, full)"),
     (["--mode", "repnet", "--storage", "dct", "--accounting", "runtime"],
      "storage dct does not apply to mode repnet: it needs mode full (lean full fine-tuning)"),
     (["--mode", "full", "--runtime", "lean", "--storage", "pool2", "--keep", "0.3", "--accounting", "runtime"],

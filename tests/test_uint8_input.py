@@ -125,7 +125,8 @@ def test_uint8_input_is_refused_where_nothing_normalises(tmp_path):
 
     recipe = load_recipe("imagefolder", overrides={"model.mode": "repnet", "model.runtime": "stock",
                                           "model.uint8_input": True})
-    with pytest.raises(ConfigError, match="model.storage need the lean runtime"):
+    with pytest.raises(ConfigError, match=r"model.uint8_input True does not apply to mode repnet on stock modules: it needs the lean "
+                                         r"runtime \(model.runtime lean"):
         lean_options(recipe)
 
 

@@ -62,7 +62,7 @@ class _Trainer:
         self.opt = self.spec.optimizer(net)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
-        self.image = image.to(device, getattr(net, "input_dtype", torch.float32))
+        self.image = image.to(device, net.input_dtype)
         self.labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
         self.device = device
 

@@ -81,12 +81,12 @@ def planned_method(*, budget_bytes: int, batch_size: int, resolution: int, num_c
                    width: float) -> tuple[Method, str]:
     """The configuration ``edgetl plan`` picks for the budget at this batch, as a Method."""
     try:
-        from edgetl.plan import lean_options, plan
+        from edgetl.plan import plan
     except ImportError as exc:
         raise ConfigError(f"method {PLAN!r} needs the plan stage (edgetl.plan): {exc}") from None
     chosen = plan(budget_bytes=budget_bytes, batch_size=batch_size, resolution=resolution,
                   num_classes=num_classes, width=width).chosen
-    method = Method(PLAN, METHODS[PLAN].label, chosen.mode, lean_options(chosen.storage), pruned=bool(chosen.kept),
+    method = Method(PLAN, METHODS[PLAN].label, chosen.mode, chosen.lean, pruned=bool(chosen.kept),
                     planned=True, hidden=dict(chosen.kept))
     return method, f"plan: {chosen.describe()}"
 

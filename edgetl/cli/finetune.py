@@ -12,15 +12,12 @@ from edgetl.cli._common import (
     budget_type,
     fmt_mb,
     fmt_side_pools,
-    keep_type,
     positive_int,
     print_table,
 )
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
-from edgetl.models.lean_full import STORAGES
-from edgetl.models.side import TRAIN_MODES
-from edgetl.profile import RUNTIMES
+from edgetl.options import MODES, RUNTIMES, LeanOptions, add_option_flags
 
 
 def override(text: str):
@@ -69,29 +66,12 @@ def add_parser(sub) -> None:
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B)")
     p.add_argument("--batch-size", type=positive_int, help="train.batch_size")
     p.add_argument("--epochs", type=positive_int, help="train.epochs")
-    p.add_argument("--pool", type=int, choices=(1, 2, 4),
-                   help="model.pool: side activations stored pooled by k (maps that would pool below "
-                        "4x4 cells pool less or not at all)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="model.precision (backbone activations)")
-    p.add_argument("--frozen-weights", choices=("fp32", "fp16", "int8"), help="model.frozen_weights")
-    p.add_argument("--stream", type=int, metavar="M",
-                   help="model.stream: run the frozen backbone on micro-batches of M samples, forward "
-                        "and backward (same results, less memory; needs BN folded); 0: off")
-    p.add_argument("--mode", choices=TRAIN_MODES, help="model.mode: what trains")
+    p.add_argument("--mode", choices=MODES, help="model.mode: what trains")
     p.add_argument("--runtime", choices=RUNTIMES,
                    help="model.runtime: lean (edgetl's lean layers), stock (torch modules) or auto (lean where "
                         "the mode allows, except full, whose stock form trains BN)")
-    p.add_argument("--storage", choices=STORAGES,
-                   help="model.storage, lean full fine-tuning (--mode full --runtime lean): what each conv keeps "
-                        "for its weight gradient: its input exact, pooled by 2 or 4, or compressed")
-    p.add_argument("--keep", type=keep_type, metavar="FRACTION",
-                   help="model.keep: share of each map's coefficients a compressor storage keeps, in (0, 1]")
-    p.add_argument("--uint8-input", action="store_true", default=None,
-                   help="model.uint8_input: the loaders yield uint8 pixels and the network normalises them, "
-                        "micro-batch by micro-batch where it streams (same values, 1 byte a value)")
-    p.add_argument("--recompute", action="store_true", default=None,
-                   help="model.recompute, with --stream: segments whose saved masks outweigh their input keep "
-                        "the input and run forward again in backward, where that lowers the peak (same results)")
+    lean = p.add_argument_group("lean runtime options (recipe keys model.*; not given: the recipe's)")
+    add_option_flags(lean, defaults=None, key_prefix="model.")
     p.add_argument("--fused", action="store_true", default=None,
                    help="optim.fused: fused optimizer kernels, no update temporaries (same update up to float "
                         "rounding; not with foreach)")
@@ -139,12 +119,9 @@ def recipe_from_args(args):
     overrides = dict(args.overrides)
     flags = {"model.backbone": args.backbone if args.weights is None else args.weights, "data.root": args.data,
              "train.batch_size": args.batch_size, "train.epochs": args.epochs,
-             "model.pool": args.pool, "model.precision": args.precision,
-             "model.frozen_weights": args.frozen_weights, "model.stream": args.stream,
-             "model.mode": args.mode, "model.runtime": args.runtime, "model.storage": args.storage,
-             "model.keep": args.keep, "model.uint8_input": args.uint8_input,
-             "model.recompute": args.recompute, "optim.fused": args.fused,
-             "optim.step_in_backward": args.step_in_backward}
+             "model.mode": args.mode, "model.runtime": args.runtime, "optim.fused": args.fused,
+             "optim.step_in_backward": args.step_in_backward,
+             **{f"model.{name}": getattr(args, name) for name in LeanOptions.names()}}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     recipe = load_recipe(args.recipe, overrides=overrides)
     planned = getattr(args, "plan_resolution", None)

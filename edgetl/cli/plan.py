@@ -21,7 +21,7 @@ def batch_type(text: str):
 
 
 def add_parser(sub) -> None:
-    from edgetl.plan import DEVICES, MAX_BATCH_SIZE, MAX_RATIO, PLAN_MODES
+    from edgetl.plan import DEVICES, MAX_BATCH_SIZE, MAX_RATIO, PLAN_MODES, PRECISIONS
 
     p = sub.add_parser(
         "plan",
@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch-size", type=positive_int, default=MAX_BATCH_SIZE, help="upper end for auto")
     p.add_argument("--resolution", type=positive_int, default=224, help="input size in pixels")
     p.add_argument("--num-classes", type=positive_int, default=102, help="classifier outputs")
-    p.add_argument("--precision", choices=("fp32", "half", "bf16", "fp16"),
+    p.add_argument("--precision", choices=(*PRECISIONS, "half"),
                    help="fix the activation precision (half = fp16 where this machine runs fp16 convolutions, else bf16); default: searched")
     p.add_argument("--stream", type=int, metavar="M",
                    help="fix the micro-batch of the streamed frozen backbone (0: never stream); default: searched")

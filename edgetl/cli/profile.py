@@ -9,16 +9,14 @@ from edgetl.cli._common import (
     HelpFormatter,
     fmt_mb,
     fmt_side_pools,
-    keep_type,
     positive_float,
     positive_int,
     print_table,
     writable_file,
 )
 from edgetl.memory.report import MemoryReport
-from edgetl.models.lean_full import STORAGES
-from edgetl.models.side import TRAIN_MODES, LeanOptions
-from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, RUNTIMES, plot_profile, profile
+from edgetl.options import MODES, RUNTIMES, LeanOptions, add_option_flags
+from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, plot_profile, profile
 
 
 def add_parser(sub) -> None:
@@ -33,7 +31,7 @@ def add_parser(sub) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--mode", choices=TRAIN_MODES, default="repnet", help="what trains")
+    p.add_argument("--mode", choices=MODES, default="repnet", help="what trains")
     p.add_argument("--accounting", choices=ACCOUNTINGS, default="paper")
     p.add_argument("--resolution", type=positive_int, default=224, help="input size in pixels")
     p.add_argument("--batch-size", type=positive_int, default=8)
@@ -44,30 +42,7 @@ def add_parser(sub) -> None:
     lean = p.add_argument_group("runtime accounting / --measure: the runtime that trains")
     lean.add_argument("--runtime", choices=RUNTIMES, default="auto",
                       help="lean: edgetl's lean layers; stock: plain torch modules; auto: lean where the mode allows")
-    lean.add_argument("--pool", type=int, choices=(1, 2, 4), default=2,
-                      help="side-network activations stored average-pooled by k (1 = exact; maps that "
-                           "would pool below 4x4 cells pool less or not at all)")
-    lean.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                      help="activation dtype of the frozen backbone")
-    lean.add_argument("--frozen-weights", choices=("fp32", "fp16", "int8"), default="fp32",
-                      help="storage of frozen backbone weights")
-    lean.add_argument("--bn", choices=("fold", "batch"), default="fold",
-                      help="backbone BN folded into the convs, or batch statistics")
-    lean.add_argument("--stream", type=int, default=0, metavar="M",
-                      help="run the frozen backbone's segments on micro-batches of M samples, forward "
-                           "and backward (same results, less memory; needs --bn fold); 0: off")
-    lean.add_argument("--storage", choices=STORAGES, default="exact",
-                      help="lean full fine-tuning (--mode full --runtime lean): what each backbone conv keeps "
-                           "for its weight gradient: its input exact, pooled by 2 or 4, or compressed "
-                           "(haar, db3, dct, threshold; keeping --keep of each map's coefficients)")
-    lean.add_argument("--keep", type=keep_type, default=0.1, metavar="FRACTION",
-                      help="share of each map's coefficients a compressor storage keeps, in (0, 1]")
-    lean.add_argument("--uint8-input", action="store_true",
-                      help="keep the batch as uint8 pixels and normalise inside the network, micro-batch by "
-                           "micro-batch where it streams (same values, 1 byte a value)")
-    lean.add_argument("--recompute", action="store_true",
-                      help="with --stream: segments whose saved masks outweigh their input keep the input and "
-                           "run forward again in backward, where that lowers the peak (same results, slower)")
+    add_option_flags(lean, defaults=LeanOptions())
     lean.add_argument("--fused", action="store_true",
                       help="fused optimizer kernels: no update temporaries (same update up to float rounding)")
     lean.add_argument("--step-in-backward", action="store_true",
@@ -160,9 +135,7 @@ def run(args) -> int:
         measure=args.measure,
         device=args.device,
         runtime=args.runtime,
-        lean=LeanOptions(pool=args.pool, bn=args.bn, frozen_weights=args.frozen_weights,
-                         precision=args.precision, stream=args.stream, storage=args.storage,
-                         keep=args.keep, uint8_input=args.uint8_input, recompute=args.recompute),
+        lean=LeanOptions.of(args),
         step_in_backward=args.step_in_backward,
         fused=args.fused,
     )

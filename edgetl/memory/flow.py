@@ -208,7 +208,7 @@ def trace_flow(net: EdgeNet, resolution: int, batch_size: int) -> Flow:
     meta = _meta_copy(net)
     trace = trace_network(meta, resolution, batch_size=batch_size)
     recorder = _FlowRecorder(dict(net.named_modules()), trace.leaves)
-    image = recorder.run(meta, resolution, batch_size, getattr(net, "input_dtype", torch.float32))
+    image = recorder.run(meta, resolution, batch_size, net.input_dtype)
     ops, values = recorder.ops, recorder.values
     _mark_requires_grad(ops, values)
     holds = _holds(net, ops, values, recorder.spans)
@@ -237,7 +237,7 @@ def _holds(net: EdgeNet, ops: list[Op], values: list[Value],
         holds[key] = max(holds.get(key, last), last)
     # EdgeNet.forward keeps ``side_in`` bound until it rebinds it, just before the next tap
     # block (or the streamed segment that ends at it) runs
-    side = getattr(net, "side", None)
+    side = net.side
     if side is not None:
         taps = list(side.taps)
         for j, tap in enumerate(taps):

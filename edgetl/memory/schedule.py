@@ -110,7 +110,7 @@ def _frozen_convs(net: nn.Module) -> dict[str, FrozenConvBNAct]:
 def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
     """Set every lean frozen conv of ``net`` as ``schedule`` says (others: sample by sample),
     and stream the segments it names (no others)."""
-    if schedule.streams or getattr(net, "streams", None) is not None:
+    if schedule.streams or net.streams is not None:
         apply_streams(net, schedule.streams, schedule.recompute)
     convs = _frozen_convs(net)
     unknown = sorted((set(schedule.whole_batch) | set(schedule.mask_chunks) | set(schedule.whole_weight))
@@ -138,7 +138,7 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
     saved = {name: (conv.whole_batch_shapes, conv.mask_chunks, conv.whole_weight) for name, conv in convs.items()}
     names = {m: n for n, m in convs.items()}
     streams = stream_segments(net, batch_size, step)
-    saved_streams = getattr(net, "streams", None)
+    saved_streams = net.streams
     try:
         if streams or saved_streams is not None:
             apply_streams(net, streams)
@@ -146,7 +146,7 @@ def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step
             conv.whole_batch_shapes, conv.mask_chunks, conv.whole_weight = frozenset(), {}, False
         res = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
         again: tuple[int, ...] = ()
-        if streams and getattr(net, "recompute", False):
+        if streams and net.options.recompute:
             again, res = _fit_recompute(net, res, streams, resolution, batch_size, step)
         whole, kept = _fit_backward(res, names)
         chunks = _fit_forward(res, names)
@@ -188,12 +188,12 @@ def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: St
 def stream_segments(net: nn.Module, batch_size: int, step: Step) -> dict[int, tuple[int, int]]:
     """The streamed segments of ``net``'s step: every segment of its frozen backbone with the
     micro-batch the network asks for (``LeanOptions.stream``), where that is below the batch."""
-    m = getattr(net, "micro_batch", None)
+    m = net.options.stream if net.options is not None else 0
     if not m or m >= batch_size:
         return {}
     if step.bn != "fold":
         raise ConfigError(f"streaming (micro-batch {m}) needs bn fold; the step uses bn {step.bn}")
-    taps = tuple(net.side.taps) if getattr(net, "side", None) is not None else ()
+    taps = tuple(net.side.taps) if net.side is not None else ()
     return {a: (b, m) for a, b in segments_of(len(net.features), taps)}
 
 

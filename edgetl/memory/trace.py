@@ -197,7 +197,7 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
             handles.append(module.register_forward_hook(record(name)))
 
     x = torch.empty(batch_size, 3, resolution, resolution, device="meta",
-                    dtype=getattr(net, "input_dtype", torch.float32))
+                    dtype=net.input_dtype)
     try:
         with torch.no_grad():
             out = meta(x)

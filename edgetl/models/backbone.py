@@ -101,6 +101,12 @@ class EdgeNet(nn.Module):
         self.streams: nn.ModuleDict | None = None
         # a uint8 batch's normalisation (edgetl.models.lean.InputNorm, LeanOptions.uint8_input)
         self.input_norm: nn.Module | None = None
+        # The runtime configuration, declared here and set once where the network is built
+        # (edgetl.models.side.make_lean): the lean runtime's options (None: stock modules),
+        # which the step's schedule reads (stream, recompute), and the dtype the batch is fed
+        # in (the lean activation dtype, or uint8 pixels that input_norm normalises).
+        self.options = None  # edgetl.options.LeanOptions | None
+        self.input_dtype: torch.dtype = torch.float32
 
     def attach_side(self, side: nn.Module | None) -> None:
         self.side = side
@@ -110,7 +116,7 @@ class EdgeNet(nn.Module):
         taps = side.taps if side is not None else ()
         streams = self.streams if self.streams is not None else {}
         x = image
-        norm = getattr(self, "input_norm", None)
+        norm = self.input_norm
         if norm is not None and "0" not in streams:
             # a uint8 batch (edgetl.models.lean.InputNorm) normalised here, unless the first
             # streamed segment and the side's image pool take it micro-batch by micro-batch

@@ -62,9 +62,9 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import ConfigError
+from edgetl.options import COMPRESSORS
 from edgetl.memory.cost import LayerCost, dtype_bytes as _dtype_bytes, numel as _numel, over as _over
 
-COMPRESSORS = ("haar", "db3", "dct", "threshold")
 WAVELET_LEVELS = 3  # Vu et al. use a 3-level decomposition in all experiments
 DCT_BLOCK = 8  # JPEG's block (Vu et al. use 16; ``DCTCompressor(block=16)``)
 

@@ -35,7 +35,8 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from edgetl.errors import ConfigError
 from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
-from edgetl.models.compress import COMPRESSORS, CompressedConv2d, check_fraction, make_compressor
+from edgetl.options import COMPRESSORS, STORAGES
+from edgetl.models.compress import CompressedConv2d, check_fraction, make_compressor
 from edgetl.models.lean import (
     UNPACK_TABLE_BUILD,
     LeanGlobalAvgPool,
@@ -49,7 +50,6 @@ from edgetl.models.lean import (
 )
 
 POOLED_STORAGES = {"pool2": 2, "pool4": 4}
-STORAGES = ("exact", *POOLED_STORAGES, *COMPRESSORS)
 DEFAULT_KEEP = 0.1  # share of coefficients a compressor keeps per map (Vu et al.: up to 95 % saved)
 
 
@@ -58,21 +58,6 @@ def check_storage(storage: str, keep: float) -> tuple[str, float]:
     if storage not in STORAGES:
         raise ConfigError(f"unknown storage {storage!r}; allowed: {', '.join(STORAGES)}")
     return storage, check_fraction(keep)
-
-
-# Options lean full fine-tuning cannot change: its convs train in fp32 with BN folded,
-# and nothing is frozen to stream or quantise
-FULL_FIXED = {"bn": "fold", "precision": "fp32", "frozen_weights": "fp32", "stream": 0}
-
-
-def check_full_options(context: str, **given) -> None:
-    """Raise a one-line ConfigError for an option of ``FULL_FIXED`` given another value
-    (None: not given). ``context`` names the caller, e.g. "mode full"."""
-    for name, value in given.items():
-        allowed = FULL_FIXED[name]
-        if value is not None and value != allowed:
-            raise ConfigError(f"{name} {value} is not allowed with {context} (its convs train in fp32 with "
-                              f"BN folded, nothing frozen); allowed: {allowed}")
 
 
 def stored_conv(conv: nn.Conv2d, storage: str, keep: float = DEFAULT_KEEP) -> nn.Conv2d:
@@ -194,7 +179,7 @@ def leanify_full(net: nn.Module, *, storage: str = "exact", keep: float = DEFAUL
     from torchvision.models.mobilenetv2 import InvertedResidual
 
     check_storage(storage, keep)
-    if getattr(net, "side", None) is not None:
+    if net.side is not None:
         raise ConfigError("lean full fine-tuning trains the backbone itself; a network with a side network "
                           "cannot use it (allowed modes: full)")
     features = net.features

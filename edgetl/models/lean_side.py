@@ -321,7 +321,7 @@ def side_conv_sizes(net: nn.Module, resolution: int) -> list[tuple[int, int]]:
     Runs one forward of batch 1 under no_grad in eval mode, so no BN statistics move (free
     on a meta-device network); no forward at all without a side network.
     """
-    side = getattr(net, "side", None)
+    side = net.side
     if side is None or not len(side.blocks):
         return []
     sizes: list[tuple[int, int]] = [(0, 0)] * len(side.blocks)
@@ -334,7 +334,7 @@ def side_conv_sizes(net: nn.Module, resolution: int) -> list[tuple[int, int]]:
     handles = [b.conv1.register_forward_pre_hook(record(j)) for j, b in enumerate(side.blocks)]
     modes = {m: m.training for m in net.modules()}
     image = torch.zeros(1, 3, resolution, resolution, device=next(net.parameters()).device,
-                        dtype=getattr(net, "input_dtype", torch.float32))
+                        dtype=net.input_dtype)
     try:
         net.eval()
         with torch.no_grad():
@@ -353,7 +353,7 @@ def stored_pools(net: nn.Module, resolution: int) -> list[int]:
     ``model.pool`` is a request: small maps are stored with less or no pooling
     (``edgetl.models.lean.effective_pool``). Empty for a network without lean side modules.
     """
-    side = getattr(net, "side", None)
+    side = net.side
     if side is None or not all(isinstance(b, LeanSideModule) for b in side.blocks):
         return []
     return [b.conv1.pool_for(hw) for b, hw in zip(side.blocks, side_conv_sizes(net, resolution))]
@@ -370,6 +370,6 @@ def leanify_network(
     """Lean side network (pool k) + lean frozen backbone for a built EdgeNet, in place; returns ``net``."""
     from edgetl.models.lean import leanify_backbone
 
-    if getattr(net, "side", None) is not None:
+    if net.side is not None:
         lean_side_from_stock(net.side, pool=pool, inplace=True)
     return leanify_backbone(net, bn=bn, weight_dtype=weight_dtype, act_dtype=act_dtype)

@@ -8,9 +8,7 @@ untrained network equals the backbone) -> bilinear resize to the tap block's out
 
 from __future__ import annotations
 
-import dataclasses
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +16,7 @@ from torch import nn
 
 from edgetl.errors import ConfigError
 from edgetl.models.backbone import EdgeNet, block_out_channels, block_strides
+from edgetl.options import MODES, LeanOptions
 from edgetl.units import round_up
 
 TAPS = (2, 4, 7, 11, 14, 17)
@@ -142,7 +141,7 @@ def check_resolution(net: EdgeNet, resolution: int, batch_size: int, where: str 
         )
 
 
-TRAIN_MODES = ("full", "last", "bias", "bn+last", "repnet", "repnet+bias")
+TRAIN_MODES = MODES  # what trains (edgetl.options)
 
 
 def set_trainable(net: EdgeNet, mode: str) -> None:
@@ -171,86 +170,6 @@ def set_trainable(net: EdgeNet, mode: str) -> None:
                 m.bias.requires_grad_(True)
             if mode == "bn+last":
                 m.weight.requires_grad_(True)
-
-
-@dataclass(frozen=True)
-class LeanOptions:
-    """How the lean runtime stores things (DESIGN 4).
-
-    Attributes:
-        pool: side-network conv inputs are stored average-pooled by this factor (1 = exact).
-        bn: "fold" folds frozen BN into the convs (eval statistics); "batch" uses batch statistics.
-        frozen_weights: storage of frozen backbone weights: fp32, fp16 or int8.
-        precision: activation dtype of the frozen backbone: fp32, bf16 or fp16.
-        stream: micro-batch of the streamed frozen segments (``edgetl.models.stream``); 0:
-            no streaming. Applied by the step's schedule (``edgetl.memory.schedule``) where
-            it is smaller than the batch; needs bn "fold".
-        storage: mode full only: what each backbone conv keeps for its weight gradient
-            (``edgetl.models.lean_full.STORAGES``: exact, pool2, pool4 or a compressor).
-        keep: share of each map's coefficients a compressor storage keeps, in (0, 1].
-        uint8_input: the batch stays uint8 images (0-255) and the network normalises it
-            (``edgetl.models.lean.InputNorm``): micro-batch by micro-batch where the first
-            segment streams, else once, sample by sample into the activation dtype. The
-            loaders then yield uint8 (``edgetl.data``); same values as normalising there.
-        recompute: streamed segments whose saved masks outweigh their input keep the input
-            instead and run their forward again in backward, where that lowers the step's
-            peak (``edgetl.memory.schedule``); the same results, one more forward of those
-            blocks. Needs ``stream``.
-    """
-
-    pool: int = 2
-    bn: str = "fold"
-    frozen_weights: str = "fp32"
-    precision: str = "fp32"
-    stream: int = 0
-    storage: str = "exact"
-    keep: float = 0.1
-    uint8_input: bool = False
-    recompute: bool = False
-
-    def __post_init__(self) -> None:
-        from edgetl.models.lean_full import check_storage
-
-        check_storage(self.storage, self.keep)
-        if not isinstance(self.stream, int) or isinstance(self.stream, bool) or self.stream < 0:
-            raise ConfigError(f"stream micro-batch {self.stream!r} is not allowed; allowed: 0 (off) or an integer >= 1")
-        if self.recompute and not self.stream:
-            raise ConfigError("recompute applies to streamed segments; allowed: recompute with stream >= 1")
-        if self.stream and self.bn != "fold":
-            raise ConfigError(f"streaming (micro-batch {self.stream}) needs bn fold: with bn {self.bn} "
-                              "the samples of a batch depend on each other; allowed: bn fold, or stream 0")
-
-
-    def given(self, defaults: "LeanOptions") -> dict[str, object]:
-        """The options set to something other than ``defaults`` (what the caller asked for)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(defaults, f.name)}
-
-    def check_applies(self, mode: str, *, defaults: "LeanOptions", prefix: str = "") -> None:
-        """Refuse, in one line, an option that mode ``mode`` on the lean runtime would ignore:
-        storage and keep outside lean full fine-tuning (keep: outside a compressor storage),
-        pool without a side network. ``prefix`` names where options live ("model.")."""
-        from edgetl.models.compress import COMPRESSORS
-
-        given = self.given(defaults)
-        needs = {}
-        if mode != "full":
-            needs.update({k: "mode full (lean full fine-tuning)" for k in ("storage", "keep")})
-        elif self.storage not in COMPRESSORS:
-            needs["keep"] = f"a compressor storage ({', '.join(COMPRESSORS)})"
-        if "repnet" not in mode:
-            needs["pool"] = "a Rep-Net mode (repnet, repnet+bias): it pools the side network's activations"
-        for name, value in given.items():
-            if name in needs:
-                raise ConfigError(f"{prefix}{name} {value} does not apply to mode {mode}: it needs {needs[name]}")
-
-
-def check_stock_options(given: dict[str, object], mode: str, prefix: str = "") -> None:
-    """Refuse lean runtime options for a network on stock modules (they would be ignored)."""
-    if given:
-        name, value = next(iter(given.items()))
-        raise ConfigError(f"{prefix}{name} {value} does not apply to mode {mode} on stock modules: it needs "
-                          f"the lean runtime (runtime lean)")
 
 
 def build_network(
@@ -289,21 +208,14 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
     """
     from edgetl.models.lean_side import leanify_network
 
-    if trains_backbone_convs(net):
-        from edgetl.models.lean_full import check_full_options, leanify_full
+    trains_convs = trains_backbone_convs(net)
+    lean.check_backbone(trains_convs=trains_convs)
+    if trains_convs:
+        from edgetl.models.lean_full import leanify_full
 
-        if lean.uint8_input:
-            raise ConfigError("uint8 input is for a frozen lean backbone; lean full fine-tuning takes "
-                              "the float batch (allowed: uint8_input off with mode full)")
-
-        check_full_options("lean full fine-tuning", bn=lean.bn, precision=lean.precision,
-                           frozen_weights=lean.frozen_weights, stream=lean.stream)
         leanify_full(net, storage=lean.storage, keep=lean.keep)
-        net.micro_batch = None
+        net.options = lean
         return net
-    if lean.storage != "exact":
-        raise ConfigError(f"storage {lean.storage} applies to mode full, whose backbone convs train; "
-                          "allowed here: exact (the side network stores by pool)")
     leanify_network(
         net, pool=lean.pool, bn=lean.bn, weight_dtype=lean.frozen_weights, act_dtype=lean.precision
     )
@@ -318,6 +230,5 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
         net.input_dtype = torch.uint8
         if pool is not None:
             pool.set_input(norm, None)
-    net.micro_batch = lean.stream or None  # read by edgetl.memory.schedule.fit_schedule
-    net.recompute = lean.recompute
+    net.options = lean  # its stream and recompute: read by edgetl.memory.schedule.fit_schedule
     return net

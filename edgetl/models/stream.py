@@ -365,7 +365,7 @@ def apply_streams(net: nn.Module, segments: dict[int, tuple[int, int]], recomput
 
     Segments must be runs of ``segments_of`` (no batch-level boundary inside). An empty
     mapping removes streaming."""
-    norm = getattr(net, "input_norm", None)
+    norm = net.input_norm
     image_pool = _image_pool(net)
     if not segments:
         net.streams = None
@@ -394,6 +394,6 @@ def apply_streams(net: nn.Module, segments: dict[int, tuple[int, int]], recomput
 
 def _image_pool(net: nn.Module):
     """The side network's pool of the image when it takes a uint8 batch (``ImagePool``)."""
-    side = getattr(net, "side", None)
+    side = net.side
     pool = getattr(side.blocks[0], "pre_pool", None) if side is not None else None
     return pool if hasattr(pool, "set_input") else None

@@ -50,7 +50,7 @@ from edgetl.plan.document import (
     OPTIMIZER, PLAN_FORMAT, PLAN_MODES, POOLS, PRECISIONS, VERIFY_TOLERANCE, Candidate, Plan, PlanConfig,
     PlanImpossible, Storage, _check_storage, load_plan, ratio_for,
 )
-from edgetl.plan.ladder import _stored_pools_of, half_precision, lean_options, plan_step, storage_ladder
+from edgetl.plan.ladder import _stored_pools_of, half_precision, plan_step, storage_ladder
 from edgetl.plan.path import _Evaluator, _fastest_stream, _fewest_optimizer_levers, _runners_up, _Search
 from edgetl.plan.verify import verify_plan
 from edgetl.units import MB
@@ -61,7 +61,7 @@ __all__ = [
     "BUDGET_SCOPES", "CONV_STORAGES", "DEVICES", "FROZEN_WEIGHTS", "HALF_DTYPES", "MAX_BATCH_SIZE", "MAX_RATIO",
     "MODE", "OBJECTIVE", "OPTIMIZER", "PLAN_FORMAT", "PLAN_MODES", "POOLS", "PRECISIONS", "VERIFY_TOLERANCE",
     "Candidate", "DevicePreset", "Plan", "PlanConfig", "PlanImpossible", "Storage", "half_precision",
-    "lean_options", "load_plan", "plan", "plan_step", "ratio_for", "storage_ladder", "verify_plan",
+    "load_plan", "plan", "plan_step", "ratio_for", "storage_ladder", "verify_plan",
 ]
 
 
@@ -108,7 +108,7 @@ def _check_levers(*, precision, pool, frozen_weights, stream, max_ratio: float, 
     if mode not in PLAN_MODES:
         raise ConfigError(f"mode {mode!r} is not planned; allowed: {', '.join(PLAN_MODES)}")
     if mode == "full":
-        from edgetl.models.lean_full import check_full_options
+        from edgetl.options import check_full_options
 
         check_full_options("mode full", precision=precision, frozen_weights=frozen_weights, stream=stream)
     if mode != MODE and pool not in (None, 1):

@@ -12,6 +12,7 @@ import yaml
 
 from edgetl.errors import BudgetError, ConfigError, DataError
 from edgetl.models.backbone import BackboneSpec, prunable_blocks
+from edgetl.options import CONV_STORAGES, FROZEN_WEIGHTS, POOLS, PRECISIONS, LeanOptions
 
 PLAN_FORMAT = "edgetl-plan/1"
 MODE = "repnet"  # the default planned mode: Rep-Net on a frozen lean backbone
@@ -19,12 +20,8 @@ MODE = "repnet"  # the default planned mode: Rep-Net on a frozen lean backbone
 # bias-only TinyTL-B (streaming, frozen-weight and activation storage) and lean full fine-tuning
 # (each conv's stored input: exact, then pooled by 2, then by 4).
 PLAN_MODES = ("repnet", "bias", "full")
-CONV_STORAGES = ("exact", "pool2", "pool4")  # lean full fine-tuning's ladder, exact first
 OPTIMIZER = "adam"  # the plan's step: edgetl.step.Step.plain(OPTIMIZER) (plan_step)
-POOLS = (1, 2, 4)
-PRECISIONS = ("fp32", "bf16", "fp16")
 HALF_DTYPES = ("fp16", "bf16")  # "half" activations, preferred first (half_precision)
-FROZEN_WEIGHTS = ("fp32", "fp16", "int8")
 BUDGET_SCOPES = ("tensors", "process")
 MAX_RATIO = 0.9
 MAX_BATCH_SIZE = 256
@@ -51,6 +48,14 @@ class Storage:
         """A streamed plan keeps the batch as uint8 pixels until each micro-batch needs them:
         the same values, 1 byte a value (``LeanOptions.uint8_input``)."""
         return self.stream > 0
+
+    @property
+    def lean(self) -> LeanOptions:
+        """The lean runtime options of this storage (BN folded); refused in one line where
+        they do not hold together."""
+        return LeanOptions(pool=self.pool, bn="fold", frozen_weights=self.frozen_weights,
+                           precision=self.precision, stream=self.stream, storage=self.conv_storage,
+                           uint8_input=self.uint8_input, recompute=self.recompute)
 
 
 @dataclass
@@ -116,6 +121,11 @@ class PlanConfig:
         return self.storage.uint8_input
 
     @property
+    def lean(self) -> LeanOptions:
+        """The lean runtime options this configuration fine-tunes with (BN folded)."""
+        return self.storage.lean
+
+    @property
     def storage(self) -> "Storage":
         return Storage(self.pool, self.precision, self.frozen_weights, self.stream, self.conv_storage,
                        self.recompute, self.fused, self.step_in_backward)
@@ -164,14 +174,13 @@ class PlanConfig:
         config = cls(kept, channels, int(f["pool"]), str(f["precision"]), str(f["frozen_weights"]),
                      int(f["batch_size"]), int(f["stream"]), str(f["mode"]), str(f["storage"]),
                      bool(f["recompute"]), f["fused"], f["step_in_backward"])
-        if config.recompute and not config.stream:
-            raise ConfigError(f"{where}.finetune.recompute: true needs stream >= 1 (it applies to streamed segments)")
-        if config.stream < 0:
-            raise ConfigError(f"{where}.finetune.stream: {config.stream}; allowed: 0 (off) or >= 1")
         if f.get("uint8_input", config.uint8_input) != config.uint8_input:
             raise ConfigError(f"{where}.finetune.uint8_input: {f['uint8_input']!r}; a plan keeps the batch uint8 "
                               f"exactly when it streams (allowed here: {config.uint8_input})")
-        _check_storage(config.pool, config.precision, config.frozen_weights, where)
+        try:
+            config.lean.for_mode(config.mode, "lean", defaults=LeanOptions(pool=1))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.finetune: {exc}") from None
         if config.batch_size < 1:
             raise ConfigError(f"{where}.finetune.batch_size: {config.batch_size}; allowed: >= 1")
         return config

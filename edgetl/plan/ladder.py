@@ -182,15 +182,6 @@ def _stored_pools_of(spec: BackboneSpec, resolution: int) -> Callable[[int], lis
     return lambda k: [effective_pool(k, hw) for hw in sizes]
 
 
-def lean_options(storage: Storage):
-    """The lean runtime options of a planned storage (BN folded)."""
-    from edgetl.models.side import LeanOptions
-
-    return LeanOptions(pool=storage.pool, bn="fold", frozen_weights=storage.frozen_weights,
-                       precision=storage.precision, stream=storage.stream, storage=storage.conv_storage,
-                       uint8_input=storage.uint8_input, recompute=storage.recompute)
-
-
 def _network_key(storage: Storage) -> Storage:
     """What of a storage builds the network: the optimizer's levers change only the step."""
     return dataclasses.replace(storage, fused=False, step_in_backward=False)

@@ -12,7 +12,7 @@ from typing import Callable
 from edgetl.memory import search
 from edgetl.models.backbone import BackboneSpec, prunable_blocks
 from edgetl.plan.document import MODE, Candidate, PlanConfig, PlanImpossible, Storage
-from edgetl.plan.ladder import _network_key, lean_options, plan_step
+from edgetl.plan.ladder import _network_key, plan_step
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class _Evaluator:
             net_key = (key[0], _network_key(storage))
             if net_key not in self.nets:
                 spec = dataclasses.replace(self.base, hidden={**self.base.hidden, **kept})
-                self.nets[net_key] = build_network(spec, self.mode, device="meta", lean=lean_options(storage))
+                self.nets[net_key] = build_network(spec, self.mode, device="meta", lean=storage.lean)
             net = self.nets[net_key]
             self.reports[key] = predict_step(net, mode=self.mode, resolution=self.resolution, batch_size=batch,
                                              step=plan_step(storage))

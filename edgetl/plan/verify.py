@@ -6,7 +6,7 @@ import copy
 import logging
 
 from edgetl.plan.document import Plan
-from edgetl.plan.ladder import lean_options, plan_step
+from edgetl.plan.ladder import plan_step
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
     c = plan.chosen
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = build_network(copy.deepcopy(plan.spec), c.mode, device=device, lean=lean_options(c.storage))
+        net = build_network(copy.deepcopy(plan.spec), c.mode, device=device, lean=c.lean)
     # the step the plan predicted (and finetune runs): its schedule fitted and applied, its
     # optimizer fused and updating inside backward where the plan says so
     step = plan_step(c.storage)

@@ -86,7 +86,7 @@ def leanify_backbone(
     device = next(net.features.parameters()).device
     if adt != torch.float32:
         check_act_dtype(adt, device)
-        side = getattr(net, "side", None)
+        side = net.side
         if side is not None and not all(getattr(b, "lean", False) for b in side.blocks):
             raise ConfigError(
                 "act_dtype other than fp32 needs lean side modules: convert with "
@@ -108,7 +108,7 @@ def leanify_backbone(
         else:
             raise ConfigError(f"features[{i}] ({type(block).__name__}) has no lean replacement")
     net.pool = LeanGlobalAvgPool(torch.float32)
-    side = getattr(net, "side", None)
+    side = net.side
     if side is not None:
         for b in side.blocks:
             if getattr(b, "lean", False):
