@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.edgetl-installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 PYTEST_ARGS ?=
+# tests run in one process per core, a test file per process at a time (pytest-xdist);
+# JOBS=0 runs them all in one process
+JOBS ?= auto
 
 .PHONY: setup test test-slow demo clean data
 
@@ -27,7 +30,7 @@ data:
 	fi
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

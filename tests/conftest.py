@@ -1,8 +1,16 @@
 """Shared fixtures: a tiny MobileNetV2 pretrained on real data (Fashion-MNIST source task)."""
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# ``make test`` runs the tests in one process per core (pytest-xdist): each worker's torch
+# gets its share of the cores, so the workers do not fight over them
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 from edgetl.data import find_fashion_mnist
 from edgetl.errors import DataError
