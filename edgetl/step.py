@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgetl.errors import ConfigError
+from edgetl.options import BN_MODES
 from edgetl.recipe import OptimConfig, Recipe
 
 OPTIMIZERS = ("adam", "sgd")
-BN_MODES = ("fold", "batch")
 
 
 def default_optim() -> OptimConfig:

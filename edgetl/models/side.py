@@ -8,8 +8,6 @@ untrained network equals the backbone) -> bilinear resize to the tap block's out
 
 from __future__ import annotations
 
-
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -11,10 +11,11 @@ from torch.nn.grad import conv2d_input
 from edgetl.errors import CapabilityError, ConfigError
 from edgetl.models.lean.frozen import FrozenConvBNAct
 from edgetl.models.lean.pooling import LeanGlobalAvgPool
+from edgetl.options import BN_MODES, FROZEN_WEIGHTS, PRECISIONS
 
-BN_MODES = ("fold", "batch")
-WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
-ACT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the torch dtype of each option value (edgetl.options.FROZEN_WEIGHTS, PRECISIONS)
+WEIGHT_DTYPES = dict(zip(FROZEN_WEIGHTS, (torch.float32, torch.float16, torch.int8)))
+ACT_DTYPES = dict(zip(PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
 
 
 def check_act_dtype(dtype: torch.dtype, device: torch.device | str) -> None:

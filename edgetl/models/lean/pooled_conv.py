@@ -10,8 +10,8 @@ from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import ConfigError
 from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
+from edgetl.options import POOLS
 
-POOLS = (1, 2, 4)
 # A conv input is stored pooled only while the pooled map keeps at least this many cells
 # on each side (see ``effective_pool``).
 MIN_POOLED_SIDE = 4
