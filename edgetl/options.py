@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,7 +44,7 @@ FROZEN_WEIGHTS = ("fp32", "fp16", "int8")
 CONV_STORAGES = ("exact", "pool2", "pool4")  # lean full fine-tuning: a conv's input, exact or pooled
 COMPRESSORS = ("haar", "db3", "dct", "threshold")  # edgetl.models.compress
 STORAGES = (*CONV_STORAGES, *COMPRESSORS)
-MAX_MICRO_BATCH = 2**16  # a micro-batch is at most a batch (edgetl.recipe.MAX_BATCH)
+MAX_BATCH = 2**16  # images per step per process (edgetl.recipe); a micro-batch is at most a batch
 # Options lean full fine-tuning cannot change: its convs train in fp32 with BN folded, and
 # nothing is frozen to stream or quantise
 FULL_FIXED = {"bn": "fold", "precision": "fp32", "frozen_weights": "fp32", "stream": 0}
@@ -77,7 +78,7 @@ class LeanOptions:
     precision: Literal[PRECISIONS] = option("fp32", "activation dtype of the frozen backbone")
     stream: int = option(0, "run the frozen backbone's segments on micro-batches of M samples, forward and "
                             "backward (same results, less memory; needs bn fold); 0: off",
-                         metavar="M", ge=0, le=MAX_MICRO_BATCH)
+                         metavar="M", ge=0, le=MAX_BATCH)
     storage: str = option("exact", "lean full fine-tuning (mode full, runtime lean): what each backbone conv "
                                    "keeps for its weight gradient: its input exact, pooled by 2 or 4, or "
                                    "compressed (haar, db3, dct, threshold; keeping `keep` of each map's "
@@ -208,8 +209,6 @@ def add_option_flags(parser, *, defaults: LeanOptions | None, key_prefix: str = 
     choices and help from the field. ``defaults`` None leaves every flag None when not
     given (the recipe's value stands); otherwise each flag defaults to its field there.
     ``key_prefix`` ("model.") is shown before the help, naming the recipe key it sets."""
-    import typing
-
     hints = typing.get_type_hints(LeanOptions)
     for f in dataclasses.fields(LeanOptions):
         flag = "--" + f.name.replace("_", "-")

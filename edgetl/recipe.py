@@ -28,11 +28,10 @@ from typing import Any, Literal
 import yaml
 
 from edgetl.errors import ConfigError
-from edgetl.options import MODES, RUNTIMES, LeanOptions, option_default
+from edgetl.options import MAX_BATCH, MODES, RUNTIMES, LeanOptions, option_default
 from edgetl.schema import allowed, build, check_fields, parse_value, path_field, set_dotted, show
 
 INT32_MAX = 2**31 - 1  # counts (epochs, samples, steps) stay in 32 bits
-MAX_BATCH = 2**16  # images per step per process
 MAX_WORKERS = 256  # DataLoader processes; more is a typo, and each one copies the dataset's state
 SEED_MAX = 2**32 - 1  # the widest range every RNG edgetl seeds accepts (numpy's)
 

@@ -35,7 +35,6 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from edgetl.errors import ConfigError
 from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
-from edgetl.options import COMPRESSORS, STORAGES
 from edgetl.models.compress import CompressedConv2d, check_fraction, make_compressor
 from edgetl.models.lean import (
     UNPACK_TABLE_BUILD,
@@ -48,6 +47,7 @@ from edgetl.models.lean import (
     unpack_as,
     unpack_table,
 )
+from edgetl.options import COMPRESSORS, STORAGES
 
 POOLED_STORAGES = {"pool2": 2, "pool4": 4}
 DEFAULT_KEEP = 0.1  # share of coefficients a compressor keeps per map (Vu et al.: up to 95 % saved)
