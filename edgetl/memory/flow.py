@@ -11,7 +11,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from edgetl.memory.rules import leaf_parameters
-from edgetl.memory.trace import Leaf, trace_network
+from edgetl.memory.trace import Leaf, trace_meta
 from edgetl.models.backbone import EdgeNet
 from edgetl.models.stream import mark_shapes_only
 
@@ -79,10 +79,14 @@ class _FlowRecorder(TorchFunctionMode):
     """Records a meta forward as ops and values: leaf modules through their hooks, the
     functions called between them (adds, views, casts) as a torch function mode."""
 
-    def __init__(self, originals: dict[str, nn.Module], leaves: list[Leaf]) -> None:
+    def __init__(self, originals: dict[str, nn.Module]) -> None:
         super().__init__()
         self.originals = originals
-        self.leaf_iter = iter(leaves)
+        # the trace of the same forward records each leaf just before this recorder's hook
+        # sees it (``trace_meta``'s hooks are registered first)
+        self.leaves: list[Leaf] = []
+        self.leaf_count = 0
+        self.image = -1  # the batch's value id, once ``run`` has run
         self.keep: list[torch.Tensor] = []  # keeps meta storages alive so their keys stay unique
         self.values: list[Value] = []
         self.latest: dict[int, int] = {}  # storage key -> newest value id
@@ -144,7 +148,10 @@ class _FlowRecorder(TorchFunctionMode):
 
     def record_leaf(self, name: str, module: nn.Module, args, output) -> None:
         """The op of a leaf call; a leaf returning its input unchanged is an identity."""
-        leaf = next(self.leaf_iter)
+        if self.leaf_count >= len(self.leaves):
+            raise RuntimeError(f"trace order mismatch: {name} was not traced")
+        leaf = self.leaves[self.leaf_count]
+        self.leaf_count += 1
         if leaf.name != name:
             raise RuntimeError(f"trace order mismatch: {leaf.name} vs {name}")
         ins = [self.value_of(t) for t in _tensors(args)]
@@ -170,23 +177,20 @@ class _FlowRecorder(TorchFunctionMode):
         self.ops[-1].output = self.new_value(out, len(self.ops) - 1)
         return out
 
-    def run(self, meta: EdgeNet, resolution: int, batch_size: int, dtype: torch.dtype) -> int:
-        """Run ``meta`` on a meta batch under the hooks; returns the batch's value id."""
+    def run(self, meta: EdgeNet, image_t: torch.Tensor) -> torch.Tensor:
+        """Run ``meta`` on the meta batch ``image_t`` under the hooks; returns the logits."""
         handles = []
         for name, module in meta.named_modules():
             is_leaf = len(list(module.children())) == 0
             handles.append(module.register_forward_pre_hook(self.pre(name, is_leaf)))
             handles.append(module.register_forward_hook(self.post(name, is_leaf)))
-        image_t = torch.empty(batch_size, 3, resolution, resolution, device="meta", dtype=dtype)
-        image = self.value_of(image_t)
+        self.image = self.value_of(image_t)
         try:
             with torch.no_grad(), self:
-                logits = meta(image_t)
+                return meta(image_t)
         finally:
             for h in handles:
                 h.remove()
-        del logits
-        return image
 
 
 def _meta_copy(net: EdgeNet) -> EdgeNet:
@@ -204,15 +208,16 @@ def _meta_copy(net: EdgeNet) -> EdgeNet:
 
 
 def trace_flow(net: EdgeNet, resolution: int, batch_size: int) -> Flow:
-    """Trace ``net`` on meta, recording for each op which tensors it reads and writes."""
+    """Trace ``net`` on meta, recording for each op which tensors it reads and writes: one
+    meta forward, seen by the leaf trace (``trace_meta``) and the flow recorder alike."""
     meta = _meta_copy(net)
-    trace = trace_network(meta, resolution, batch_size=batch_size)
-    recorder = _FlowRecorder(dict(net.named_modules()), trace.leaves)
-    image = recorder.run(meta, resolution, batch_size, net.input_dtype)
+    recorder = _FlowRecorder(dict(net.named_modules()))
+    trace = trace_meta(meta, dict(meta.named_modules()), resolution, batch_size,
+                       leaves=recorder.leaves, run=recorder.run)
     ops, values = recorder.ops, recorder.values
     _mark_requires_grad(ops, values)
     holds = _holds(net, ops, values, recorder.spans)
-    return Flow(ops, values, holds, image, trace.leaves)
+    return Flow(ops, values, holds, recorder.image, trace.leaves)
 
 
 def _mark_requires_grad(ops: list[Op], values: list[Value]) -> None:

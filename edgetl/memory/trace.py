@@ -106,8 +106,18 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
     # eval(): shapes are the same, and BN accepts 1x1 maps at batch 1
     meta = copy.deepcopy(net).to("meta").eval()
     mark_shapes_only(meta)
-    originals = dict(net.named_modules())
-    leaves: list[Leaf] = []
+    return trace_meta(meta, dict(net.named_modules()), resolution, batch_size)
+
+
+def trace_meta(meta: EdgeNet, originals: dict[str, nn.Module], resolution: int, batch_size: int,
+               leaves: list[Leaf] | None = None, run=None) -> Trace:
+    """``trace_network`` of a meta copy made already (shapes only): its hooks are removed
+    again. ``originals``: the modules each leaf names, by name. ``leaves``: a list to fill as
+    the forward goes (an observer of the same forward reads it); ``run(meta, x)``: runs the
+    forward (default: under no_grad), for an observer that registers hooks of its own after
+    these, so a leaf is recorded here before the observer's forward hook sees it.
+    """
+    leaves = leaves if leaves is not None else []
     blocks: list[BlockInfo] = []
     context: list[tuple[int, str]] = []
     handles = []
@@ -197,10 +207,13 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
             handles.append(module.register_forward_hook(record(name)))
 
     x = torch.empty(batch_size, 3, resolution, resolution, device="meta",
-                    dtype=net.input_dtype)
+                    dtype=meta.input_dtype)
     try:
-        with torch.no_grad():
-            out = meta(x)
+        if run is not None:
+            out = run(meta, x)
+        else:
+            with torch.no_grad():
+                out = meta(x)
     finally:
         for h in handles:
             h.remove()
@@ -213,6 +226,6 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
             has_skip=False,
         )
     )
-    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in meta.parameters() if not p.requires_grad)
     return Trace(leaves, blocks, tuple(x.shape), trainable, frozen)

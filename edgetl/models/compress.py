@@ -409,13 +409,13 @@ def make_compressor(name: str, fraction: float, *, sparse: bool | None = None) -
 
 class _CompressedConv2dFn(Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, compressor):
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, compressor, shapes_only=False):
         y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         ctx.conf = (stride, padding, dilation, groups, compressor, tuple(x.shape), x.dtype)
         ctx.has_bias = bias is not None
         ctx.sparse = False
         saved: tuple = ()
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not shapes_only:
             packed = compressor.compress(x)
             ctx.sparse = packed.indices is not None
             saved = packed.tensors()
@@ -440,7 +440,7 @@ class _CompressedConv2dFn(Function):
         if ctx.needs_input_grad[0]:
             # exact: the input gradient needs only the weight
             gx = conv2d_input(in_shape, weight, gy, stride, padding, dilation, groups)
-        return gx, gw, gb, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None
 
 
 class CompressedConv2d(nn.Conv2d):
@@ -455,6 +455,8 @@ class CompressedConv2d(nn.Conv2d):
     """
 
     saved_rule = "compressed_input"
+    # a meta copy only traced forward (``mark_shapes_only``): its input is not compressed
+    shapes_only = False
 
     def __init__(self, *args, compressor: Compressor, **kwargs):
         super().__init__(*args, **kwargs)
@@ -481,7 +483,7 @@ class CompressedConv2d(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _CompressedConv2dFn.apply(
             x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-            self.compressor,
+            self.compressor, self.shapes_only,
         )
 
     def saved_bytes(self, in_shape, out_shape, in_dtype: torch.dtype | None = None) -> int:

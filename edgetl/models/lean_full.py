@@ -104,17 +104,19 @@ def unfold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> dict[str, torch.Tensor]:
 
 class _MaskedReLU6Fn(Function):
     @staticmethod
-    def forward(ctx, y, chunk):
+    def forward(ctx, y, chunk, shapes_only=False):
         ctx.shape = tuple(y.shape)
+        ctx.mark_dirty(y)
+        if shapes_only:  # a meta trace: the same tensor back, no values
+            return y
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(_relu6_mask(y, chunk))
-        ctx.mark_dirty(y)
         return y.clamp_(0, 6)
 
     @staticmethod
     def backward(ctx, gy):
         (packed,) = ctx.saved_tensors
-        return unpack_as(packed, ctx.shape, unpack_table(gy.dtype, gy.device)).mul_(gy), None
+        return unpack_as(packed, ctx.shape, unpack_table(gy.dtype, gy.device)).mul_(gy), None, None
 
 
 class LeanReLU6(nn.Module):
@@ -127,9 +129,10 @@ class LeanReLU6(nn.Module):
 
     saved_rule = "relu6_mask"
     inplace = True  # the runtime trace reads this: the output is the input's storage
+    shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): no mask, no clamp
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return _MaskedReLU6Fn.apply(y, 1)
+        return _MaskedReLU6Fn.apply(y, 1, self.shapes_only)
 
     def saved_bytes(self, in_shape, out_shape) -> int:
         return mask_bytes(_numel(out_shape))

@@ -67,6 +67,8 @@ class _SideTailFn(Function):
     @staticmethod
     def forward(ctx, y1, g1, b1, w2, g2, b2, tail: "LeanSideTail", batch: bool, m1: float, m2: float):
         bn1, conv2, bn2 = tail.parts
+        if tail.shapes_only:  # a meta trace: the output's shape and dtype (conv2's) are all it reads
+            return F.conv2d(y1.to(w2.dtype), w2)
         if batch:
             mean1, invstd1 = _batch_stats(y1, bn1, m1)
         else:
@@ -139,6 +141,7 @@ class LeanSideTail(nn.Module):
 
     saved_rule = "bn_input+batch_stats"
     accounting_kind = "lean_side_tail"
+    shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): no BN, no ReLU
 
     def __init__(self, bn1: nn.BatchNorm2d, conv2: nn.Conv2d, bn2: nn.BatchNorm2d):
         super().__init__()

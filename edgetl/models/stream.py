@@ -344,7 +344,8 @@ def segments_of(num_blocks: int, taps: tuple[int, ...]) -> tuple[tuple[int, int]
 def mark_shapes_only(net: nn.Module) -> None:
     """For a meta copy that is only traced forward, never backward: the modules that can skip
     work whose values nothing reads do (a streamed segment its micro-batch loop: the trace sees
-    it as one leaf and never looks inside; a frozen conv its ReLU6 mask)."""
+    it as one leaf and never looks inside; a frozen conv its ReLU6 mask; a compressed conv its
+    compression; a lean ReLU6 its mask and clamp; a lean side tail all but its 1x1 conv)."""
     for module in net.modules():
         if hasattr(module, "shapes_only"):
             module.shapes_only = True

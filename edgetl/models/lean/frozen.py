@@ -61,7 +61,8 @@ class FrozenConvBNAct(nn.Module):
     saved_rule = "relu6_mask|batch_bn_output"
     # set on a meta copy that is only traced forward, never backward (``mark_shapes_only``):
     # no mask is packed and a chunked 1x1 conv runs as one conv, since only the output's shape
-    # is read (a large batch's masks, sample by sample, cost minutes on meta)
+    # is read (a large batch's masks, sample by sample, cost minutes on meta); BN and ReLU6, in
+    # place, are skipped
     shapes_only = False
 
     def __init__(
@@ -398,6 +399,8 @@ class _FrozenConvFn(Function):
             w = m.dequantized_weight(act)
             y = F.conv2d(x.to(act), w, None, m.stride, m.padding, m.dilation, m.groups)
             del w
+        if m.shapes_only:  # a meta trace: the conv's output is all it reads (BN and ReLU6 are in place)
+            return y
         c = (1, -1, 1, 1)
         saved: tuple = ()
         if m.bn_mode == "fold":
