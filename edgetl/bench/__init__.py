@@ -135,7 +135,7 @@ def bench(
     """
     from edgetl.memory.meter import count_step_ops, measure_training_memory
     from edgetl.memory.runtime import runtime_peak_bytes
-    from edgetl.memory.schedule import prepare_step
+    from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
     from edgetl.profile import check_options, paper_report
 
     names = list(methods) if methods is not None else default_methods()
@@ -171,10 +171,18 @@ def bench(
             method, plan_note = planned_method(budget_bytes=budget_bytes, batch_size=batch_size,
                                                resolution=resolution, num_classes=num_classes, width=width)
         method_hidden = method.hidden if method.hidden is not None else (hidden if method.pruned else {})
-        def build(dev, b: int, m=method, h=method_hidden) -> EdgeNet:
+        # the method's schedule per batch, fitted once: every build of it is the same network
+        # (a schedule reads shapes and trainability, never weights or the device)
+        fitted: dict[int, Schedule] = {}
+
+        def build(dev, b: int, m=method, h=method_hidden, fitted=fitted) -> EdgeNet:
             net = build_method(m, width=width, num_classes=num_classes, device=dev, hidden=h)
-            if m.lean is not None:  # as edgetl finetune runs it: whole-batch backward where the peak allows
-                prepare_step(net, resolution=resolution, batch_size=b)
+            if m.lean is None:
+                return net
+            if b in fitted:
+                apply_schedule(net, fitted[b])
+            else:  # as edgetl finetune runs it: whole-batch backward where the peak allows
+                fitted[b] = prepare_step(net, resolution=resolution, batch_size=b)
             return net
 
         log.info("%s: accounting", name)
