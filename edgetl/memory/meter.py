@@ -327,7 +327,14 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
              meta.register_forward_hook(lambda *a: marks.__setitem__("forward", counter.count)),
              opt.register_step_pre_hook(lambda *a: marks.__setitem__("backward", counter.count))]
     try:
-        training_step(meta, step, opt, image, labels)  # creates the optimizer state
+        if step.in_backward:  # the state is created inside backward: a whole first step
+            training_step(meta, step, opt, image, labels)
+        else:  # the optimizer's state, created by a step of zero gradients (no forward or backward)
+            for p in meta.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=not step.ddp)
         with counter:
             training_step(meta, step, opt, image, labels)
     finally:
