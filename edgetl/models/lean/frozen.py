@@ -60,9 +60,9 @@ class FrozenConvBNAct(nn.Module):
 
     saved_rule = "relu6_mask|batch_bn_output"
     # set on a meta copy that is only traced forward, never backward (``mark_shapes_only``):
-    # no mask is packed and a chunked 1x1 conv runs as one conv, since only the output's shape
-    # is read (a large batch's masks, sample by sample, cost minutes on meta); BN and ReLU6, in
-    # place, are skipped
+    # only the conv runs (one conv even where it is chunked), since only the output's shape is
+    # read; BN, ReLU6 (both in place) and the mask (a large batch's masks, sample by sample,
+    # cost minutes on meta) are skipped
     shapes_only = False
 
     def __init__(
@@ -422,7 +422,7 @@ class _FrozenConvFn(Function):
             scale, shift = _scale_shift(m, m.running_mean, invstd, bias)
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
         if m.act:
-            if need and not saved and not m.shapes_only:
+            if need and not saved:
                 saved = (_relu6_mask(y, m.mask_chunk(y.shape)),)
             y.clamp_(0, 6)
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
