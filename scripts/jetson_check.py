@@ -45,6 +45,7 @@ RESOLUTION, WIDTH, BATCH = 64, 0.35, 2
 MB_ROUNDING = 5_000
 PEAK_TOLERANCE = 0.01  # predicted vs measured peak, relative (edgetl claims exact on CPU)
 TAIL_LINES = 15
+LOADER_WORKERS_EMULATED = 0  # finetune's DataLoader workers under qemu (see Checker.finetune_argv)
 
 VERSIONS = r"""
 import importlib.metadata as md, json, platform
@@ -174,6 +175,7 @@ class Checker:
         self.work = self.out / "work"
         self.logs = self.out / "logs"
         self.python = [str(args.python)]
+        self.emulated = Path(self.python[0]).name == "python" and Path(self.python[0]).parent.name == ".jetson"
         self.results: dict[str, Result] = {}
         self.env = dict(os.environ)
         # the repository checked comes first on the emulated sys.path (the wrapper adds its site)
@@ -336,9 +338,14 @@ class Checker:
         return self.work / ("pruned" if pruned is not None and pruned.status == "passed" else "base")
 
     def finetune_argv(self, run_dir: Path, *extra: str) -> list[str]:
+        # Emulated, the loader reads in the finetune process itself: qemu-user (7.2) forking the
+        # multi-threaded interpreter for DataLoader workers deadlocks now and then inside qemu
+        # (the forked worker's only guest thread waits forever on a futex in qemu's own memory),
+        # a hang of the emulator that a Jetson does not have; natively the recipe's workers stand.
+        workers = ("--set", f"train.workers={LOADER_WORKERS_EMULATED}") if self.emulated else ()
         return self.edgetl("finetune", "--recipe", "imagefolder", "--backbone", str(self.backbone()),
                            "--data", str(self.work / "data"), "--set", f"data.resolution={RESOLUTION}",
-                           "--batch-size", str(BATCH), "--budget", "50MB", *extra, "-o", str(run_dir))
+                           "--batch-size", str(BATCH), "--budget", "50MB", *workers, *extra, "-o", str(run_dir))
 
     def finetuned(self, r: Result, run: Run, run_dir: Path) -> None:
         """Peaks from the pre-flight table; the run folder holds what export reads."""
@@ -558,7 +565,7 @@ class Checker:
     def summary(self, seconds: float, env_seconds: float | None) -> dict:
         reqs = REPO / "docker" / "requirements-jetson.txt"
         qemu = None
-        if "python" in Path(self.python[0]).name and (Path(self.python[0]).parent.name == ".jetson"):
+        if self.emulated:
             first = subprocess.run(["qemu-aarch64-static", "--version"], capture_output=True, text=True).stdout
             qemu = first.splitlines()[0] if first else "qemu-aarch64-static"
         checks = [r.to_dict() for r in self.results.values()]
@@ -569,7 +576,8 @@ class Checker:
             **{k: self.versions.get(k) for k in ("arch", "python", "torch", "torchvision", "numpy", "onnx",
                                                   "onnxruntime", "onnxscript", "torch_pruning")},
             "runner": ({"kind": "qemu user-mode emulation", "qemu": qemu, "cpu": os.environ.get("QEMU_CPU", "cortex-a76"),
-                        "sysroot": "Debian bookworm arm64 (python3.11); the Jetson image: Ubuntu 22.04, Python 3.10"}
+                        "sysroot": "Debian bookworm arm64 (python3.11); the Jetson image: Ubuntu 22.04, Python 3.10",
+                        "finetune_loader_workers": LOADER_WORKERS_EMULATED}
                        if qemu else {"kind": "native", "interpreter": self.python[0]}),
             "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "system": platform.platform(terse=True)},
             "torch_threads": self.versions.get("torch_threads"),
