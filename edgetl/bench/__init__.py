@@ -123,8 +123,8 @@ def bench(
         device: where to measure and time.
         verify_images: the largest batch found by runtime accounting is re-measured with
             the meter when batch x resolution^2 <= verify_images x 224^2 (cheap enough).
-        measure_steps: training steps per meter measurement (the peak comes in step 2,
-            once optimizer state exists).
+        measure_steps: training steps per meter measurement (>= 2: the peak comes in step 2,
+            once optimizer state exists, and step 2's ops are the row's ops per step).
         lr: Adam learning rate of the timed and measured steps.
         seed: seeds the random batches.
         command: the command line that made this result, stored with it.
@@ -133,7 +133,7 @@ def bench(
         largest_cap: time at most this batch (a streamed row's largest batch can run to
             thousands of small-input images); the row records the batch it timed.
     """
-    from edgetl.memory.meter import count_step_ops, measure_training_memory
+    from edgetl.memory.meter import measure_training_memory
     from edgetl.memory.runtime import runtime_peak_bytes
     from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
     from edgetl.profile import check_options, paper_report
@@ -146,8 +146,8 @@ def bench(
         raise ConfigError("no methods to bench")
     if len(set(names)) != len(names):
         raise ConfigError(f"methods repeat: {', '.join(names)}")
-    if steps < 1 or warmup < 0 or measure_steps < 1 or largest_steps < 0 or largest_cap < 1:
-        raise ConfigError(f"need steps >= 1, warmup >= 0, measure_steps >= 1, largest_steps >= 0, largest_cap >= 1; "
+    if steps < 1 or warmup < 0 or measure_steps < 2 or largest_steps < 0 or largest_cap < 1:
+        raise ConfigError(f"need steps >= 1, warmup >= 0, measure_steps >= 2, largest_steps >= 0, largest_cap >= 1; "
                           f"got {steps}, {warmup}, {measure_steps}, {largest_steps}, {largest_cap}")
     if budget_bytes < 1:
         raise ConfigError(f"budget {budget_bytes} bytes is not allowed; give a positive size")
@@ -226,9 +226,6 @@ def bench(
             verify = seen.get(largest)
         elif 1 <= largest and largest * resolution**2 <= verify_pixels:
             verify = measured(largest)
-        # the meta network the accounting used, its schedule applied (checkpointed rows have none)
-        counted = build("meta", batch_size) if method.checkpoint else meta
-        ops = count_step_ops(counted, resolution=resolution, batch_size=batch_size)
         builders[name] = build
         real = build(device, batch_size)
         trainers[name] = _Trainer(real, resolution=resolution, batch_size=batch_size,
@@ -246,7 +243,7 @@ def bench(
             largest_batch_measured_bytes=verify, note=note,
             reserved_bytes=at_size.reserved_bytes,
             tensor_bytes=at_size.tensor_bytes if at_size.allocated_bytes is not None else None,
-            step_ops=ops.total, forward_ops=ops.forward, unstreamed=method.unstreamed,
+            step_ops=at_size.ops.total, forward_ops=at_size.ops.forward, unstreamed=method.unstreamed,
         ))
     log.info("throughput: %d warm-up + %d rounds of %d methods", warmup, steps, len(trainers))
     times = interleaved_step_times(trainers, steps=steps, warmup=warmup)

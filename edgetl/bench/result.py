@@ -210,7 +210,7 @@ def to_markdown(result: BenchResult) -> str:
                  "stock modules: it models neither pooling, bf16 nor the lean layers). Runtime accounting: "
                  "edgetl's model of what its runtime holds. " + _measured_text(result)
                  + " Ops/step: the aten ops one training step dispatches (each a kernel launch on a "
-                 "GPU), counted on the meta device, the forward's in brackets."
+                 "GPU; the bench counts its second measured step), the forward's in brackets."
                  + " Largest batch by runtime accounting (\"measured\": by the meter); images/s at "
                  "largest batch: the median of a few steps at that batch (at most the bench's cap), each "
                  "method on its own (Liu et al.: what the memory saved buys).")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -155,9 +156,16 @@ def _bias_gemm(name: str, args: tuple, kwargs: dict | None) -> bool:
             and a.dim() == 2 and b.dim() == 2 and min(a.shape[0], b.shape[0], b.shape[1]) > 1)
 
 
-def _training_steps(net, step: Step, opt, image, labels, steps: int) -> None:
-    for _ in range(steps):
-        training_step(net, step, opt, image, labels)
+def _training_steps(net, step: Step, opt, image, labels, steps: int, counted: nn.Module | None = None) -> StepOps | None:
+    """``steps`` training steps; with ``counted`` (the network inside ``net``), the aten ops
+    of the second step (once optimizer state exists), as ``count_step_ops`` splits them."""
+    ops = None
+    for i in range(steps):
+        if i == 1 and counted is not None:
+            ops = _counted_step(counted, opt, lambda: training_step(net, step, opt, image, labels))
+        else:
+            training_step(net, step, opt, image, labels)
+    return ops
 
 
 @dataclass
@@ -175,6 +183,8 @@ class MeasuredMemory:
             network's nor the batch's (other tensors of this process), left out of
             ``allocated_bytes``.
         trace: the storage trace when asked for (``StorageMeter.trace``).
+        ops: the aten ops the second step dispatched on the device (``StepOps``); None with
+            one step.
     """
 
     device: str
@@ -183,6 +193,7 @@ class MeasuredMemory:
     reserved_bytes: int | None = None
     other_bytes: int = 0
     trace: list[tuple] | None = field(default=None, repr=False)
+    ops: StepOps | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -263,10 +274,10 @@ def measure_training_memory(
         with meter:
             # under DDP the wrap allocates the gradient buckets: inside the meter, as in fit
             run = ddp_wrap(net, step, device) if step.ddp else net
-            _training_steps(run, step, opt, image, labels, steps)
+            ops = _training_steps(run, step, opt, image, labels, steps, counted=net)
     finally:
         meter.close()
-    result = MeasuredMemory(str(device), meter.peak_bytes, other_bytes=other, trace=meter.trace)
+    result = MeasuredMemory(str(device), meter.peak_bytes, other_bytes=other, trace=meter.trace, ops=ops)
     if cuda:
         torch.cuda.synchronize(device)
         result.allocated_bytes = int(torch.cuda.max_memory_allocated(device)) - other
@@ -321,22 +332,28 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
     image = torch.empty(batch_size, 3, resolution, resolution, device="meta",
                         dtype=getattr(meta, "input_dtype", torch.float32))
     labels = torch.zeros(batch_size, dtype=torch.int64, device="meta")
+    if step.in_backward:  # the state is created inside backward: a whole first step
+        training_step(meta, step, opt, image, labels)
+    else:  # the optimizer's state, created by a step of zero gradients (no forward or backward)
+        for p in meta.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=not step.ddp)
+    return _counted_step(meta, opt, lambda: training_step(meta, step, opt, image, labels))
+
+
+def _counted_step(net: nn.Module, opt, run: Callable[[], object]) -> StepOps:
+    """The aten ops ``run`` (one training step of ``net`` with ``opt``) dispatches, split at
+    ``net``'s forward and at ``opt``'s step."""
     counter = _OpCounter()
     marks: dict[str, int] = {}
-    hooks = [meta.register_forward_pre_hook(lambda *a: marks.__setitem__("start", counter.count)),
-             meta.register_forward_hook(lambda *a: marks.__setitem__("forward", counter.count)),
+    hooks = [net.register_forward_pre_hook(lambda *a: marks.__setitem__("start", counter.count)),
+             net.register_forward_hook(lambda *a: marks.__setitem__("forward", counter.count)),
              opt.register_step_pre_hook(lambda *a: marks.__setitem__("backward", counter.count))]
     try:
-        if step.in_backward:  # the state is created inside backward: a whole first step
-            training_step(meta, step, opt, image, labels)
-        else:  # the optimizer's state, created by a step of zero gradients (no forward or backward)
-            for p in meta.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=not step.ddp)
         with counter:
-            training_step(meta, step, opt, image, labels)
+            run()
     finally:
         for h in hooks:
             h.remove()
