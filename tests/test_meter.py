@@ -155,3 +155,31 @@ def test_cuda_uses_max_memory_allocated():
     peak = measure_training_peak(net, resolution=2, batch_size=4, steps=3)
     # the caching allocator rounds every block up to 512 B: at least the CPU count
     assert peak >= 1752
+
+
+def test_op_tensors_are_what_pytree_finds():
+    """The meter's walk over an op's output and arguments (``_tensors``) against pytree's
+    ``tree_leaves``: the same tensors, in the same order, for nested tuples, lists, dicts,
+    return-type tuples (``torch.return_types``) and scalars between them."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from torch.utils._pytree import tree_leaves
+
+    from edgetl.memory.meter import _tensors
+
+    pool = [torch.zeros(i + 1) for i in range(4)]
+    leaves = st.one_of(st.sampled_from(pool), st.integers(), st.floats(allow_nan=False), st.none(),
+                       st.just(torch.float32), st.just(torch.Size([2, 3])))
+    values = st.recursive(leaves, lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(st.text(max_size=3), inner, max_size=3),
+        st.tuples(inner, inner).map(lambda ab: torch.return_types.max(ab))), max_leaves=12)
+
+    @settings(max_examples=200, deadline=None)
+    @given(values)
+    def check(value):
+        expected = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+        found = list(_tensors(value))
+        assert [id(t) for t in found] == [id(t) for t in expected]
+
+    check()
