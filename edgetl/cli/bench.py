@@ -12,7 +12,7 @@ from edgetl.cli._common import HelpFormatter, positive_float, positive_int, prin
 from edgetl.errors import ConfigError
 from edgetl.units import parse_bytes
 
-# --quick: a tiny backbone at 64 px, a smoke run of every row (146-157 s on a 2-core CPU, docs/bench.md);
+# --quick: a tiny backbone at 64 px, a smoke run of every row (119-131 s on a 2-core CPU, docs/bench.md);
 # the largest batches are re-measured up to 49 images and timed at up to 16 (one step)
 QUICK = {"width": 0.35, "resolution": 64, "budget": "24MB", "steps": 2, "warmup": 1, "verify_images": 4,
          "largest_steps": 1, "largest_cap": 16}
