@@ -19,6 +19,7 @@ and frees, which ``edgetl.memory.cuda.replay_trace`` turns into the allocator's 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import weakref
@@ -51,6 +52,7 @@ class StorageMeter(TorchDispatchMode):
         self._finalizers: dict[int, weakref.finalize] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.op_count = 0  # aten ops seen
         # ("alloc", key, nbytes) / ("free", key) / ("op", aten op name, in backward, bias gemm) /
         # ("reset",), in order; a key is unique for the life of its storage (ids are reused only
         # after a free). "in backward": autograd's engine ran the op (on CUDA, its device thread);
@@ -115,6 +117,7 @@ class StorageMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.op_count += 1
         for t in _tensors(out):
             self._track(t)
         # in-place ops that resize an argument (e.g. out=) show up in the args
@@ -169,13 +172,15 @@ def _bias_gemm(name: str, args: tuple, kwargs: dict | None) -> bool:
             and a.dim() == 2 and b.dim() == 2 and min(a.shape[0], b.shape[0], b.shape[1]) > 1)
 
 
-def _training_steps(net, step: Step, opt, image, labels, steps: int, counted: nn.Module | None = None) -> StepOps | None:
-    """``steps`` training steps; with ``counted`` (the network inside ``net``), the aten ops
-    of the second step (once optimizer state exists), as ``count_step_ops`` splits them."""
+def _training_steps(net, step: Step, opt, image, labels, steps: int, meter: StorageMeter,
+                    counted: nn.Module) -> StepOps | None:
+    """``steps`` training steps under ``meter``; the aten ops of the second (once optimizer
+    state exists) as ``meter`` counts them, split as ``count_step_ops`` splits them at
+    ``counted``'s forward (the network inside ``net``)."""
     ops = None
     for i in range(steps):
-        if i == 1 and counted is not None:
-            ops = _counted_step(counted, opt, lambda: training_step(net, step, opt, image, labels))
+        if i == 1:
+            ops = _counted_step(counted, opt, lambda: training_step(net, step, opt, image, labels), meter)
         else:
             training_step(net, step, opt, image, labels)
     return ops
@@ -287,7 +292,7 @@ def measure_training_memory(
         with meter:
             # under DDP the wrap allocates the gradient buckets: inside the meter, as in fit
             run = ddp_wrap(net, step, device) if step.ddp else net
-            ops = _training_steps(run, step, opt, image, labels, steps, counted=net)
+            ops = _training_steps(run, step, opt, image, labels, steps, meter, counted=net)
     finally:
         meter.close()
     result = MeasuredMemory(str(device), meter.peak_bytes, other_bytes=other, trace=meter.trace, ops=ops)
@@ -317,10 +322,10 @@ class StepOps:
 class _OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.op_count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.op_count += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -356,22 +361,23 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
     return _counted_step(meta, opt, lambda: training_step(meta, step, opt, image, labels))
 
 
-def _counted_step(net: nn.Module, opt, run: Callable[[], object]) -> StepOps:
+def _counted_step(net: nn.Module, opt, run: Callable[[], object], counting: StorageMeter | None = None) -> StepOps:
     """The aten ops ``run`` (one training step of ``net`` with ``opt``) dispatches, split at
-    ``net``'s forward and at ``opt``'s step."""
-    counter = _OpCounter()
+    ``net``'s forward and at ``opt``'s step: counted by ``counting`` (a storage meter that is
+    running already, so that it stays the innermost mode), else by an op counter of its own."""
+    counter = counting if counting is not None else _OpCounter()
     marks: dict[str, int] = {}
-    hooks = [net.register_forward_pre_hook(lambda *a: marks.__setitem__("start", counter.count)),
-             net.register_forward_hook(lambda *a: marks.__setitem__("forward", counter.count)),
-             opt.register_step_pre_hook(lambda *a: marks.__setitem__("backward", counter.count))]
+    hooks = [net.register_forward_pre_hook(lambda *a: marks.__setitem__("start", counter.op_count)),
+             net.register_forward_hook(lambda *a: marks.__setitem__("forward", counter.op_count)),
+             opt.register_step_pre_hook(lambda *a: marks.__setitem__("backward", counter.op_count))]
     try:
-        with counter:
+        with counter if counting is None else contextlib.nullcontext():
             run()
     finally:
         for h in hooks:
             h.remove()
     return StepOps(marks["forward"] - marks["start"], marks["backward"] - marks["forward"],
-                   counter.count - marks["backward"])
+                   counter.op_count - marks["backward"])
 
 
 def _fused_update_ops(net: nn.Module, step: Step) -> int:
@@ -393,7 +399,7 @@ def _fused_update_ops(net: nn.Module, step: Step) -> int:
                 optimizer.step()
             for p in batch:
                 p.grad = None
-    return counter.count
+    return counter.op_count
 
 
 def _prepare_cuda(device: torch.device, net: nn.Module, *tensors: torch.Tensor) -> int:
