@@ -3,7 +3,6 @@ and how long Python holds each storage out (traced once on the meta device)."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +10,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from edgetl.memory.rules import leaf_parameters
-from edgetl.memory.trace import Leaf, trace_meta
+from edgetl.memory.trace import Leaf, meta_copy, trace_meta
 from edgetl.models.backbone import EdgeNet
 from edgetl.models.stream import mark_shapes_only
 
@@ -199,7 +198,7 @@ def _meta_copy(net: EdgeNet) -> EdgeNet:
     BN in eval mode for tracing only: shapes are the same, and a batch-1 train-mode BN
     on a 1x1 map refuses to run; the rules read training flags from ``net`` itself.
     """
-    meta = copy.deepcopy(net).to("meta")
+    meta = meta_copy(net)
     mark_shapes_only(meta)
     for m in meta.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):

@@ -36,6 +36,7 @@ from torch import nn
 from edgetl.errors import ConfigError
 from edgetl.memory.rules import layer_cost
 from edgetl.memory.runtime import runtime_report, simulate
+from edgetl.memory.trace import meta_copy
 from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample, mask_forward_chunked
 from edgetl.models.stream import apply_streams, segments_of
 from edgetl.step import Step, resolve_step
@@ -132,31 +133,23 @@ def _set_convs(convs: dict[str, FrozenConvBNAct], whole_batch: dict, mask_chunks
 def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:
     """The schedule for ``net``'s step: whole-batch backward and the largest forward mask
     chunks wherever they do not raise the predicted peak (see the module docstring).
-    ``net`` is left as it was."""
+    ``net`` is not touched: the choices are tried on a meta copy of it."""
     step = resolve_step(step)
-    convs = _frozen_convs(net)
-    saved = {name: (conv.whole_batch_shapes, conv.mask_chunks, conv.whole_weight) for name, conv in convs.items()}
+    work = meta_copy(net)  # the fitter's own: its convs and streams are set and reset freely
+    convs = _frozen_convs(work)
     names = {m: n for n, m in convs.items()}
-    streams = stream_segments(net, batch_size, step)
-    saved_streams = net.streams
-    try:
-        if streams or saved_streams is not None:
-            apply_streams(net, streams)
-        for conv in convs.values():
-            conv.whole_batch_shapes, conv.mask_chunks, conv.whole_weight = frozenset(), {}, False
-        res = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
-        again: tuple[int, ...] = ()
-        if streams and net.options.recompute:
-            again, res = _fit_recompute(net, res, streams, resolution, batch_size, step)
-        whole, kept = _fit_backward(res, names)
-        chunks = _fit_forward(res, names)
-        _set_convs(convs, whole, chunks)  # the weights are fitted with both choices in place
-        weights = _fit_weights(res, names)
-    finally:
-        for name, conv in convs.items():
-            conv.whole_batch_shapes, conv.mask_chunks, conv.whole_weight = saved[name]
-        if streams or saved_streams is not None:
-            net.streams = saved_streams
+    streams = stream_segments(work, batch_size, step)
+    if streams or work.streams is not None:
+        apply_streams(work, streams)
+    _set_convs(convs, {}, {})  # every conv at its defaults: the peak the choices must keep
+    res = simulate(work, resolution=resolution, batch_size=batch_size, step=step)
+    again: tuple[int, ...] = ()
+    if streams and work.options.recompute:
+        again, res = _fit_recompute(work, res, streams, resolution, batch_size, step)
+    whole, kept = _fit_backward(res, names)
+    chunks = _fit_forward(res, names)
+    _set_convs(convs, whole, chunks)  # the weights are fitted with both choices in place
+    weights = _fit_weights(res, names)
     return Schedule(batch_size, resolution, whole, tuple(kept), chunks, streams, again, weights)
 
 

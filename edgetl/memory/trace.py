@@ -97,6 +97,18 @@ def _first_tensor(args) -> torch.Tensor:
     raise TypeError("leaf called without a tensor input")
 
 
+def meta_copy(net: nn.Module) -> nn.Module:
+    """A deep copy of ``net`` whose parameters and buffers are on the meta device (same
+    shapes, dtypes and trainability; grads left out), made without copying their data:
+    ``copy.deepcopy(net).to("meta")`` without the transient full copy of the weights."""
+    memo: dict[int, object] = {}
+    for t in net.parameters():
+        memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+    for t in net.buffers():
+        memo[id(t)] = torch.empty_like(t, device="meta")
+    return copy.deepcopy(net, memo)
+
+
 def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
     """Run ``net`` on a meta tensor and record its leaf layers in execution order.
 
@@ -104,7 +116,7 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
     Trainability (requires_grad) is read from ``net``.
     """
     # eval(): shapes are the same, and BN accepts 1x1 maps at batch 1
-    meta = copy.deepcopy(net).to("meta").eval()
+    meta = meta_copy(net).eval()
     mark_shapes_only(meta)
     return trace_meta(meta, dict(net.named_modules()), resolution, batch_size)
 
