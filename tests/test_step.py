@@ -91,6 +91,39 @@ def test_a_schedule_is_data_and_fitting_it_leaves_the_network_alone():
         schedule.whole_batch)
 
 
+def test_fitting_a_cpu_network_matches_its_meta_twin_and_leaves_it_as_it_was():
+    """The fitter tries its choices on a meta copy (``trace.meta_copy``): a CPU network's
+    schedule is its meta twin's, and its weights, conv settings and streams stay as they were;
+    the copy has the parameters and buffers ``deepcopy(...).to("meta")`` would give."""
+    import copy
+
+    from edgetl.memory.trace import meta_copy
+    from edgetl.models.lean import FrozenConvBNAct
+
+    lean = LeanOptions(pool=2, stream=2, recompute=True)
+    torch.manual_seed(0)
+    net = build_network(SPEC, "bias", lean=lean)
+    twin = build_network(SPEC, "bias", device="meta", lean=lean)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def settings(n):
+        return [(m.whole_batch_shapes, m.mask_chunks, m.whole_weight) for m in n.modules()
+                if isinstance(m, FrozenConvBNAct)]
+
+    before = settings(net)
+    schedule = fit_schedule(net, resolution=RES, batch_size=BATCH)
+    assert schedule.streams and schedule == fit_schedule(twin, resolution=RES, batch_size=BATCH)
+    assert net.streams is None and settings(net) == before
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+    def tensors(n):
+        return [(name, tuple(t.shape), t.dtype, t.device, t.requires_grad, type(t))
+                for name, t in (*n.named_parameters(), *n.named_buffers())]
+
+    assert tensors(meta_copy(net)) == tensors(copy.deepcopy(net).to("meta"))
+    assert all(t.device.type == "cpu" for _, t in net.state_dict().items())
+
+
 def test_a_schedule_of_the_forward_reads_back_and_old_schedules_pack_one_sample_at_a_time():
     net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
     schedule = fit_schedule(net, resolution=RES, batch_size=BATCH)
