@@ -333,9 +333,9 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
     """The aten ops of one ``training_step`` of ``net`` as it is set up now (its schedule
     applied), counted on a meta copy: the step after the first, once optimizer state
     exists. ``net`` itself is not touched."""
-    import dataclasses
+    import copy
 
-    from edgetl.memory.trace import meta_copy
+    import dataclasses
 
     step = resolve_step(step)
     if step.optim.fused:  # fused kernels have no meta implementation: their ops are counted apart
@@ -344,7 +344,7 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
         unfused = dataclasses.replace(step, optim=plain)
         ops = count_step_ops(net, resolution=resolution, batch_size=batch_size, step=unfused)
         return StepOps(ops.forward, ops.backward, _fused_update_ops(net, step))
-    meta = meta_copy(net)
+    meta = copy.deepcopy(net).to("meta")
     opt = step.optimizer(meta)
     set_train_mode(meta, step.bn)
     image = torch.empty(batch_size, 3, resolution, resolution, device="meta",
