@@ -19,7 +19,6 @@ and frees, which ``edgetl.memory.cuda.replay_trace`` turns into the allocator's 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import weakref
@@ -358,21 +357,21 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
                 p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=not step.ddp)
-    return _counted_step(meta, opt, lambda: training_step(meta, step, opt, image, labels))
+    counter = _OpCounter()
+    with counter:
+        return _counted_step(meta, opt, lambda: training_step(meta, step, opt, image, labels), counter)
 
 
-def _counted_step(net: nn.Module, opt, run: Callable[[], object], counting: StorageMeter | None = None) -> StepOps:
+def _counted_step(net: nn.Module, opt, run: Callable[[], object], counter: StorageMeter | _OpCounter) -> StepOps:
     """The aten ops ``run`` (one training step of ``net`` with ``opt``) dispatches, split at
-    ``net``'s forward and at ``opt``'s step: counted by ``counting`` (a storage meter that is
-    running already, so that it stays the innermost mode), else by an op counter of its own."""
-    counter = counting if counting is not None else _OpCounter()
+    ``net``'s forward and at ``opt``'s step, as ``counter`` (a dispatch mode the caller has
+    entered: the storage meter, or an op counter) counts them."""
     marks: dict[str, int] = {}
     hooks = [net.register_forward_pre_hook(lambda *a: marks.__setitem__("start", counter.op_count)),
              net.register_forward_hook(lambda *a: marks.__setitem__("forward", counter.op_count)),
              opt.register_step_pre_hook(lambda *a: marks.__setitem__("backward", counter.op_count))]
     try:
-        with counter if counting is None else contextlib.nullcontext():
-            run()
+        run()
     finally:
         for h in hooks:
             h.remove()
