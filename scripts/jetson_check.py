@@ -175,7 +175,7 @@ class Checker:
         self.work = self.out / "work"
         self.logs = self.out / "logs"
         self.python = [str(args.python)]
-        self.emulated = Path(self.python[0]).name == "python" and Path(self.python[0]).parent.name == ".jetson"
+        self.emulated = "python" in Path(self.python[0]).name and Path(self.python[0]).parent.name == ".jetson"
         self.results: dict[str, Result] = {}
         self.env = dict(os.environ)
         # the repository checked comes first on the emulated sys.path (the wrapper adds its site)
