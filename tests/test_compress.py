@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgetl.errors import ConfigError
+from edgetl.memory.leaf import measured_cost
 from edgetl.memory.meter import StorageMeter, measure_training_peak
 from edgetl.memory.runtime import runtime_report
 from edgetl.models.backbone import BackboneSpec, EdgeNet
@@ -296,8 +297,9 @@ def test_saved_bytes_predicted_equals_measured(name, fraction):
 @pytest.mark.parametrize("name,fraction", [(n, 0.25) for n in COMPRESSORS] + [("haar", 1.0)])
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_runtime_cost_forward_and_backward_against_meter(args, name, fraction, input_grad):
-    """One layer under the meter: forward holds output + saved + forward_temp_bytes at its
-    peak, backward grad_input + param grads + backward_temp_bytes (the runtime model's terms)."""
+    """One layer run for real under the meter: forward holds output + saved + forward_temp_bytes
+    at its peak, backward grad_input + param grads + backward_temp_bytes, the terms of its cost
+    measured on a meta twin."""
     _, lean = pair(args, make_compressor(name, fraction))
     x = smooth((2, args[0], *args[-1])).requires_grad_(input_grad)
     meter = StorageMeter()
@@ -306,8 +308,9 @@ def test_runtime_cost_forward_and_backward_against_meter(args, name, fraction, i
     base = meter.current_bytes
     with meter:
         y = lean(x)
-    cost = lean.runtime_cost(in_shape=tuple(x.shape), out_shape=tuple(y.shape), act_bytes=4,
-                             input_requires_grad=input_grad, output_requires_grad=True)
+    # what the runtime accounting uses: the layer measured on a meta twin (edgetl.memory.leaf)
+    cost = measured_cost(lean, in_shape=tuple(x.shape), in_dtype=torch.float32,
+                         input_requires_grad=input_grad, output_requires_grad=True)
     assert meter.current_bytes - base == y.numel() * 4 + cost.saved_new_bytes
     assert meter.peak_bytes - base == y.numel() * 4 + cost.saved_new_bytes + cost.forward_temp_bytes
     assert cost.saves_input == (fraction == 1.0)
@@ -331,7 +334,7 @@ CH, RES = 8, 16
 ])
 def test_training_step_runtime_accounting_against_meter(name, fraction, kernel, bias):
     """image -> conv 3->8 -> CompressedConv2d -> global pool -> linear, in full training:
-    the runtime accounting (runtime_cost) and the measured step peak agree to the byte."""
+    the runtime accounting (the layer's cost measured on meta) and the measured step peak agree to the byte."""
     torch.manual_seed(0)
     layer = CompressedConv2d(CH, CH, kernel, padding=kernel // 2, bias=bias, compressor=make_compressor(name, fraction))
     net = EdgeNet(nn.Sequential(nn.Sequential(nn.Conv2d(3, CH, 3, padding=1, bias=False), layer)),

@@ -9,7 +9,7 @@ from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.paper import sensitive
 from edgetl.memory.report import MB
 from edgetl.memory.cost import LayerCost
-from edgetl.memory.rules import stock_cost
+from edgetl.memory.rules import layer_cost, stock_cost
 from edgetl.memory.runtime import runtime_report
 from edgetl.step import Step
 from edgetl.models.backbone import BackboneSpec, EdgeNet
@@ -104,10 +104,6 @@ class LeanFrozenConv(nn.Conv2d):
     def forward(self, x):
         return _InputGradOnly.apply(x, self.weight, self.padding)
 
-    def runtime_cost(self, **kw):
-        # conv2d_input builds its dummy input from a 1-element tensor: 4 B in backward
-        return LayerCost(backward_temp_bytes=4)
-
 
 class _InputGradOnly(torch.autograd.Function):
     @staticmethod
@@ -122,8 +118,14 @@ class _InputGradOnly(torch.autograd.Function):
         return torch.nn.grad.conv2d_input(ctx.shape, weight, grad, padding=ctx.padding), None, None
 
 
-def test_lean_layer_protocol_is_consulted_first():
+def test_a_layer_of_its_own_is_measured_not_taken_for_its_stock_base():
+    """A subclass of nn.Conv2d with its own autograd Function: the accounting measures it on
+    meta (it keeps no activation; conv2d_input's 1-element dummy is 4 B in backward) rather
+    than applying the stock conv rule of its base class."""
     lean = LeanFrozenConv(CH, CH, 3, padding=1, bias=False).requires_grad_(False)
+    cost = layer_cost(lean, in_shape=(2, CH, RES, RES), out_shape=(2, CH, RES, RES), act_bytes=F4, in_bytes=F4,
+                      in_dtype=torch.float32, input_requires_grad=True, output_requires_grad=True)
+    assert cost == LayerCost(backward_temp_bytes=4)
     net = tiny_net(lean)
     report = runtime_report(net, mode="full", resolution=RES, batch_size=2)
     assert report.block(0).cugrd_bytes == 0  # the stock rule would say MAP

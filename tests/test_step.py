@@ -72,7 +72,7 @@ class _Softplus(nn.Module):
 def test_an_unknown_layer_or_function_fails_the_simulation_with_its_name():
     net = build_network(SPEC, "repnet", device="meta")
     net.classifier[-1] = nn.Sequential(net.classifier[-1], nn.Softplus())
-    with pytest.raises(CapabilityError, match="no rule for the layer Softplus"):
+    with pytest.raises(CapabilityError, match="no rule for torch.s layer Softplus"):
         runtime_report(net, mode="repnet", resolution=RES, batch_size=2)
     net = build_network(SPEC, "repnet", device="meta")
     net.classifier[-1] = _Softplus(net.classifier[-1])

@@ -260,10 +260,11 @@ def test_a_kept_edge_owns_its_node_after_the_output_is_dropped(owns, monkeypatch
 def test_streaming_as_on_older_torch_is_exact_too(mode, batch, m, monkeypatch):
     """The older-torch edges (a view per micro-batch): same gradients as unstreamed, and the
     step predicted exactly (the segment cost is measured through the same code)."""
+    from edgetl.memory import leaf
     from edgetl.models import stream
 
     monkeypatch.setattr(stream, "_EDGE_OWNS_NODE", False)
-    monkeypatch.setattr(stream, "_COST_CACHE", {})  # measure the segments through the view path
+    monkeypatch.setattr(leaf, "_CACHE", {})  # measure the segments through the view path
     torch.manual_seed(0)
     plain = build_network(SPEC, mode, lean=LeanOptions(pool=2))
     streamed = copy.deepcopy(plain)

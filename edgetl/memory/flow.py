@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from edgetl.memory.rules import leaf_parameters
+from edgetl.memory.leaf import leaf_parameters
 from edgetl.memory.trace import Leaf, meta_copy, trace_meta
 from edgetl.models.backbone import EdgeNet
 from edgetl.models.stream import mark_shapes_only
@@ -33,6 +33,7 @@ class Value:
     nbytes: int  # bytes of the storage
     shape: tuple[int, ...]
     act_bytes: int
+    dtype: torch.dtype
     requires_grad: bool = False
     producer: int | None = None  # op index
 
@@ -101,14 +102,14 @@ class _FlowRecorder(TorchFunctionMode):
         key = _skey(t)
         if key not in self.latest:
             self.keep.append(t)
-            self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size()))
+            self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(), t.dtype))
             self.latest[key] = len(self.values) - 1
         return self.latest[key]
 
     def new_value(self, t: torch.Tensor, producer: int) -> int:
         """A new value for ``t``, written by op ``producer``."""
         self.keep.append(t)
-        self.values.append(Value(_skey(t), t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(),
+        self.values.append(Value(_skey(t), t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(), t.dtype,
                                   producer=producer))
         self.latest[_skey(t)] = len(self.values) - 1
         return len(self.values) - 1

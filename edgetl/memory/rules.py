@@ -9,29 +9,16 @@ result (no copy); linear saves its input only if its weight trains; AvgPool2d sa
 its input; AdaptiveAvgPool2d to 1x1 is a ``mean`` and saves nothing; dropout saves a
 mask as large as its input (input dtype); bilinear resize, add and flatten save nothing.
 
-Lean-layer protocol: a leaf module may define
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, in_bytes, input_requires_grad,
-                     output_requires_grad) -> LayerCost
-
-(``act_bytes``/``in_bytes``: element sizes of its output/input) returning a :class:`LayerCost` (what it keeps for backward, whether it is in-place,
-forward and backward temporaries, whether its backward produces a grad_input). The rule
-table consults this method first, so a frozen conv that saves nothing, a BN folded
-into its conv, a ReLU6 that keeps a bit-packed mask, or a side conv that keeps its
-input average-pooled by k plugs in without touching this file. ``saved_new_bytes`` is
-for tensors the layer allocates and keeps (a packed mask, a pooled input); referenced
-input or output storages are declared with ``saves_input`` / ``saves_output`` so a
-storage shared with a neighbour is counted once. A leaf that returns the very tensor it
-was given is taken as an identity (no op, no grad_fn) unless it has ``inplace = True``,
-in which case it is an in-place op whose output shares its input's storage.
-Temporaries are the *largest* extra a layer holds at any moment inside its forward
-(beyond its output and ``saved_new_bytes``) or backward (beyond grad_input and its
-param grads); the lean layers (edgetl.models.lean, lean_side) derive them from the
-sequence of allocations their code makes, checked against the meter in
-tests/test_lean_runtime.py. A leaf whose parameters are registered elsewhere (the lean
-side tail) lists them with ``runtime_parameters()``. The input batch is built in
-``net.input_dtype`` when the network has one (the lean runtime feeds bf16/fp16 batches);
-a pass-through gradient (add, view) whose input has another dtype is a new cast buffer.
+Every other leaf - edgetl's lean layers (``edgetl.models.lean``, ``lean_side``,
+``lean_full``, ``compress``), a streamed segment, a subclass of a stock layer, a user's own
+layer - is measured, not described: it runs once on a meta twin of itself under the storage
+meter (``edgetl.memory.leaf``), so what the accounting predicts is what its code allocates.
+A leaf whose parameters are registered elsewhere (the lean side tail) lists them with
+``runtime_parameters()``. A leaf that returns the very tensor it was given is taken as an
+identity (no op, no grad_fn) unless it has ``inplace = True``, in which case it is an
+in-place op whose output shares its input's storage. The input batch is built in ``net.input_dtype`` when the network
+has one (the lean runtime feeds bf16/fp16 batches); a pass-through gradient (add, view)
+whose input has another dtype is a new cast buffer.
 """
 
 from __future__ import annotations
@@ -40,6 +27,7 @@ from torch import nn
 
 from edgetl.errors import CapabilityError
 from edgetl.memory.cost import LayerCost, numel as _numel
+from edgetl.memory.leaf import measured_cost
 
 
 def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
@@ -94,22 +82,22 @@ def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
     if isinstance(module, nn.Upsample) or type(module).__name__ == "Resize":
         return LayerCost()  # upsample_*_backward needs only sizes
     raise CapabilityError(
-        f"the runtime accounting has no rule for the layer {type(module).__name__}: give it a "
-        f"runtime_cost method (see edgetl.memory.rules) or add a rule to stock_cost")
+        f"the runtime accounting has no rule for torch's layer {type(module).__name__}: add one to "
+        f"edgetl.memory.rules.stock_cost")
 
 
-def layer_cost(module: nn.Module, **kwargs) -> LayerCost:
-    """A leaf's own ``runtime_cost`` if it has one, else the stock rule table."""
-    own = getattr(module, "runtime_cost", None)
-    if callable(own):
-        return own(**kwargs)
-    return stock_cost(module, **kwargs)
+def layer_cost(module: nn.Module, *, in_dtype, **kwargs) -> LayerCost:
+    """The stock rule table for torch's own layers (and the side network's ``Resize``, a
+    bilinear interpolation to a size given at call time); any other leaf measured on meta."""
+    if _tabled(module):
+        return stock_cost(module, **kwargs)
+    return measured_cost(module, in_shape=kwargs["in_shape"], in_dtype=in_dtype,
+                         input_requires_grad=kwargs["input_requires_grad"],
+                         output_requires_grad=kwargs["output_requires_grad"])
 
 
-def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters a leaf's backward produces grads for: its own, or ``runtime_parameters()``."""
-    own = getattr(module, "runtime_parameters", None)
-    if callable(own):
-        return list(own())
-    return list(module.parameters(recurse=False))
-
+def _tabled(module: nn.Module) -> bool:
+    """Whether the stock table describes this leaf: a layer of torch's own class (not a
+    subclass defined elsewhere, whose forward may allocate differently), or ``Resize``."""
+    kind = type(module)
+    return kind.__module__.split(".")[0] == "torch" or (kind.__name__ == "Resize" and kind.__module__ == "edgetl.models.side")

@@ -37,7 +37,8 @@ from edgetl.memory.cost import LayerCost
 from edgetl.memory.flow import ADD_FUNCS, ALIAS_FUNCS, PLAIN_FUNCS, Flow, Op, Value, trace_flow
 from edgetl.memory.paper import sensitive
 from edgetl.memory.report import BlockMemory, MemoryReport
-from edgetl.memory.rules import layer_cost, leaf_parameters
+from edgetl.memory.leaf import leaf_parameters
+from edgetl.memory.rules import layer_cost
 from edgetl.memory.step_cost import LossTrace, OptimizerCost, loss_trace, optimizer_cost
 from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
 from edgetl.step import Step, resolve_step, set_train_mode
@@ -191,7 +192,7 @@ class _Simulation:
             return LayerCost(inplace=True, grad_input=False)
         if op.module is not None:
             args = dict(in_shape=ins[0].shape, out_shape=out.shape, act_bytes=out.act_bytes,
-                        in_bytes=ins[0].act_bytes, input_requires_grad=ins[0].requires_grad,
+                        in_bytes=ins[0].act_bytes, in_dtype=ins[0].dtype, input_requires_grad=ins[0].requires_grad,
                         output_requires_grad=grad_fn)
             self.res.layer_args[i] = (op.module, args)
             cost = layer_cost(op.module, **args)

@@ -63,7 +63,7 @@ from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import ConfigError
 from edgetl.options import COMPRESSORS
-from edgetl.memory.cost import LayerCost, dtype_bytes as _dtype_bytes, numel as _numel, over as _over
+from edgetl.memory.cost import dtype_bytes as _dtype_bytes
 
 WAVELET_LEVELS = 3  # Vu et al. use a 3-level decomposition in all experiments
 DCT_BLOCK = 8  # JPEG's block (Vu et al. use 16; ``DCTCompressor(block=16)``)
@@ -491,40 +491,6 @@ class CompressedConv2d(nn.Conv2d):
         if not self.weight.requires_grad:
             return 0
         return self.compressor.stored_bytes(in_shape, in_dtype or self.weight.dtype)
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        """Runtime accounting rule (edgetl.memory.runtime): the packed input is kept.
-
-        Forward: the conv output, then ``compress`` (its transform, magnitudes, top-k).
-        Backward: the bias gradient (first: the accounting counts parameter gradients from
-        the start of a layer's backward), ``decompress`` and grad_weight (a 1-element
-        dummy, then the gradient), the reconstruction freed, then grad_input (a dummy,
-        then the gradient); the parameter gradients are the final state.
-        """
-        if not output_requires_grad:
-            return LayerCost()
-        e = self.weight.element_size()
-        trains = self.weight.requires_grad
-        dtype = self.weight.dtype
-        sparse = trains and self.compressor.is_sparse(in_shape, dtype)
-        out = _numel(out_shape) * act_bytes
-        saved = self.saved_bytes(in_shape, out_shape) if sparse else 0
-        forward = [out + p for p in self.compressor.compress_phases(in_shape, dtype)] if sparse else [out]
-        gx = _numel(in_shape) * e if input_requires_grad else 0
-        gw = self.weight.numel() * e if trains else 0
-        gb = self.bias.numel() * e if self.bias is not None and self.bias.requires_grad else 0
-        phases = [gb]
-        if trains:
-            x_hat = _numel(in_shape) * e if sparse else 0
-            phases += [gb + p for p in self.compressor.decompress_phases(in_shape, dtype)] if sparse else []
-            phases += [gb + x_hat + e, gb + x_hat + e + gw, gb + gw]
-        if gx:
-            phases += [gb + gw + e, gb + gw + e + gx]
-        phases.append(gw + gx + gb)
-        return LayerCost(saves_input=trains and not sparse, saved_new_bytes=saved,
-                         forward_temp_bytes=_over(forward, out + saved),
-                         backward_temp_bytes=_over(phases, gx + gw + gb))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", compressor={self.compressor!r}"

@@ -22,8 +22,8 @@ What each part keeps for backward:
 Forward and every input gradient are exact; the approximation enters only the weight
 gradients, in ``edgetl.models.lean.pooled_grad_weight`` and
 ``edgetl.models.compress._CompressedConv2dFn.backward``. Every stored size is a function
-of the shapes alone, so the runtime accounting (each leaf's ``runtime_cost``) knows the
-step's peak before it runs.
+of the shapes alone, so the runtime accounting (each leaf measured on a meta twin,
+``edgetl.memory.leaf``) knows the step's peak before it runs.
 """
 
 from __future__ import annotations
@@ -34,15 +34,12 @@ from torch.autograd import Function
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from edgetl.errors import ConfigError
-from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
+from edgetl.memory.cost import numel as _numel
 from edgetl.models.compress import CompressedConv2d, check_fraction, make_compressor
 from edgetl.models.lean import (
-    UNPACK_TABLE_BUILD,
     LeanGlobalAvgPool,
     PooledConv2d,
-    _pack_phases,
     _relu6_mask,
-    _sample_aligned,
     mask_bytes,
     unpack_as,
     unpack_table,
@@ -136,30 +133,6 @@ class LeanReLU6(nn.Module):
 
     def saved_bytes(self, in_shape, out_shape) -> int:
         return mask_bytes(_numel(out_shape))
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        """Runtime accounting rule (edgetl.memory.runtime), mirroring ``_MaskedReLU6Fn``.
-
-        Forward, in place: the packed mask, built sample by sample from two byte-per-element
-        comparisons and a shifted copy (or, unaligned, whole and then packed). Backward:
-        the unpack table (and what builds it), the int32 row indices, the unpacked mask
-        that becomes grad_input.
-        """
-        if not output_requires_grad:
-            return LayerCost(inplace=True)
-        n = _numel(out_shape)
-        saved = mask_bytes(n)
-        if _sample_aligned(out_shape):
-            phases = [saved + 2 * (n // int(out_shape[0]))]
-        else:
-            phases = [2 * n, *_pack_phases(n)]
-        a = act_bytes
-        g = n * a
-        tab = 256 * 8 * a
-        backward = [UNPACK_TABLE_BUILD + tab, tab + 4 * saved + g]
-        return LayerCost(inplace=True, saved_new_bytes=saved, forward_temp_bytes=_over(phases, saved),
-                         backward_temp_bytes=_over(backward, g))
 
 
 def _full_cna(cna: nn.Sequential, storage: str, keep: float) -> nn.Sequential:

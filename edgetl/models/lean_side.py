@@ -27,7 +27,6 @@ from torch import nn
 from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
 from edgetl.models.lean import ImagePool, LeanAvgPool2d, PooledConv2d, _check_pool
 from edgetl.units import round_up
 
@@ -46,14 +45,19 @@ def _bn_apply(y, mean, invstd, gamma, beta, out=None):
 
 
 def _batch_stats(y, bn: nn.BatchNorm2d, momentum: float):
-    """Batch mean and invstd of y per channel; updates bn's running statistics like nn.BatchNorm2d."""
+    """Batch mean and invstd of y per channel; updates bn's running statistics like nn.BatchNorm2d.
+
+    One value per channel is refused as nn.BatchNorm2d refuses it, except on the meta device:
+    the runtime accounting's per-image figures measure this code at one sample there
+    (``edgetl.memory.leaf``), a call no real step makes."""
     n = y.numel() // y.shape[1]
-    if n <= 1:
+    if n <= 1 and y.device.type != "meta":
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(y.shape)}")
     var, mean = torch.var_mean(y, dim=(0, 2, 3), correction=0)
     if bn.track_running_stats:
         bn.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-        bn.running_var.mul_(1 - momentum).add_(var * (n / (n - 1)), alpha=momentum)
+        unbiased = n / (n - 1) if n > 1 else 1.0  # (one value: meta only, values unread)
+        bn.running_var.mul_(1 - momentum).add_(var * unbiased, alpha=momentum)
     return mean, torch.rsqrt(var + bn.eps)
 
 
@@ -161,48 +165,6 @@ class LeanSideTail(nn.Module):
     def runtime_parameters(self) -> list[nn.Parameter]:
         """The parameters this leaf uses (they are registered on the owning side module)."""
         return [p for m in self.parts for p in m.parameters()]
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        """Runtime accounting rule (edgetl.memory.runtime), mirroring ``_SideTailFn``.
-
-        Forward: bn1's output (ReLU in place) and conv2's output coexist; bn2 runs in
-        place. Backward recomputes bn1's output (ReLU in place) and conv2's output, then
-        runs bn2's, conv2's, the ReLU's (in place) and bn1's backward.
-        """
-        if not output_requires_grad:
-            return LayerCost()
-        bn1, conv2, bn2 = self.parts
-        e = bn1.weight.element_size()
-        m, o = bn1.num_features * e, bn2.num_features * e
-        y1, y2 = _numel(in_shape) * e, _numel(out_shape) * e
-        w2 = conv2.weight.numel() * e
-        batch = bn1.training
-        if batch:
-            stats = 2 * (m + o)  # kept: mean and invstd of both BNs
-            fwd = [5 * m, y1 + 4 * m, y1 + y2 + 2 * m, y2 + 2 * m + 4 * o, y2 + 2 * m + 5 * o]
-            held = 0  # invstd1 is a saved tensor
-            first = [3 * m, y1 + 2 * m]
-        else:
-            stats = 0
-            fwd = [4 * m, y1 + 3 * m, y1 + y2 + m, y2 + m + 2 * o, y2 + m + 4 * o]
-            held = m  # invstd1, recomputed from the running variance
-            first = [2 * m, m + 3 * m, y1 + m + 2 * m]
-        grads = sum(p.numel() * p.element_size() for p in self.runtime_parameters() if p.requires_grad)
-        g2 = 2 * o if bn2.weight.requires_grad else 0
-        gw2 = w2 if conv2.weight.requires_grad else 0
-        g1 = 2 * m if bn1.weight.requires_grad else 0
-        gx = y1 if input_requires_grad else 0
-        bwd = first + [
-            held + y1 + y2,  # conv2 recomputed from relu(bn1(y1))
-            held + y1 + 2 * y2 + g2,  # bn2 backward
-            held + y1 + y2 + g2 + 4 + gw2,  # conv2 grad_weight
-            held + y1 + y2 + g2 + gw2 + 4 + y1,  # conv2 grad_input
-            held + y1 + g2 + gw2 + y1 + g1,  # bn1 backward
-        ]
-        return LayerCost(saves_input=True, saved_new_bytes=stats,
-                         forward_temp_bytes=_over(fwd, y2 + stats),
-                         backward_temp_bytes=_over(bwd, gx + grads))
 
     def saved_bytes(self, in_shape, out_shape) -> int:
         bn1, _, bn2 = self.parts

@@ -30,13 +30,12 @@ no streaming at all: the segment then runs its blocks as the unstreamed network 
 
 The runtime accounting (``edgetl.memory.runtime``) treats a segment as one leaf whose cost
 is measured by running the segment itself on the meta device under the storage meter
-(``StreamedSegment.runtime_cost``): what the simulation predicts is what this code
-allocates, by construction.
+(``edgetl.memory.leaf``): what the simulation predicts is what this code allocates, by
+construction.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -46,7 +45,6 @@ from torch.autograd.graph import get_gradient_edge
 
 from edgetl.compat import release
 from edgetl.errors import ConfigError
-from edgetl.memory.cost import LayerCost
 from edgetl.models.lean import by_micro_batch
 
 # Before torch 2.9 (pytorch PR #160098) a GradientEdge does not own its node: the edge of a
@@ -207,128 +205,17 @@ class StreamedSegment(nn.Module):
             return _StreamFn.apply(x, self, *params)
         return by_micro_batch(x, self.micro_batch, self.run)
 
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, in_bytes=None, input_requires_grad,
-                     output_requires_grad) -> LayerCost:
-        """Measured: the segment runs on the meta device under the storage meter (cached per
-        shape). Forward: its peak above the input less what stays (output and saved);
-        backward: its peak above what it starts with, less the input and parameter grads."""
-        if self.micro_batch >= int(in_shape[0]):
-            raise ConfigError("a segment that does not stream is accounted layer by layer")
-        dtype = {1: torch.uint8, 2: _half(self), 4: torch.float32}[in_bytes or act_bytes]
-        return _measured_cost(self._meta_key(), tuple(int(d) for d in in_shape), dtype,
-                              bool(input_requires_grad), bool(output_requires_grad), self)
-
-    def _meta_key(self) -> tuple:
-        """Everything the measured cost depends on besides the input: each module's kind and
-        execution settings, and the shape, dtype and trainability of its tensors."""
-        settings = []
-        for b in self._head + self._blocks + self._tail:
-            for m in b.modules():
-                tensors = [(tuple(t.shape), t.dtype, t.requires_grad)
-                           for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
-                settings.append((type(m).__name__, tuple(sorted(getattr(m, "whole_batch_shapes", ()))),
-                                 tuple(sorted(getattr(m, "mask_chunks", {}).items())),
-                                 getattr(m, "whole_weight", False),
-                                 getattr(m, "bn_mode", None), getattr(m, "act_dtype", None),
-                                 bool(getattr(m, "training", False)), tuple(tensors)))
-        return (self.start, self.stop, self.micro_batch, self.recompute, tuple(settings))
+    @property
+    def repeats_every(self) -> int:
+        """Samples after which the segment's work repeats (its micro-batch): the runtime
+        accounting measures a large batch at two and three micro-batches and extrapolates
+        (``edgetl.memory.leaf.measured_cost``)."""
+        return self.micro_batch
 
     def extra_repr(self) -> str:
         tail = f", then {type(self.tail).__name__}" if self._tail else ""
         again = ", recompute" if self.recompute else ""
         return f"features[{self.start}:{self.stop}]{tail}, micro_batch={self.micro_batch}{again}"
-
-
-def _half(segment: StreamedSegment) -> torch.dtype:
-    for b in segment._blocks:
-        for m in b.modules():
-            dt = getattr(m, "act_dtype", None)
-            if dt is not None and dt != torch.float32:
-                return dt
-    return torch.bfloat16
-
-
-_COST_CACHE: dict[tuple, LayerCost] = {}
-
-
-def _measured_cost(key: tuple, in_shape: tuple, dtype: torch.dtype, input_grad: bool, output_grad: bool,
-                   segment: StreamedSegment) -> LayerCost:
-    """The segment's cost at this input; a big batch is measured at two small ones.
-
-    For a batch of q full micro-batches and a last one of r samples, every full micro-batch
-    allocates and keeps the same, so once q >= 2 the temporaries no longer depend on q and
-    what forward keeps grows by one micro-batch's share per micro-batch. The cost at q is
-    then the cost at 2 and 3 full micro-batches extrapolated, checked: when the two small
-    measurements disagree on the temporaries, the batch itself is measured.
-    """
-    m = segment.micro_batch
-    n = in_shape[0]
-    q, r = divmod(n, m)
-    if q <= 3:
-        return _cached(key, in_shape, dtype, input_grad, output_grad, segment)
-    two = _cached(key, (2 * m + r, *in_shape[1:]), dtype, input_grad, output_grad, segment)
-    three = _cached(key, (3 * m + r, *in_shape[1:]), dtype, input_grad, output_grad, segment)
-    if (two.forward_temp_bytes, two.backward_temp_bytes) != (three.forward_temp_bytes, three.backward_temp_bytes):
-        return _cached(key, in_shape, dtype, input_grad, output_grad, segment)
-    share = three.saved_new_bytes - two.saved_new_bytes
-    return LayerCost(saved_new_bytes=two.saved_new_bytes + (q - 2) * share, saves_input=two.saves_input,
-                     forward_temp_bytes=two.forward_temp_bytes, backward_temp_bytes=two.backward_temp_bytes)
-
-
-def _cached(key: tuple, in_shape: tuple, dtype: torch.dtype, input_grad: bool, output_grad: bool,
-            segment: StreamedSegment) -> LayerCost:
-    full = (key, in_shape, dtype, input_grad, output_grad)
-    if full not in _COST_CACHE:
-        if len(_COST_CACHE) > 512:
-            _COST_CACHE.clear()
-        _COST_CACHE[full] = _measure(segment, in_shape, dtype, input_grad, output_grad)
-    return _COST_CACHE[full]
-
-
-def _measure(segment: StreamedSegment, in_shape: tuple, dtype: torch.dtype, input_grad: bool,
-             output_grad: bool) -> LayerCost:
-    """Run a meta copy of ``segment`` once, forward and backward, under the storage meter."""
-    from edgetl.memory.meter import StorageMeter
-
-    blocks = copy.deepcopy(list(segment._head + segment._blocks + segment._tail))
-    for b in blocks:
-        b.to("meta")
-    head = blocks.pop(0) if segment._head else None
-    tail = blocks.pop() if segment._tail else None
-    meta = StreamedSegment(blocks, segment.start, segment.micro_batch, tail, head, segment.recompute)
-    params = meta.trainable()
-    x = torch.empty(in_shape, dtype=dtype, device="meta", requires_grad=input_grad)
-    meter = StorageMeter()
-    meter.register(x)
-    for b in blocks:
-        meter.register_module(b)
-    try:
-        with meter:
-            base = meter.current_bytes
-            meter.reset_peak()
-            with torch.enable_grad() if output_grad else torch.no_grad():
-                out = meta(x)
-            kept = meter.current_bytes - base  # the output, and what backward will need
-            fwd_temp = meter.peak_bytes - base - kept
-            saved = kept - out.untyped_storage().nbytes()
-            if not output_grad:
-                return LayerCost(forward_temp_bytes=fwd_temp)
-            # a recomputing segment keeps its input (the simulation holds it; not new bytes)
-            again = segment.recompute
-            gy = torch.empty_like(out)
-            edge = owned_gradient_edge(out)
-            del out  # the simulation holds the output apart
-            start = meter.current_bytes
-            meter.reset_peak()
-            inputs = ([x] if input_grad else []) + params
-            grads = torch.autograd.grad([edge], inputs, grad_outputs=[gy])
-            results = sum(g.untyped_storage().nbytes() for g in grads)
-            bwd_temp = meter.peak_bytes - start - results
-            del grads, gy, edge
-    finally:
-        meter.close()
-    return LayerCost(saved_new_bytes=saved, saves_input=again, forward_temp_bytes=fwd_temp,
-                     backward_temp_bytes=bwd_temp)
 
 
 @functools.lru_cache(maxsize=None)

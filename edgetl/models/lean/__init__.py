@@ -24,12 +24,14 @@ no backward is needed (e.g. frozen layers before the first side tap, or under
 forward; ``count_saved_bytes`` measures the same thing with ``saved_tensors_hooks``;
 tests check that the two agree to the byte.
 
-Runtime-accounting contract: every lean leaf also has ``runtime_cost(...) -> LayerCost``
-(see edgetl/memory/rules.py): saved bytes plus the largest forward and backward
-temporaries, derived from the allocations its code makes (dequantised weights, cast
-copies, mask construction, per-sample masked gradients, upsampled pooled inputs).
-tests/test_lean_runtime.py checks the whole step against the meter to the byte. Keep
-the two in step when changing a forward or backward here.
+Runtime accounting: a lean leaf describes nothing more. What it keeps and its largest
+forward and backward temporaries (dequantised weights, cast copies, mask construction,
+per-sample masked gradients, upsampled pooled inputs) are measured by running it on a meta
+twin under the storage meter (``edgetl.memory.leaf``), keyed by everything that can change
+what it allocates (its settings, tensors' shapes and dtypes, the input). A leaf's state must
+therefore be plain values, tensors, modules or plain objects. tests/test_lean_runtime.py
+and tests/test_moments.py check the whole step, and each leaf's moments, against the meter
+on a real step to the byte.
 
 Rooms, by concern (import from this package; the submodules are its layout):
 
@@ -42,7 +44,6 @@ Rooms, by concern (import from this package; the submodules are its layout):
     saved         measuring: count_saved_bytes, predicted_saved_bytes
 """
 
-from edgetl.memory.cost import LayerCost  # what every lean leaf's runtime_cost returns (above)
 from edgetl.models.lean.frozen import (
     DEQUANT_CHUNK,
     FrozenConvBNAct,
@@ -52,7 +53,6 @@ from edgetl.models.lean.frozen import (
 )
 from edgetl.models.lean.leanify import ACT_DTYPES, BN_MODES, WEIGHT_DTYPES, check_act_dtype, leanify_backbone
 from edgetl.models.lean.masks import (
-    UNPACK_TABLE_BUILD,
     mask_bytes,
     pack_mask,
     pack_mask_,
@@ -75,7 +75,6 @@ from edgetl.models.lean.saved import SavedBytes, count_saved_bytes, predicted_sa
 
 # private helpers that edgetl.models.lean_full and lean_side import from here
 from edgetl.models.lean.frozen import _relu6_mask, _sample_aligned
-from edgetl.models.lean.masks import _pack_phases
 from edgetl.models.lean.pooled_conv import _check_pool
 
 __all__ = [
@@ -85,14 +84,12 @@ __all__ = [
     "FrozenConvBNAct",
     "ImagePool",
     "InputNorm",
-    "LayerCost",
     "LeanAvgPool2d",
     "LeanGlobalAvgPool",
     "MIN_POOLED_SIDE",
     "POOLS",
     "PooledConv2d",
     "SavedBytes",
-    "UNPACK_TABLE_BUILD",
     "WEIGHT_DTYPES",
     "by_micro_batch",
     "check_act_dtype",

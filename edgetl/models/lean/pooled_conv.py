@@ -9,7 +9,6 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import ConfigError
-from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
 from edgetl.options import POOLS
 
 # A conv input is stored pooled only while the pooled map keeps at least this many cells
@@ -192,38 +191,6 @@ class PooledConv2d(nn.Conv2d):
         n, c, h, w = in_shape
         k = self.pool_for(in_shape)
         return n * c * (-(-h // k)) * (-(-w // k)) * self.weight.element_size()
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        """Runtime accounting rule (edgetl.memory.runtime): the pooled input is kept.
-
-        Backward: the bias gradient (first: the accounting counts parameter gradients
-        from the start of a layer's backward), conv2d_input (a 1-element dummy input, then
-        grad_input), then grad_weight: from the input upsampled back to its (H, W) (one contiguous copy), from
-        sum-pooled grad_output for a pointwise conv, or from the exact input at k=1.
-        """
-        grad = output_requires_grad
-        e = self.weight.element_size()
-        k = self.pool_for(in_shape)
-        trains = self.weight.requires_grad
-        if not grad:
-            return LayerCost()
-        saved = self.saved_bytes(in_shape, out_shape) if trains and k > 1 else 0
-        gx = _numel(in_shape) * e if input_requires_grad else 0
-        gw = self.weight.numel() * e if trains else 0
-        gb = self.bias.numel() * e if self.bias is not None and self.bias.requires_grad else 0
-        phases = [gb + gx + (e if gx else 0), gb + gx]
-        if trains:
-            if k == 1:
-                scratch = 0
-            elif _is_pointwise(self.weight.shape, self.stride, self.padding, self.dilation):
-                n, c, h, w = out_shape
-                scratch = n * c * (-(-h // k)) * (-(-w // k)) * e
-            else:
-                scratch = _numel(in_shape) * e
-            phases.append(gb + gx + scratch + e + gw)
-        return LayerCost(saves_input=trains and k == 1, saved_new_bytes=saved,
-                         backward_temp_bytes=_over(phases, gx + gw + gb))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", pool={self.pool}"

@@ -12,7 +12,6 @@ from torch.autograd import Function
 
 from edgetl.errors import ConfigError
 from edgetl.imagenet import IMAGENET_MEAN, IMAGENET_STD
-from edgetl.memory.cost import LayerCost, numel as _numel, over as _over
 
 
 class _AvgPoolFn(Function):
@@ -50,11 +49,6 @@ class LeanAvgPool2d(nn.AvgPool2d):
 
     def saved_bytes(self, in_shape, out_shape) -> int:
         return 0
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        # backward writes grad_input directly: nothing beyond it
-        return LayerCost()
 
 
 def by_micro_batch(x: torch.Tensor, m: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -108,15 +102,6 @@ class InputNorm(nn.Module):
             out[i:i + 1].copy_(x[i:i + 1].float().div_(255).sub_(self.mean).div_(self.std))
         return out
 
-    def sample_temp_bytes(self, in_shape) -> int:
-        """The fp32 sample a half output is filled through (0 for an fp32 output)."""
-        return 0 if self.out_dtype == torch.float32 else _numel(in_shape[1:]) * 4
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        return LayerCost(forward_temp_bytes=self.sample_temp_bytes(in_shape) if in_bytes == 1 else 0,
-                         grad_input=False)
-
 
 class ImagePool(LeanAvgPool2d):
     """The side network's pool of the image; a uint8 image is normalised (``norm``) and pooled
@@ -146,19 +131,6 @@ class ImagePool(LeanAvgPool2d):
         return by_micro_batch(x, self.micro_batch or x.shape[0],
                               lambda rows: F.avg_pool2d(norm.normalize(rows), self.kernel_size))
 
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        if in_bytes != 1:
-            return super().runtime_cost(in_shape=in_shape, out_shape=out_shape, act_bytes=act_bytes,
-                                        input_requires_grad=input_requires_grad,
-                                        output_requires_grad=output_requires_grad, in_bytes=in_bytes)
-        n, norm = int(in_shape[0]), self._norm[0]
-        m = min(self.micro_batch or n, n)
-        # one micro-batch normalised (through its fp32 sample), then its pooled rows
-        rows = _numel((m, *in_shape[1:])) * act_bytes
-        phases = [rows + norm.sample_temp_bytes(in_shape), rows + _numel((m, *out_shape[1:])) * act_bytes]
-        return LayerCost(forward_temp_bytes=max(phases), grad_input=False)
-
 
 class _GlobalPoolFn(Function):
     @staticmethod
@@ -187,13 +159,4 @@ class LeanGlobalAvgPool(nn.AdaptiveAvgPool2d):
 
     def saved_bytes(self, in_shape, out_shape) -> int:
         return 0
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        in_bytes = in_bytes or act_bytes
-        nc = int(in_shape[0]) * int(in_shape[1])
-        gx = _numel(in_shape) * in_bytes if input_requires_grad else 0
-        # backward: gy / (H*W) in fp32, cast to the input dtype, then expanded into grad_input
-        phases = [nc * 4 + (nc * in_bytes if in_bytes != 4 else 0), nc * in_bytes + gx]
-        return LayerCost(backward_temp_bytes=_over(phases, gx))
 

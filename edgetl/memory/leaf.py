@@ -1,0 +1,202 @@
+"""What one of edgetl's own leaf layers holds, measured: a leaf module and its input in, a LayerCost out.
+
+edgetl's lean layers (``edgetl.models.lean``, ``lean_side``, ``lean_full``, ``compress``)
+are autograd Functions whose allocations are chosen by hand. Their cost is not written a
+second time beside them: the leaf runs once, forward and backward, on a meta copy of
+itself under the storage meter (``edgetl.memory.meter.StorageMeter``), and the
+measurement is read off as a :class:`LayerCost`:
+
+* forward: the bytes alive after the call less the output are what it keeps
+  (``saved_new_bytes``); the peak above that is its temporaries; the storages its
+  autograd nodes save (``saved_tensors_hooks``) say whether it keeps its input or its
+  output by reference; an output that is the input's storage is in place;
+* backward: the peak while its backward runs above what it started with, less the
+  gradients it returns (input and parameters), is its temporaries; a gradient for the
+  input that is grad_output itself is a pass-through (``grad_input=False``).
+
+Measurements are cached by the leaf's *signature*: its class, every plain attribute
+(training flags, execution options such as mask chunks), the shape, dtype and
+trainability of every tensor it holds (its own and those of modules it refers to
+without registering them, like the lean side tail's BNs), and the input's shape, dtype
+and flags. Anything that can change what the code allocates is in the key, so a stale
+entry cannot be served. The measurement is exact for the code that runs; the whole-step
+prediction is checked against the meter in tests/test_lean_runtime.py and
+tests/test_moments.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from edgetl.errors import CapabilityError
+from edgetl.memory.cost import LayerCost
+
+# nn.Module bookkeeping that does not change what a call allocates (hooks are the meter's,
+# the trace's or a user's; a leaf's cost is measured without them)
+_SKIPPED = {"_non_persistent_buffers_set", "_is_full_backward_hook"}
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def signature(module: nn.Module) -> tuple[tuple, list[torch.Tensor]]:
+    """(the leaf's cost key, every tensor it holds). The key lists its class, plain
+    attributes and tensors' shapes, dtypes and trainability, following the modules it refers
+    to (registered or not); devices are left out (the cost is measured on meta)."""
+    tensors: dict[int, torch.Tensor] = {}
+    seen: dict[int, int] = {}
+
+    def walk(obj) -> object:
+        if isinstance(obj, torch.Tensor):
+            tensors.setdefault(id(obj), obj)
+            return ("tensor", tuple(obj.shape), obj.dtype, obj.requires_grad)
+        if isinstance(obj, _PLAIN):
+            return obj
+        if isinstance(obj, nn.Module):
+            if id(obj) in seen:
+                return ("module", seen[id(obj)])
+            seen[id(obj)] = len(seen)
+            items = sorted((k, walk(v)) for k, v in vars(obj).items()
+                           if "hook" not in k and k not in _SKIPPED)
+            return (type(obj).__module__, type(obj).__qualname__, tuple(items))
+        if isinstance(obj, (tuple, list)):
+            return (type(obj).__name__, tuple(walk(v) for v in obj))
+        if isinstance(obj, dict):
+            return ("dict", tuple(sorted(((repr(k), walk(v)) for k, v in obj.items()), key=lambda kv: kv[0])))
+        if isinstance(obj, (set, frozenset)):
+            return ("set", tuple(sorted(repr(v) for v in obj)))
+        if callable(obj) and hasattr(obj, "__code__"):  # a function set on an instance
+            return ("function", obj.__module__, obj.__qualname__, obj.__code__.co_code)
+        if hasattr(obj, "__dict__") and not callable(obj):  # a plain object (a compressor)
+            if id(obj) in seen:
+                return ("object", seen[id(obj)])
+            seen[id(obj)] = len(seen)
+            return (type(obj).__module__, type(obj).__qualname__,
+                    tuple(sorted((k, walk(v)) for k, v in vars(obj).items())))
+        raise CapabilityError(
+            f"the runtime accounting cannot key a {type(obj).__name__} held by a leaf layer; "
+            f"hold plain values, functions, tensors, modules or plain objects")
+
+    return walk(module), list(tensors.values())
+
+
+def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters a leaf's backward produces grads for: its own, or ``runtime_parameters()``."""
+    own = getattr(module, "runtime_parameters", None)
+    if callable(own):
+        return list(own())
+    return list(module.parameters(recurse=False))
+
+
+def measured_cost(module: nn.Module, *, in_shape, in_dtype: torch.dtype, input_requires_grad: bool,
+                  output_requires_grad: bool) -> LayerCost:
+    """The leaf's cost for one call on an input of this shape and dtype (cached by signature)."""
+    key, _ = signature(module)
+    shape = tuple(int(d) for d in in_shape)
+    args = (in_dtype, bool(input_requires_grad), bool(output_requires_grad))
+    period = getattr(module, "repeats_every", None)
+    if period and shape[0] // period > 3:
+        return _periodic(key, module, shape, period, args)
+    return _cached(key, module, shape, *args)
+
+
+def _periodic(key, module: nn.Module, shape: tuple, period: int, args: tuple) -> LayerCost:
+    """The cost of a leaf whose work repeats every ``period`` samples (a streamed segment's
+    micro-batch), at a batch of q full periods and a last part of r samples, q > 3.
+
+    Every full period allocates and keeps the same, so once q >= 2 the temporaries no longer
+    depend on q and what forward keeps grows by one period's share per period: the cost at q
+    is the cost at 2 and 3 periods extrapolated, checked: where those two disagree on the
+    temporaries, the batch itself is measured."""
+    q, r = divmod(shape[0], period)
+    two, three = (_cached(key, module, (k * period + r, *shape[1:]), *args) for k in (2, 3))
+    if (two.forward_temp_bytes, two.backward_temp_bytes) != (three.forward_temp_bytes, three.backward_temp_bytes):
+        return _cached(key, module, shape, *args)
+    share = three.saved_new_bytes - two.saved_new_bytes
+    return LayerCost(**{f: getattr(two, f) for f in _FLAGS}, saved_new_bytes=two.saved_new_bytes + (q - 2) * share,
+                     forward_temp_bytes=two.forward_temp_bytes, backward_temp_bytes=two.backward_temp_bytes)
+
+
+_FLAGS = ("saves_input", "saves_output", "inplace", "grad_input")
+
+
+_CACHE: dict[tuple, LayerCost] = {}
+
+
+def _cached(key, module, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
+    full = (key, in_shape, in_dtype, input_grad, output_grad)
+    cost = _CACHE.get(full)
+    if cost is None:
+        if len(_CACHE) > 4096:
+            _CACHE.clear()
+        cost = _CACHE[full] = measure(module, in_shape, in_dtype, input_grad, output_grad)
+    return copy.copy(cost)  # callers may adjust their copy (the simulator's in-place check)
+
+
+def _meta_twin(module: nn.Module) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    """A copy of ``module`` whose every tensor (its own and those of modules it refers to) is
+    an empty meta tensor of the same shape, dtype and trainability; and original id -> copy."""
+    _, tensors = signature(module)
+    memo: dict[int, object] = {}
+    for t in tensors:
+        if isinstance(t, nn.Parameter):
+            memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+        else:
+            memo[id(t)] = torch.empty_like(t, device="meta")
+    twin = copy.deepcopy(module, memo)
+    return twin, {i: memo[i] for i in (id(t) for t in tensors)}
+
+
+def measure(module: nn.Module, in_shape: tuple, in_dtype: torch.dtype, input_grad: bool,
+            output_grad: bool) -> LayerCost:
+    """Run a meta twin of ``module`` once, forward (and backward when ``output_grad``), under
+    the storage meter (see the module docstring)."""
+    from edgetl.memory.meter import StorageMeter
+
+    twin, copies = _meta_twin(module)
+    params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
+    base = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad)
+    # a non-leaf input (as in a network), so an in-place layer may write it; its gradient is
+    # read at its edge, which the clone's backward never runs past
+    x = base.clone() if input_grad else base
+    edge = get_gradient_edge(x) if input_grad else None
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(id(t.untyped_storage()))
+        return t
+
+    meter = StorageMeter()
+    meter.register(base, x, list(copies.values()))
+    try:
+        with meter:
+            start = meter.current_bytes
+            meter.reset_peak()
+            with torch.enable_grad() if output_grad else torch.no_grad():
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = twin(x)
+            kept = meter.current_bytes - start
+            inplace = out.untyped_storage() is x.untyped_storage()
+            new_out = 0 if inplace else out.untyped_storage().nbytes()
+            forward_temp = meter.peak_bytes - start - kept
+            if not output_grad:
+                return LayerCost(inplace=inplace, forward_temp_bytes=forward_temp)
+            cost = LayerCost(saves_input=id(x.untyped_storage()) in saved and not inplace,
+                             saves_output=id(out.untyped_storage()) in saved,
+                             saved_new_bytes=kept - new_out, inplace=inplace, forward_temp_bytes=forward_temp)
+            gy = torch.empty_like(out)
+            start = meter.current_bytes
+            meter.reset_peak()
+            grads = torch.autograd.grad([out], ([edge] if input_grad else []) + params, grad_outputs=[gy])
+            g_key = id(gy.untyped_storage())
+            results = {id(g.untyped_storage()): g.untyped_storage().nbytes() for g in grads}
+            results.pop(g_key, None)  # a pass-through gradient is grad_output itself
+            cost.backward_temp_bytes = meter.peak_bytes - start - sum(results.values())
+            if input_grad:
+                cost.grad_input = id(grads[0].untyped_storage()) != g_key
+            del grads, gy, out
+    finally:
+        meter.close()
+    return cost
