@@ -143,3 +143,31 @@ def test_a_chunk_setting_changes_the_measured_forward():
     four = measured_cost(conv, in_shape=shape, in_dtype=F32, input_requires_grad=True, output_requires_grad=True)
     assert four.forward_temp_bytes > one.forward_temp_bytes
     assert four.saved_new_bytes == one.saved_new_bytes
+
+
+FROZEN = sorted(name for name in LEAVES if name.startswith("frozen_"))
+
+
+@pytest.mark.parametrize("name", FROZEN)
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_the_frozen_conv_s_declared_cost_is_its_measured_cost(name, batch):
+    """FrozenConvBNAct declares its cost (measuring its per-sample loops at a search's large
+    batches is too slow); the declaration must be what a meta measurement of the same call
+    gives, including with the schedule's settings (mask chunks, whole-batch backward, whole
+    weight) set."""
+    make, shape, dtype, input_grad = LEAVES[name]
+    conv = make()
+    shape = (batch, *shape[1:])
+    out_shape = (batch, conv.out_channels, *shape[2:])
+    settings = [{}, {"mask_chunks": {out_shape: 2}}, {"whole_batch_shapes": frozenset({out_shape})},
+                {"whole_weight": True}]
+    output_grad = input_grad or conv.bias.requires_grad
+    for setting in settings:
+        for attr, value in setting.items():
+            setattr(conv, attr, value)
+        declared = conv.runtime_cost(in_shape=shape, out_shape=out_shape, act_bytes=torch.tensor([], dtype=dtype).element_size(),
+                                     in_bytes=torch.tensor([], dtype=dtype).element_size(),
+                                     input_requires_grad=input_grad, output_requires_grad=output_grad)
+        measured = measured_cost(conv, in_shape=shape, in_dtype=dtype, input_requires_grad=input_grad,
+                                 output_requires_grad=output_grad)
+        assert declared == measured, (setting, declared, measured)
