@@ -1,10 +1,12 @@
-"""What one of edgetl's own leaf layers holds, measured: a leaf module and its input in, a LayerCost out.
+"""What a leaf layer holds, measured: a leaf module and its input in, a LayerCost out.
 
 edgetl's lean layers (``edgetl.models.lean``, ``lean_side``, ``lean_full``, ``compress``)
 are autograd Functions whose allocations are chosen by hand. Their cost is not written a
-second time beside them: the leaf runs once, forward and backward, on a meta copy of
+second time beside them (one exception, the frozen conv, for speed: see
+``edgetl.memory.rules``): the leaf runs once, forward and backward, on a meta copy of
 itself under the storage meter (``edgetl.memory.meter.StorageMeter``), and the
-measurement is read off as a :class:`LayerCost`:
+measurement is read off as a :class:`LayerCost`. Any leaf that is not one of torch's own
+layers is accounted this way (a streamed segment, a subclass of a stock layer, a user's):
 
 * forward: the bytes alive after the call less the output are what it keeps
   (``saved_new_bytes``); the peak above that is its temporaries; the storages its
