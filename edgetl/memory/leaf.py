@@ -36,6 +36,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from edgetl.errors import CapabilityError
 from edgetl.memory.cost import LayerCost
+from edgetl.memory.trace import meta_tensors
 
 # nn.Module bookkeeping that does not change what a call allocates (hooks are the meter's,
 # the trace's or a user's; a leaf's cost is measured without them)
@@ -95,16 +96,16 @@ def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
 def measured_cost(module: nn.Module, *, in_shape, in_dtype: torch.dtype, input_requires_grad: bool,
                   output_requires_grad: bool) -> LayerCost:
     """The leaf's cost for one call on an input of this shape and dtype (cached by signature)."""
-    key, _ = signature(module)
+    sig = signature(module)
     shape = tuple(int(d) for d in in_shape)
     args = (in_dtype, bool(input_requires_grad), bool(output_requires_grad))
     period = getattr(module, "repeats_every", None)
     if period and shape[0] // period > 3:
-        return _periodic(key, module, shape, period, args)
-    return _cached(key, module, shape, *args)
+        return _periodic(sig, module, shape, period, args)
+    return _cached(sig, module, shape, *args)
 
 
-def _periodic(key, module: nn.Module, shape: tuple, period: int, args: tuple) -> LayerCost:
+def _periodic(sig, module: nn.Module, shape: tuple, period: int, args: tuple) -> LayerCost:
     """The cost of a leaf whose work repeats every ``period`` samples (a streamed segment's
     micro-batch), at a batch of q full periods and a last part of r samples, q > 3.
 
@@ -113,9 +114,9 @@ def _periodic(key, module: nn.Module, shape: tuple, period: int, args: tuple) ->
     is the cost at 2 and 3 periods extrapolated, checked: where those two disagree on the
     temporaries, the batch itself is measured."""
     q, r = divmod(shape[0], period)
-    two, three = (_cached(key, module, (k * period + r, *shape[1:]), *args) for k in (2, 3))
+    two, three = (_cached(sig, module, (k * period + r, *shape[1:]), *args) for k in (2, 3))
     if (two.forward_temp_bytes, two.backward_temp_bytes) != (three.forward_temp_bytes, three.backward_temp_bytes):
-        return _cached(key, module, shape, *args)
+        return _cached(sig, module, shape, *args)
     share = three.saved_new_bytes - two.saved_new_bytes
     return LayerCost(**{f: getattr(two, f) for f in _FLAGS}, saved_new_bytes=two.saved_new_bytes + (q - 2) * share,
                      forward_temp_bytes=two.forward_temp_bytes, backward_temp_bytes=two.backward_temp_bytes)
@@ -127,37 +128,27 @@ _FLAGS = ("saves_input", "saves_output", "inplace", "grad_input")
 _CACHE: dict[tuple, LayerCost] = {}
 
 
-def _cached(key, module, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
+def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
+    """``measure`` once per (``signature(module)``'s key, input); ``sig``: that signature."""
+    key, tensors = sig
     full = (key, in_shape, in_dtype, input_grad, output_grad)
     cost = _CACHE.get(full)
     if cost is None:
         if len(_CACHE) > 4096:
             _CACHE.clear()
-        cost = _CACHE[full] = measure(module, in_shape, in_dtype, input_grad, output_grad)
+        cost = _CACHE[full] = measure(module, tensors, in_shape, in_dtype, input_grad, output_grad)
     return copy.copy(cost)  # callers may adjust their copy (the simulator's in-place check)
 
 
-def _meta_twin(module: nn.Module) -> tuple[nn.Module, dict[int, torch.Tensor]]:
-    """A copy of ``module`` whose every tensor (its own and those of modules it refers to) is
-    an empty meta tensor of the same shape, dtype and trainability; and original id -> copy."""
-    _, tensors = signature(module)
-    memo: dict[int, object] = {}
-    for t in tensors:
-        if isinstance(t, nn.Parameter):
-            memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
-        else:
-            memo[id(t)] = torch.empty_like(t, device="meta")
-    twin = copy.deepcopy(module, memo)
-    return twin, {i: memo[i] for i in (id(t) for t in tensors)}
-
-
-def measure(module: nn.Module, in_shape: tuple, in_dtype: torch.dtype, input_grad: bool,
-            output_grad: bool) -> LayerCost:
+def measure(module: nn.Module, tensors: list[torch.Tensor], in_shape: tuple, in_dtype: torch.dtype,
+            input_grad: bool, output_grad: bool) -> LayerCost:
     """Run a meta twin of ``module`` once, forward (and backward when ``output_grad``), under
-    the storage meter (see the module docstring)."""
+    the storage meter (see the module docstring). ``tensors``: every tensor it holds (its own
+    and those of modules it refers to, ``signature``); each is an empty meta tensor in the twin."""
     from edgetl.memory.meter import StorageMeter
 
-    twin, copies = _meta_twin(module)
+    copies = meta_tensors(tensors)
+    twin = copy.deepcopy(module, dict(copies))  # (deepcopy adds its own entries to a memo)
     params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
     base = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad)
     # a non-leaf input (as in a network), so an in-place layer may write it; its gradient is

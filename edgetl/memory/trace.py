@@ -101,12 +101,19 @@ def meta_copy(net: nn.Module) -> nn.Module:
     """A deep copy of ``net`` whose parameters and buffers are on the meta device (same
     shapes, dtypes and trainability; grads left out), made without copying their data:
     ``copy.deepcopy(net).to("meta")`` without the transient full copy of the weights."""
-    memo: dict[int, object] = {}
-    for t in net.parameters():
-        memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
-    for t in net.buffers():
-        memo[id(t)] = torch.empty_like(t, device="meta")
-    return copy.deepcopy(net, memo)
+    return copy.deepcopy(net, meta_tensors([*net.parameters(), *net.buffers()]))
+
+
+def meta_tensors(tensors) -> dict[int, torch.Tensor]:
+    """The id of each tensor -> an empty meta tensor of its shape and dtype (a parameter stays
+    a parameter of the same trainability): the deepcopy memo that makes a copy's tensors meta."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if isinstance(t, nn.Parameter):
+            memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+        else:
+            memo[id(t)] = torch.empty_like(t, device="meta")
+    return memo
 
 
 def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:

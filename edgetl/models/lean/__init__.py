@@ -32,9 +32,8 @@ what it allocates (its settings, tensors' shapes and dtypes, the input). A leaf'
 therefore be plain values, tensors, modules or plain objects. The one exception is
 FrozenConvBNAct, which still declares ``runtime_cost`` (its per-sample loops are slow to
 measure at a search's large batches); tests/test_leaf.py checks that declaration against
-its measurement. tests/test_lean_runtime.py
-and tests/test_moments.py check the whole step, and each leaf's moments, against the meter
-on a real step to the byte.
+its measurement. tests/test_lean_runtime.py and tests/test_moments.py check the whole step,
+and each leaf's moments, against the meter on a real step to the byte.
 
 Rooms, by concern (import from this package; the submodules are its layout):
 
