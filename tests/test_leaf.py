@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from edgetl.memory.leaf import leaf_parameters, measured_cost, signature
+from edgetl.memory.cost import repeated
+from edgetl.memory.leaf import leaf_parameters, measure, measured_cost, signature
 from edgetl.memory.meter import StorageMeter
 from edgetl.models.lean import ImagePool, InputNorm, LeanAvgPool2d, LeanGlobalAvgPool, PooledConv2d
 from edgetl.models.lean_full import LeanReLU6
@@ -149,12 +150,12 @@ FROZEN = sorted(name for name in LEAVES if name.startswith("frozen_"))
 
 
 @pytest.mark.parametrize("name", FROZEN)
-@pytest.mark.parametrize("batch", [1, 2, 5])
-def test_the_frozen_conv_s_declared_cost_is_its_measured_cost(name, batch):
-    """FrozenConvBNAct declares its cost (measuring its per-sample loops at a search's large
-    batches is too slow); the declaration must be what a meta measurement of the same call
-    gives, including with the schedule's settings (mask chunks, whole-batch backward, whole
-    weight) set."""
+@pytest.mark.parametrize("batch", [1, 2, 5, 9])
+def test_a_loop_cut_short_measures_what_the_whole_loop_does(name, batch):
+    """The frozen conv loops over samples (its mask, its masked backward, a chunked 1x1
+    weight); measured, those loops run 2 and 3 passes. The cost must be the one of the
+    same call with every pass run (a meta measurement too: the real run is checked above),
+    with the schedule's settings (mask chunks, whole-batch backward, whole weight) too."""
     make, shape, dtype, input_grad = LEAVES[name]
     conv = make()
     shape = (batch, *shape[1:])
@@ -165,9 +166,21 @@ def test_the_frozen_conv_s_declared_cost_is_its_measured_cost(name, batch):
     for setting in settings:
         for attr, value in setting.items():
             setattr(conv, attr, value)
-        declared = conv.runtime_cost(in_shape=shape, out_shape=out_shape, act_bytes=torch.tensor([], dtype=dtype).element_size(),
-                                     in_bytes=torch.tensor([], dtype=dtype).element_size(),
-                                     input_requires_grad=input_grad, output_requires_grad=output_grad)
-        measured = measured_cost(conv, in_shape=shape, in_dtype=dtype, input_requires_grad=input_grad,
-                                 output_requires_grad=output_grad)
-        assert declared == measured, (setting, declared, measured)
+        cut = measured_cost(conv, in_shape=shape, in_dtype=dtype, input_requires_grad=input_grad,
+                            output_requires_grad=output_grad)
+        key, tensors = signature(conv)
+        whole, was_cut = measure(conv, tensors, shape, dtype, input_grad, output_grad)
+        assert not was_cut
+        assert cut == whole, (setting, cut, whole)
+
+
+def test_repeated_runs_every_pass_unless_measuring():
+    passes = range(0, 10, 3)
+    assert repeated(passes) is passes
+    for name in ("frozen_fold_relu6", "frozen_pointwise_bf16_int8"):
+        make, shape, dtype, input_grad = LEAVES[name]
+        conv = make()
+        key, tensors = signature(conv)
+        assert measure(conv, tensors, (6, *shape[1:]), dtype, input_grad, True, passes=2)[1]
+        assert not measure(conv, tensors, (2, *shape[1:]), dtype, input_grad, True, passes=2)[1]
+    assert repeated(passes) is passes  # the limit ends with the measurement

@@ -1,8 +1,8 @@
 """Cost types of the runtime accounting (DESIGN 2b): what one layer call holds, in bytes.
 
-Kept apart from the simulator (``edgetl.memory.runtime``) so that the layers which
-declare their own costs (``edgetl.models.lean``, ``edgetl.models.lean_side``) and the
-simulator that walks a step both import this module and never each other.
+Kept apart from the simulator (``edgetl.memory.runtime``) so that the layers, whose loops
+over samples go through ``repeated`` (``edgetl.models.lean``, ``edgetl.models.compress``), and
+the accounting that measures them both import this module and never each other.
 """
 
 from __future__ import annotations
@@ -47,6 +47,29 @@ def dtype_bytes(dtype) -> int:
     """Bytes a value of ``dtype`` takes, without making a tensor (a cost rule may be asked on
     a step's path, where a storage meter would count one)."""
     return dtype.itemsize
+
+
+class Passes:
+    """While a leaf is measured (``edgetl.memory.leaf``): how many passes of each repeated
+    loop run (None: all), and whether a loop was cut short."""
+
+    limit: int | None = None
+    cut = False
+
+
+def repeated(passes: range) -> range:
+    """The passes of a loop whose every pass allocates and frees the same or less than the
+    first ones, nothing carried from one pass to the next (one sample, one chunk, one part
+    of a batch; a last, shorter chunk). A layer loops ``for i in repeated(range(...))``.
+
+    Run for real, it is ``passes``. While a leaf's cost is measured on meta
+    (``edgetl.memory.leaf``), only the first few passes run: the peak and what the call keeps
+    are the same after 2 passes as after all of them, so the measurement of a batch of
+    hundreds of samples takes as long as one of two (the measurement checks it with 3)."""
+    if Passes.limit is None or len(passes) <= Passes.limit:
+        return passes
+    Passes.cut = True
+    return passes[:Passes.limit]
 
 
 def over(phases, final: int) -> int:

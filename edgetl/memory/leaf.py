@@ -2,8 +2,7 @@
 
 edgetl's lean layers (``edgetl.models.lean``, ``lean_side``, ``lean_full``, ``compress``)
 are autograd Functions whose allocations are chosen by hand. Their cost is not written a
-second time beside them (one exception, the frozen conv, for speed: see
-``edgetl.memory.rules``): the leaf runs once, forward and backward, on a meta copy of
+second time beside them: the leaf runs once, forward and backward, on a meta copy of
 itself under the storage meter (``edgetl.memory.meter.StorageMeter``), and the
 measurement is read off as a :class:`LayerCost`. Any leaf that is not one of torch's own
 layers is accounted this way (a streamed segment, a subclass of a stock layer, a user's):
@@ -24,6 +23,12 @@ and flags. Anything that can change what the code allocates is in the key, so a 
 entry cannot be served. The measurement is exact for the code that runs; the whole-step
 prediction is checked against the meter in tests/test_lean_runtime.py and
 tests/test_moments.py.
+
+A loop over the samples of a batch (or chunks of a weight) runs only its first passes
+while it is measured, when the layer loops through ``edgetl.memory.cost.repeated``: the
+leaf is measured with 2 passes of each such loop and again with 3, and the two must agree
+(else every pass runs), so a search's batch of hundreds is measured as fast as a batch of
+two and as exactly as the full loop.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from edgetl.errors import CapabilityError
-from edgetl.memory.cost import LayerCost
+from edgetl.memory.cost import LayerCost, Passes
 from edgetl.memory.trace import meta_tensors
 
 # nn.Module bookkeeping that does not change what a call allocates (hooks are the meter's,
@@ -136,15 +141,29 @@ def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad) -> LayerCo
     if cost is None:
         if len(_CACHE) > 4096:
             _CACHE.clear()
-        cost = _CACHE[full] = measure(module, tensors, in_shape, in_dtype, input_grad, output_grad)
+        args = (module, tensors, in_shape, in_dtype, input_grad, output_grad)
+        cost, cut = measure(*args, passes=2)
+        if cut and measure(*args, passes=3)[0] != cost:
+            cost = measure(*args)[0]
+        _CACHE[full] = cost
     return copy.copy(cost)  # callers may adjust their copy (the simulator's in-place check)
 
 
 def measure(module: nn.Module, tensors: list[torch.Tensor], in_shape: tuple, in_dtype: torch.dtype,
-            input_grad: bool, output_grad: bool) -> LayerCost:
+            input_grad: bool, output_grad: bool, *, passes: int | None = None) -> tuple[LayerCost, bool]:
     """Run a meta twin of ``module`` once, forward (and backward when ``output_grad``), under
-    the storage meter (see the module docstring). ``tensors``: every tensor it holds (its own
-    and those of modules it refers to, ``signature``); each is an empty meta tensor in the twin."""
+    the storage meter (see the module docstring): (its cost, whether a loop was cut short).
+    ``tensors``: every tensor it holds (its own and those of modules it refers to,
+    ``signature``); each is an empty meta tensor in the twin. ``passes``: how many passes of
+    each of its ``repeated`` loops run (all when None)."""
+    Passes.limit, Passes.cut = passes, False
+    try:
+        return _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad), Passes.cut
+    finally:
+        Passes.limit = None
+
+
+def _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
     from edgetl.memory.meter import StorageMeter
 
     copies = meta_tensors(tensors)

@@ -19,14 +19,6 @@ identity (no op, no grad_fn) unless it has ``inplace = True``, in which case it 
 in-place op whose output shares its input's storage. The input batch is built in
 ``net.input_dtype`` when the network has one (the lean runtime feeds bf16/fp16 batches); a
 pass-through gradient (add, view) whose input has another dtype is a new cast buffer.
-
-One exception, for speed: the frozen conv of the lean backbone (``FrozenConvBNAct``) still
-declares its cost (``runtime_cost(*, in_shape, out_shape, act_bytes, in_bytes,
-input_requires_grad, output_requires_grad) -> LayerCost``). Its forward and backward loop
-over the samples (the 1-bit mask, a chunked 1x1 weight), so measuring it on meta at the
-batches a largest-batch search tries (hundreds of samples) made ``edgetl bench --quick``
-3x slower (86 s -> 274 s). tests/test_leaf.py checks that declaration against the
-measurement of the same call on every frozen-conv variant, so it cannot drift unseen.
 """
 
 from __future__ import annotations
@@ -96,12 +88,7 @@ def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
 
 def layer_cost(module: nn.Module, *, in_dtype, **kwargs) -> LayerCost:
     """The stock rule table for torch's own layers (and the side network's ``Resize``, a
-    bilinear interpolation to a size given at call time); a leaf's own ``runtime_cost``
-    where it declares one (only ``FrozenConvBNAct``, see the module docstring); any other
-    leaf measured on meta."""
-    own = getattr(module, "runtime_cost", None)
-    if callable(own):
-        return own(**kwargs)
+    bilinear interpolation to a size given at call time); any other leaf measured on meta."""
     if _tabled(module):
         return stock_cost(module, **kwargs)
     return measured_cost(module, in_shape=kwargs["in_shape"], in_dtype=in_dtype,

@@ -63,7 +63,7 @@ from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import ConfigError
 from edgetl.options import COMPRESSORS
-from edgetl.memory.cost import dtype_bytes as _dtype_bytes
+from edgetl.memory.cost import dtype_bytes as _dtype_bytes, repeated
 
 WAVELET_LEVELS = 3  # Vu et al. use a 3-level decomposition in all experiments
 DCT_BLOCK = 8  # JPEG's block (Vu et al. use 16; ``DCTCompressor(block=16)``)
@@ -312,7 +312,7 @@ class Compressor:
         values = x.new_empty((n * c, k))
         index = torch.empty((n * c, k), dtype=index_dtype(h * w), device=x.device)
         a_h, a_w = self._mats(x) if self.transforms else (None, None)
-        for i in range(n):
+        for i in repeated(range(n)):
             y = torch.matmul(a_h, torch.matmul(x[i], a_w.t())) if self.transforms else x[i]
             flat = y.reshape(c, h * w)
             pos = torch.topk(flat.abs(), k, dim=1, sorted=False).indices
@@ -329,7 +329,7 @@ class Compressor:
         n, c, h, w = (int(s) for s in shape)
         out = torch.empty((n, c, h, w), dtype=dtype, device=packed.values.device)
         a_h, a_w = self._mats(out) if self.transforms else (None, None)
-        for i in range(n):
+        for i in repeated(range(n)):
             rows = slice(i * c, (i + 1) * c)
             pos = packed.indices[rows].long()
             if not self.transforms:

@@ -29,10 +29,10 @@ forward and backward temporaries (dequantised weights, cast copies, mask constru
 per-sample masked gradients, upsampled pooled inputs) are measured by running it on a meta
 twin under the storage meter (``edgetl.memory.leaf``), keyed by everything that can change
 what it allocates (its settings, tensors' shapes and dtypes, the input). A leaf's state must
-therefore be plain values, tensors, modules or plain objects. The one exception is
-FrozenConvBNAct, which still declares ``runtime_cost`` (its per-sample loops are slow to
-measure at a search's large batches); tests/test_leaf.py checks that declaration against
-its measurement. tests/test_lean_runtime.py and tests/test_moments.py check the whole step,
+therefore be plain values, tensors, modules or plain objects. Its loops over samples or
+chunks run through ``edgetl.memory.cost.repeated``, so measuring a batch of hundreds takes
+as long as a batch of two. tests/test_leaf.py checks each leaf's measurement against the
+layer run for real. tests/test_lean_runtime.py and tests/test_moments.py check the whole step,
 and each leaf's moments, against the meter on a real step to the byte.
 
 Rooms, by concern (import from this package; the submodules are its layout):

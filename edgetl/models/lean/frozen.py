@@ -10,11 +10,9 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input
 
 from edgetl.errors import ConfigError
-from edgetl.memory.cost import LayerCost, dtype_bytes as _dtype_bytes, numel as _numel, over as _over
+from edgetl.memory.cost import dtype_bytes as _dtype_bytes, numel as _numel, repeated
 from edgetl.models.lean.masks import (
-    UNPACK_TABLE_BUILD,
     _fold_bits_,
-    _pack_phases,
     mask_bytes,
     pack_mask_,
     unpack_as,
@@ -140,7 +138,7 @@ class FrozenConvBNAct(nn.Module):
         # chunk (the same values as the whole weight in fp32 cast at once)
         out = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
         rows = self._dequant_rows()
-        for i in range(0, out.shape[0], rows):
+        for i in repeated(range(0, out.shape[0], rows)):
             out[i:i + rows].copy_(self.weight[i:i + rows].float().mul_(scale[i:i + rows]))
         return out
 
@@ -212,9 +210,9 @@ class FrozenConvBNAct(nn.Module):
         y = torch.empty((n, self.out_channels, h, w), dtype=x.dtype, device=x.device)
         xs = x.reshape(n, self.in_channels, h * w)
         step = self._chunk_size(self.in_channels)
-        for i in range(0, self.out_channels, step):
+        for i in repeated(range(0, self.out_channels, step)):
             wc = self.weight_chunk(slice(i, i + step), slice(None), x.dtype)
-            for s in range(n):
+            for s in repeated(range(n)):
                 torch.mm(wc, xs[s], out=y[s, i:i + wc.shape[0]].view(wc.shape[0], h * w))
             del wc
         return y
@@ -225,9 +223,9 @@ class FrozenConvBNAct(nn.Module):
         n, _, h, w = g.shape
         gs = g.reshape(n, self.out_channels, h * w)
         step = self._chunk_size(self.out_channels)
-        for j in range(0, self.in_channels, step):
+        for j in repeated(range(0, self.in_channels, step)):
             wc = self.weight_chunk(slice(None), slice(j, j + step), g.dtype)
-            for s in range(n):
+            for s in repeated(range(n)):
                 torch.mm(wc.t(), gs[s], out=out[s, j:j + wc.shape[1]].view(wc.shape[1], h * w))
             del wc
 
@@ -265,115 +263,6 @@ class FrozenConvBNAct(nn.Module):
         if self.weight.dtype == self.act_dtype:
             return 0, 0
         return w * dtype_bytes, w * dtype_bytes
-
-    def runtime_cost(self, *, in_shape, out_shape, act_bytes, input_requires_grad,
-                     output_requires_grad, in_bytes=None) -> LayerCost:
-        """Runtime accounting rule (edgetl.memory.runtime), mirroring ``_FrozenConvFn``.
-
-        Forward: the dequantised weight and a cast copy of the input live during the conv;
-        fold mode builds the ReLU6 mask from two byte-per-element comparisons and packs it
-        in place; batch mode keeps a copy of the conv output plus per-channel statistics.
-        Backward: the unpack table and its int32 row indices, the mask unpacked into the
-        act dtype (grad_output is multiplied into it in place), the dequantised weight
-        again, conv2d_input's 1-element dummy input (not for 1x1 convs run sample by
-        sample: W^T @ g is written into grad_input), grad_input in the act dtype and,
-        when the input came in another dtype, its cast. A ``chunked`` conv never holds its
-        dequantised weight: forward and backward each hold one chunk of it (its fp32 and
-        act-dtype copies) next to the batch-sized output or grad_input instead.
-        """
-        a = _dtype_bytes(self.act_dtype)
-        b = in_bytes or a
-        grad = output_requires_grad
-        nin, nout, c = _numel(in_shape), _numel(out_shape), int(out_shape[1])
-        big_y = nout * a
-        dq, dq_peak = (0, 0) if self.chunked else self._dequant_bytes(a)
-        xc = nin * a if b != a else 0
-        phases = [xc + big_y + self.row_chunk_peak(a)] if self.chunked else [dq_peak, dq + xc + big_y]
-        saved_new = 0
-        batch = self._uses_batch_stats()
-        small = c * a if a != 4 else 0  # a per-channel vector cast to the act dtype
-        if self.bn_mode == "fold":
-            phases.append(big_y + small)
-        elif batch:
-            yf = nout * 4 if a != 4 else 0
-            phases.append(big_y + yf + 2 * c * 4)  # var_mean of an fp32 view of y
-            phases.append(big_y + 4 * c * 4)  # var, mean, var + eps, invstd
-            if grad:
-                saved_new = big_y + 2 * c * 4  # the BN input + mean, invstd
-                phases.append(big_y + saved_new + 4 * c * 4 + small)
-            else:
-                phases.append(big_y + 2 * c * 4 + 4 * c * 4 + small)
-        else:  # batch BN in eval mode: running statistics
-            phases.append(big_y + 5 * c * 4 + small)
-        if self.act and grad and not batch:
-            saved_new = mask_bytes(nout)
-            if _sample_aligned(out_shape):  # one chunk of samples' comparisons at a time
-                per = nout // int(out_shape[0]) * self.mask_chunk(out_shape)
-                phases.append(big_y + saved_new + 2 * per)  # two comparisons, then a shifted copy
-            else:
-                phases.append(big_y + 2 * nout)  # y > 0 and y < 6, and-ed in place
-                phases += [big_y + p for p in _pack_phases(nout)]
-        if not grad:
-            return LayerCost(forward_temp_bytes=_over(phases, big_y))
-        fwd = _over(phases, big_y + saved_new)
-
-        gx_in = nin * b if input_requires_grad else 0
-        gbias = c * 4 if self.bias.requires_grad else 0
-        g = nout * a
-        tab = 256 * 8 * a  # unpack_table
-        bw: list[int] = [0]
-        if not batch and mask_backward_per_sample(self, input_requires_grad, out_shape):
-            n = int(out_shape[0])
-            gxa, po, pi = nin * a, nout // n, nin // n  # grad_input in the act dtype; one sample
-            sc = c * a if self.bn_mode == "batch" else 0
-            if sc:
-                bw += [gbias + gxa + 3 * c * 4, gbias + gxa + c * 4 + sc]
-            if not self.chunked:
-                bw.append(gbias + gxa + sc + dq_peak)
-            base = gbias + gxa + sc + dq
-            bw.append(base + UNPACK_TABLE_BUILD + tab)
-            base += tab
-            bw.append(base + po // 2 + po * a)  # one sample's int32 row indices, its unpacked mask
-            if gbias:
-                bw.append(base + po * a + c * 4)
-            if self.chunked:  # one chunk of input channels' weights at a time
-                bw.append(base + po * a + self.col_chunk_peak(a))
-            elif not self.pointwise:  # conv2d_input's dummy input + its result (1x1: W^T @ g into grad_input)
-                bw.append(base + po * a + a + pi * a)
-            if b != a:
-                bw.append(gbias + gxa + nin * b)
-            return LayerCost(saved_new_bytes=saved_new, forward_temp_bytes=fwd,
-                             backward_temp_bytes=_over(bw, gx_in + gbias))
-        if batch:
-            held = 0
-            if self.act:
-                bw += [5 * c * 4, g + 2 * nout + small, nout + g]  # y*scale+shift, keep mask, gy*keep
-                held = g
-            if a != 4:
-                bw.append(held + 2 * nout * 4 + nout * 4 + gbias)  # fp32 gy, y, grad
-                bw.append(nout * 4 + g + gbias)
-                gc = g
-            else:
-                bw.append(held + nout * 4 + gbias)
-                gc = nout * 4
-        else:
-            gc = 0
-            if self.act:
-                # the table, int32 row indices, the unpacked mask (then gy in place)
-                bw += [UNPACK_TABLE_BUILD + tab, tab + 4 * mask_bytes(nout) + g]
-                gc = g
-            if self.bn_mode == "batch":  # eval: gy * a fixed scale
-                bw += [gc + 3 * c * 4, gc + g + c * 4 + small]
-                gc = g
-            bw.append(gc + gbias)
-        if input_requires_grad and self.chunked:  # grad_input, then a chunk of weights at a time
-            bw.append(gc + gbias + nin * a + self.col_chunk_peak(a))
-        elif input_requires_grad:
-            bw += [gc + gbias + dq_peak, gc + gbias + dq + a + nin * a]
-        if input_requires_grad and b != a:
-            bw.append(gbias + nin * a + nin * b)
-        return LayerCost(saved_new_bytes=saved_new, forward_temp_bytes=fwd,
-                         backward_temp_bytes=_over(bw, gx_in + gbias))
 
     def extra_repr(self) -> str:
         return (
@@ -501,7 +390,7 @@ def _relu6_mask(y: torch.Tensor, chunk: int = 1) -> torch.Tensor:
     n = y.shape[0]
     step = y.numel() // n // 8
     packed = torch.empty(n * step, dtype=torch.uint8, device=y.device)
-    for i in range(0, n, chunk):
+    for i in repeated(range(0, n, chunk)):
         part = y[i : i + chunk]
         mask = part > 0
         mask &= part < 6
@@ -549,7 +438,7 @@ def _per_sample_backward(ctx, gy):
     # a 1x1 conv's grad_input is W^T @ grad_output, written straight into gx: no result
     # to copy, and no batch-1 conv backward (which falls to a slow kernel on CPU)
     wt = w.view(m.out_channels, m.in_channels).t() if m.pointwise and w is not None else None
-    for i in range(n):
+    for i in repeated(range(n)):
         g = unpack_as(packed[i * step : (i + 1) * step], one_out, table).mul_(gy[i : i + 1])
         if gbias is not None:
             gbias.add_(g.sum((0, 2, 3), dtype=torch.float32))

@@ -49,9 +49,6 @@ def unpack_table(dtype: torch.dtype, device: torch.device | str) -> torch.Tensor
     return torch.bitwise_right_shift(codes.unsqueeze(1), shifts).bitwise_and_(1).to(dtype)
 
 
-UNPACK_TABLE_BUILD = 256 + 8 + 256 * 8  # bytes alive next to the table while it is built
-
-
 def unpack_as(packed: torch.Tensor, shape, table: torch.Tensor) -> torch.Tensor:
     """``unpack_mask`` as 0 and 1 in the table's dtype, ready to multiply a gradient in
     place: one gather of 8-value rows, with int32 row indices (4 bytes a packed byte) the
@@ -64,11 +61,3 @@ def unpack_as(packed: torch.Tensor, shape, table: torch.Tensor) -> torch.Tensor:
 
 def mask_bytes(numel: int) -> int:
     return (int(numel) + 7) // 8
-
-
-def _pack_phases(numel: int) -> list[int]:
-    """Bytes alive (the bool mask included) while ``pack_mask_`` runs on a fresh mask."""
-    padded = numel + (-numel) % 8
-    if padded != numel:  # a padded copy, its shifted copy, then the packed bytes
-        return [numel + 2 * padded, numel + padded + mask_bytes(numel)]
-    return [2 * numel, numel + mask_bytes(numel)]

@@ -12,6 +12,7 @@ from torch.autograd import Function
 
 from edgetl.errors import ConfigError
 from edgetl.imagenet import IMAGENET_MEAN, IMAGENET_STD
+from edgetl.memory.cost import repeated
 
 
 class _AvgPoolFn(Function):
@@ -56,7 +57,7 @@ def by_micro_batch(x: torch.Tensor, m: int, fn: Callable[[torch.Tensor], torch.T
     (allocated once the first part shows its shape) and dropped."""
     n = x.shape[0]
     out = None
-    for i in range(0, n, m):
+    for i in repeated(range(0, n, m)):
         part = fn(x[i:i + m])
         if out is None:
             out = part.new_empty((n, *part.shape[1:]))
@@ -98,7 +99,7 @@ class InputNorm(nn.Module):
         out = torch.empty(x.shape, dtype=self.out_dtype, device=x.device)
         if self.shapes_only:
             return out
-        for i in range(x.shape[0]):
+        for i in repeated(range(x.shape[0])):
             out[i:i + 1].copy_(x[i:i + 1].float().div_(255).sub_(self.mean).div_(self.std))
         return out
 
