@@ -184,3 +184,21 @@ def test_repeated_runs_every_pass_unless_measuring():
         assert measure(conv, tensors, (6, *shape[1:]), dtype, input_grad, True, passes=2)[1]
         assert not measure(conv, tensors, (2, *shape[1:]), dtype, input_grad, True, passes=2)[1]
     assert repeated(passes) is passes  # the limit ends with the measurement
+
+
+def test_a_leaf_is_measured_without_its_hooks():
+    """A hook on the layer (a user's, or predicted_saved_bytes' own) is not run by the meta
+    twin, and does not change the cost (the key leaves hooks out too)."""
+    conv = frozen()
+    shape = (2, CH, RES, RES)
+    args = dict(in_shape=shape, in_dtype=F32, input_requires_grad=True, output_requires_grad=True)
+    plain = measured_cost(conv, **args)
+
+    def refuse(*_):
+        raise AssertionError("a hook ran while the layer was measured")
+
+    conv.register_forward_hook(refuse)
+    hooked = copy.deepcopy(conv)
+    hooked.mask_chunks = {(2, CH, RES, RES): 2}  # a new key: measured again, with the hook in place
+    measured_cost(hooked, **args)
+    assert measured_cost(conv, **args) == plain

@@ -168,6 +168,7 @@ def _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad) -> La
 
     copies = meta_tensors(tensors)
     twin = copy.deepcopy(module, dict(copies))  # (deepcopy adds its own entries to a memo)
+    _drop_hooks(twin)
     params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
     base = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad)
     # a non-leaf input (as in a network), so an in-place layer may write it; its gradient is
@@ -212,3 +213,22 @@ def _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad) -> La
     finally:
         meter.close()
     return cost
+
+
+def _drop_hooks(module: nn.Module) -> None:
+    """Empty the hook tables of ``module`` and of every module it holds, registered or not
+    (a twin's copies of its original's: the cost is measured without hooks, as it is keyed)."""
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for name, value in vars(m).items():
+            if "hook" in name and isinstance(value, dict):
+                value.clear()
+            elif isinstance(value, nn.Module):
+                stack.append(value)
+            elif isinstance(value, (tuple, list)) or name == "_modules":
+                stack.extend(v for v in (value.values() if isinstance(value, dict) else value)
+                             if isinstance(v, nn.Module))

@@ -23,6 +23,9 @@ pass-through gradient (add, view) whose input has another dtype is a new cast bu
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
 from torch import nn
 
 from edgetl.errors import CapabilityError
@@ -101,3 +104,37 @@ def _tabled(module: nn.Module) -> bool:
     subclass defined elsewhere, whose forward may allocate differently), or ``Resize``."""
     kind = type(module)
     return kind.__module__.split(".")[0] == "torch" or (kind.__name__ == "Resize" and kind.__module__ == "edgetl.models.side")
+
+
+def predicted_saved_bytes(model: nn.Module, run: Callable[[], object]) -> dict[str, int]:
+    """Run ``run()`` (a forward of ``model``) and sum, per leaf that is not one of torch's own
+    layers (the lean layers), the bytes its measured cost says it keeps for backward: the new
+    storage it saves (``saved_new_bytes``) plus its input's or its output's storage where it
+    keeps them by reference. Counted for calls whose output needs grad; a module called
+    several times is summed. Returns module name -> predicted bytes, to compare with what
+    ``edgetl.models.lean.count_saved_bytes`` sees saved on a real run.
+    """
+    out: dict[str, int] = {}
+
+    def hook(name):
+        def fn(module, args, output):
+            if not (torch.is_grad_enabled() and output.requires_grad):
+                return
+            x = next(a for a in args if isinstance(a, torch.Tensor))
+            cost = measured_cost(module, in_shape=tuple(x.shape), in_dtype=x.dtype,
+                                 input_requires_grad=x.requires_grad, output_requires_grad=True)
+            kept = cost.saved_new_bytes
+            kept += x.untyped_storage().nbytes() if cost.saves_input else 0
+            kept += output.untyped_storage().nbytes() if cost.saves_output and not cost.inplace else 0
+            out[name] = out.get(name, 0) + kept
+
+        return fn
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules()
+               if not any(module.children()) and not _tabled(module)]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return out

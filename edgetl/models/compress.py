@@ -454,7 +454,6 @@ class CompressedConv2d(nn.Conv2d):
         compressor: a ``Compressor`` (``make_compressor(name, fraction)``).
     """
 
-    saved_rule = "compressed_input"
     # a meta copy only traced forward (``mark_shapes_only``): its input is not compressed
     shapes_only = False
 
@@ -485,12 +484,6 @@ class CompressedConv2d(nn.Conv2d):
             x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
             self.compressor, self.shapes_only,
         )
-
-    def saved_bytes(self, in_shape, out_shape, in_dtype: torch.dtype | None = None) -> int:
-        """Bytes of the storages kept for backward (the input itself in the dense format)."""
-        if not self.weight.requires_grad:
-            return 0
-        return self.compressor.stored_bytes(in_shape, in_dtype or self.weight.dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", compressor={self.compressor!r}"

@@ -34,13 +34,11 @@ from torch.autograd import Function
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from edgetl.errors import ConfigError
-from edgetl.memory.cost import numel as _numel
 from edgetl.models.compress import CompressedConv2d, check_fraction, make_compressor
 from edgetl.models.lean import (
     LeanGlobalAvgPool,
     PooledConv2d,
     _relu6_mask,
-    mask_bytes,
     unpack_as,
     unpack_table,
 )
@@ -124,16 +122,11 @@ class LeanReLU6(nn.Module):
     grad_output. Its input must be a tensor nothing else saved (a conv's output).
     """
 
-    saved_rule = "relu6_mask"
     inplace = True  # the runtime trace reads this: the output is the input's storage
     shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): no mask, no clamp
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         return _MaskedReLU6Fn.apply(y, 1, self.shapes_only)
-
-    def saved_bytes(self, in_shape, out_shape) -> int:
-        return mask_bytes(_numel(out_shape))
-
 
 def _full_cna(cna: nn.Sequential, storage: str, keep: float) -> nn.Sequential:
     conv, bn = cna[0], cna[1]

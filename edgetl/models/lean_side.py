@@ -143,7 +143,6 @@ class LeanSideTail(nn.Module):
     parameters keep their stock names; tracing sees this as one leaf.
     """
 
-    saved_rule = "bn_input+batch_stats"
     accounting_kind = "lean_side_tail"
     shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): no BN, no ReLU
 
@@ -165,15 +164,6 @@ class LeanSideTail(nn.Module):
     def runtime_parameters(self) -> list[nn.Parameter]:
         """The parameters this leaf uses (they are registered on the owning side module)."""
         return [p for m in self.parts for p in m.parameters()]
-
-    def saved_bytes(self, in_shape, out_shape) -> int:
-        bn1, _, bn2 = self.parts
-        n, c, h, w = in_shape
-        saved = n * c * h * w * bn1.weight.element_size()
-        if bn1.training:
-            saved += 2 * (bn1.num_features + bn2.num_features) * bn1.weight.element_size()
-        return saved
-
 
 def _momentum(bn: nn.BatchNorm2d) -> float:
     """nn.BatchNorm2d's update factor, bumping num_batches_tracked as it does in training."""

@@ -13,18 +13,12 @@ whose saved-for-backward tensors are chosen by hand:
     LeanSideTail        BN1's input + per-channel batch stats (conv2's input, the ReLU
                         mask and BN2's input are recomputed in backward)
 
-Saved-bytes contract, for the runtime accounting (edgetl/memory/runtime.py):
-every lean module has a class attribute ``saved_rule`` (a short name of the rule above)
-and a method ``saved_bytes(in_shape, out_shape) -> int``: the bytes of *new* storage it
-saves for backward for one call with those shapes, assuming a backward through it is
-needed (its input requires grad or one of its parameters trains). Parameters and buffers
-it keeps a reference to are not counted (they are already counted as parameters). When
-no backward is needed (e.g. frozen layers before the first side tap, or under
-``torch.no_grad``) it saves 0. ``predicted_saved_bytes`` sums the rule over a real
-forward; ``count_saved_bytes`` measures the same thing with ``saved_tensors_hooks``;
-tests check that the two agree to the byte.
+What a lean module saves is not written a second time beside it: the runtime accounting
+measures it (below), ``edgetl.memory.rules.predicted_saved_bytes`` sums those measurements
+over a real forward, and ``count_saved_bytes`` counts what that forward really saved with
+``saved_tensors_hooks``; tests check the two against each other and against the table above.
 
-Runtime accounting: a lean leaf describes nothing more. What it keeps and its largest
+Runtime accounting: a lean leaf describes nothing. What it keeps and its largest
 forward and backward temporaries (dequantised weights, cast copies, mask construction,
 per-sample masked gradients, upsampled pooled inputs) are measured by running it on a meta
 twin under the storage meter (``edgetl.memory.leaf``), keyed by everything that can change
@@ -43,7 +37,7 @@ Rooms, by concern (import from this package; the submodules are its layout):
                   LeanGlobalAvgPool
     frozen        FrozenConvBNAct, its autograd Function, int8 weights and mask helpers
     leanify       leanify_backbone: a built EdgeNet's frozen features to lean layers
-    saved         measuring: count_saved_bytes, predicted_saved_bytes
+    saved         measuring: count_saved_bytes
 """
 
 from edgetl.models.lean.frozen import (
@@ -73,7 +67,7 @@ from edgetl.models.lean.pooled_conv import (
     pooled_grad_weight,
 )
 from edgetl.models.lean.pooling import ImagePool, InputNorm, LeanAvgPool2d, LeanGlobalAvgPool, by_micro_batch
-from edgetl.models.lean.saved import SavedBytes, count_saved_bytes, predicted_saved_bytes
+from edgetl.models.lean.saved import SavedBytes, count_saved_bytes
 
 # private helpers that edgetl.models.lean_full and lean_side import from here
 from edgetl.models.lean.frozen import _relu6_mask, _sample_aligned
@@ -107,7 +101,6 @@ __all__ = [
     "pack_mask_",
     "pool_for_save",
     "pooled_grad_weight",
-    "predicted_saved_bytes",
     "quantize_int8",
     "unpack_as",
     "unpack_mask",

@@ -13,7 +13,6 @@ from edgetl.errors import ConfigError
 from edgetl.memory.cost import dtype_bytes as _dtype_bytes, numel as _numel, repeated
 from edgetl.models.lean.masks import (
     _fold_bits_,
-    mask_bytes,
     pack_mask_,
     unpack_as,
     unpack_table,
@@ -56,7 +55,6 @@ class FrozenConvBNAct(nn.Module):
     is ``bias`` (the BN beta, folded or not), for the "repnet+bias" mode.
     """
 
-    saved_rule = "relu6_mask|batch_bn_output"
     # set on a meta copy that is only traced forward, never backward (``mark_shapes_only``):
     # only the conv runs (one conv even where it is chunked), since only the output's shape is
     # read; BN, ReLU6 (both in place) and the mask (a large batch's masks, sample by sample,
@@ -243,11 +241,6 @@ class FrozenConvBNAct(nn.Module):
             self.num_batches_tracked.add_(1)
             momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
         return _FrozenConvFn.apply(x, self.bias, self, momentum)
-
-    def saved_bytes(self, in_shape, out_shape) -> int:
-        if self._uses_batch_stats():
-            return _numel(out_shape) * _dtype_bytes(self.act_dtype) + 2 * int(out_shape[1]) * 4
-        return mask_bytes(_numel(out_shape)) if self.act else 0
 
     def _dequant_bytes(self, dtype_bytes: int) -> tuple[int, int]:
         """(bytes of the dequantised weight, peak bytes while dequantising) in the act dtype."""

@@ -146,8 +146,6 @@ class PooledConv2d(nn.Conv2d):
     Same parameters and state_dict keys as nn.Conv2d.
     """
 
-    saved_rule = "pooled_input"
-
     def __init__(self, *args, pool: int = 2, **kwargs):
         super().__init__(*args, **kwargs)
         if self.padding_mode != "zeros" or isinstance(self.padding, str):
@@ -184,13 +182,6 @@ class PooledConv2d(nn.Conv2d):
             x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
             self.pool_for(x.shape),
         )
-
-    def saved_bytes(self, in_shape, out_shape) -> int:
-        if not self.weight.requires_grad:
-            return 0
-        n, c, h, w = in_shape
-        k = self.pool_for(in_shape)
-        return n * c * (-(-h // k)) * (-(-w // k)) * self.weight.element_size()
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", pool={self.pool}"

@@ -40,17 +40,11 @@ class _AvgPoolFn(Function):
 class LeanAvgPool2d(nn.AvgPool2d):
     """nn.AvgPool2d(k) (stride k, floor mode) that saves nothing for backward (stock saves its input)."""
 
-    saved_rule = "none"
-
     def __init__(self, kernel_size: int):
         super().__init__(kernel_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _AvgPoolFn.apply(x, self.kernel_size)
-
-    def saved_bytes(self, in_shape, out_shape) -> int:
-        return 0
-
 
 def by_micro_batch(x: torch.Tensor, m: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``fn`` over ``m`` rows of ``x`` at a time, each part copied into one batch-sized output
@@ -78,7 +72,6 @@ class InputNorm(nn.Module):
     checkpoints and the exported model, whose input stays the normalised float batch the
     preprocessing metadata describes, do not change."""
 
-    saved_rule = "none"
     shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): no per-sample loop
 
     def __init__(self, mean=None, std=None, out_dtype: torch.dtype = torch.float32):
@@ -149,15 +142,10 @@ class _GlobalPoolFn(Function):
 class LeanGlobalAvgPool(nn.AdaptiveAvgPool2d):
     """Global average pool to 1x1 computed (and returned) in ``out_dtype``; saves nothing."""
 
-    saved_rule = "none"
-
     def __init__(self, out_dtype: torch.dtype = torch.float32):
         super().__init__(1)
         self.out_dtype = out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _GlobalPoolFn.apply(x, self.out_dtype)
-
-    def saved_bytes(self, in_shape, out_shape) -> int:
-        return 0
 

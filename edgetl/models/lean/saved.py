@@ -1,10 +1,11 @@
-"""Measuring: a forward in, the bytes it saved for backward out (measured, or predicted by each module's rule)."""
+"""Measuring: a forward in, the bytes it saved for backward out (``saved_tensors_hooks``); the
+prediction to compare it with is ``edgetl.memory.rules.predicted_saved_bytes``."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -44,37 +45,3 @@ def count_saved_bytes(*exclude: nn.Module) -> Iterator[SavedBytes]:
         yield result
     result.bytes = sum(seen.values())
     result.tensors = len(seen)
-
-
-def predicted_saved_bytes(model: nn.Module, run: Callable[[], object]) -> dict[str, int]:
-    """Run ``run()`` (a forward of ``model``) and sum each lean module's ``saved_bytes`` rule.
-
-    Returns module name -> predicted bytes, for every module with a ``saved_bytes`` method
-    that was called with a backward needed (an input requiring grad or a trainable
-    parameter of its own); a module called several times is summed.
-    """
-    out: dict[str, int] = {}
-    handles = []
-
-    def hook(name):
-        def fn(module, args, output):
-            needs = torch.is_grad_enabled() and (
-                any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-                or any(p.requires_grad for p in module.parameters(recurse=False))
-                or getattr(module, "needs_backward", lambda: False)()
-            )
-            if needs:
-                x = next(a for a in args if isinstance(a, torch.Tensor))
-                out[name] = out.get(name, 0) + module.saved_bytes(tuple(x.shape), tuple(output.shape))
-
-        return fn
-
-    for name, module in model.named_modules():
-        if callable(getattr(module, "saved_bytes", None)):
-            handles.append(module.register_forward_hook(hook(name)))
-    try:
-        run()
-    finally:
-        for h in handles:
-            h.remove()
-    return out
