@@ -202,3 +202,24 @@ def test_a_leaf_is_measured_without_its_hooks():
     hooked.mask_chunks = {(2, CH, RES, RES): 2}  # a new key: measured again, with the hook in place
     measured_cost(hooked, **args)
     assert measured_cost(conv, **args) == plain
+
+
+class _Carries(nn.Module):
+    """A loop whose passes are not alike: each leaves its product alive until the end."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = []
+        for i in repeated(range(x.shape[0])):
+            kept.append(x[i:i + 1] * 2)
+        return torch.cat(kept)
+
+
+@pytest.mark.parametrize("batch", [7, 9])
+def test_a_loop_whose_passes_differ_is_measured_whole(batch):
+    layer = _Carries()
+    shape = (batch, CH, 4, 4)
+    cost = measured_cost(layer, in_shape=shape, in_dtype=F32, input_requires_grad=True, output_requires_grad=True)
+    key, tensors = signature(layer)
+    cut, _ = measure(layer, tensors, shape, F32, True, True, passes=2)
+    whole, _ = measure(layer, tensors, shape, F32, True, True)
+    assert cost == whole != cut

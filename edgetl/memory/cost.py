@@ -65,7 +65,8 @@ def repeated(passes: range) -> range:
     Run for real, it is ``passes``. While a leaf's cost is measured on meta
     (``edgetl.memory.leaf``), only the first few passes run: the peak and what the call keeps
     are the same after 2 passes as after all of them, so the measurement of a batch of
-    hundreds of samples takes as long as one of two (the measurement checks it with 3)."""
+    hundreds of samples takes as long as one of two (the measurement checks that with 3 passes
+    once per layer and input layout)."""
     if Passes.limit is None or len(passes) <= Passes.limit:
         return passes
     Passes.cut = True
