@@ -197,8 +197,16 @@ def test_a_leaf_is_measured_without_its_hooks():
     def refuse(*_):
         raise AssertionError("a hook ran while the layer was measured")
 
+    class Watcher:  # a hook's object (a recorder, a meter) is not copied into the twin either
+        def __deepcopy__(self, memo):
+            raise AssertionError("a hook's object was copied")
+
+        def hook(self, *_):
+            refuse()
+
     conv.register_forward_hook(refuse)
     hooked = copy.deepcopy(conv)
+    hooked.register_forward_hook(Watcher().hook)
     hooked.mask_chunks = {(2, CH, RES, RES): 2}  # a new key: measured again, with the hook in place
     measured_cost(hooked, **args)
     assert measured_cost(conv, **args) == plain

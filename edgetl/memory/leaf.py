@@ -178,8 +178,8 @@ def _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad) -> La
     from edgetl.memory.meter import StorageMeter
 
     copies = meta_tensors(tensors)
-    twin = copy.deepcopy(module, dict(copies))  # (deepcopy adds its own entries to a memo)
-    _drop_hooks(twin)
+    # (deepcopy adds its own entries to a memo); the twin's hook tables start empty
+    twin = copy.deepcopy(module, {**copies, **_empty_hook_tables(module)})
     params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
     base = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad)
     # a non-leaf input (as in a network), so an in-place layer may write it; its gradient is
@@ -226,9 +226,11 @@ def _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad) -> La
     return cost
 
 
-def _drop_hooks(module: nn.Module) -> None:
-    """Empty the hook tables of ``module`` and of every module it holds, registered or not
-    (a twin's copies of its original's: the cost is measured without hooks, as it is keyed)."""
+def _empty_hook_tables(module: nn.Module) -> dict[int, dict]:
+    """A deepcopy memo entry for each hook table of ``module`` and of every module it holds,
+    registered or not: an empty table of its kind. The twin is measured without hooks (as
+    its key is made), and a hook's objects are never copied."""
+    memo: dict[int, dict] = {}
     stack, seen = [module], set()
     while stack:
         m = stack.pop()
@@ -237,9 +239,10 @@ def _drop_hooks(module: nn.Module) -> None:
         seen.add(id(m))
         for name, value in vars(m).items():
             if "hook" in name and isinstance(value, dict):
-                value.clear()
+                memo[id(value)] = type(value)()
             elif isinstance(value, nn.Module):
                 stack.append(value)
             elif isinstance(value, (tuple, list)) or name == "_modules":
                 stack.extend(v for v in (value.values() if isinstance(value, dict) else value)
                              if isinstance(v, nn.Module))
+    return memo
