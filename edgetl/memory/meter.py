@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from edgetl.errors import ConfigError
+from edgetl.memory.metaop import meta_call
 from edgetl.step import Step, ddp_wrap, resolve_step, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
@@ -115,12 +116,18 @@ class StorageMeter(TorchDispatchMode):
         self._finalizers.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = meta_call(func, args, kwargs or {})
         self.op_count += 1
-        for t in _tensors(out):
-            self._track(t)
+        if type(out) is torch.Tensor:
+            self._track(out)
+        else:
+            for t in _tensors(out):
+                self._track(t)
         # in-place ops that resize an argument (e.g. out=) show up in the args
-        if func._schema.is_mutable:
+        mutable = _MUTABLE.get(func)
+        if mutable is None:
+            mutable = _MUTABLE[func] = func._schema.is_mutable
+        if mutable:
             for t in _tensors((args, kwargs)):
                 if id(t.untyped_storage()) in self._sizes:
                     self._track(t)
@@ -136,6 +143,9 @@ class StorageMeter(TorchDispatchMode):
         for fin in list(self._finalizers.values()):
             fin.detach()
         self._finalizers.clear()
+
+
+_MUTABLE: dict = {}  # op -> whether its schema writes an argument
 
 
 def _tensors(value) -> Iterator[torch.Tensor]:
@@ -325,7 +335,7 @@ class _OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.op_count += 1
-        return func(*args, **(kwargs or {}))
+        return meta_call(func, args, kwargs or {})
 
 
 def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> StepOps:

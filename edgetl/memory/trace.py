@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from edgetl.memory.metaop import MetaMemo
 from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
 from edgetl.models.stream import mark_shapes_only
 
@@ -228,11 +229,12 @@ def trace_meta(meta: EdgeNet, originals: dict[str, nn.Module], resolution: int, 
     x = torch.empty(batch_size, 3, resolution, resolution, device="meta",
                     dtype=meta.input_dtype)
     try:
-        if run is not None:
-            out = run(meta, x)
-        else:
-            with torch.no_grad():
-                out = meta(x)
+        with MetaMemo():
+            if run is not None:
+                out = run(meta, x)
+            else:
+                with torch.no_grad():
+                    out = meta(x)
     finally:
         for h in handles:
             h.remove()

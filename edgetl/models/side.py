@@ -8,6 +8,8 @@ untrained network equals the backbone) -> bilinear resize to the tap block's out
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -181,14 +183,17 @@ def build_network(
     With ``lean`` the frozen backbone and the side network are converted to the lean
     runtime layers (edgetl.models.lean); without it they are stock torch modules.
     """
+    from edgetl.memory.metaop import MetaMemo
     from edgetl.models.backbone import build_backbone
 
-    net = build_backbone(spec, device=device)
-    if mode.startswith("repnet"):
-        net.attach_side(build_side_network(net))
-    set_trainable(net, mode)
-    if lean is not None:
-        make_lean(net, lean)
+    # on meta (a network the accounting measures), torch's meta kernels run once per layout
+    with MetaMemo() if device is not None and torch.device(device).type == "meta" else nullcontext():
+        net = build_backbone(spec, device=device)
+        if mode.startswith("repnet"):
+            net.attach_side(build_side_network(net))
+        set_trainable(net, mode)
+        if lean is not None:
+            make_lean(net, lean)
     return net
 
 
