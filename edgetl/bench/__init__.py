@@ -16,7 +16,10 @@ peak over the same steps is kept in the result too (``tensor_bytes``).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
+import os
 import statistics
 import time
 from typing import Callable
@@ -25,6 +28,7 @@ import torch
 
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MB
+from edgetl.memory.schedule import Schedule
 from edgetl.memory.search import largest_batch
 from edgetl.models.backbone import EdgeNet
 from edgetl.recipe import MAX_BATCH
@@ -41,7 +45,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "FROZEN_BITS", "METHODS", "PAPER_PRUNING", "PLAN", "REFERENCE", "BenchResult", "BenchRow", "Checkpointed",
-    "Method", "bench", "build_method", "caption", "count_trainable", "default_methods", "has_reserved",
+    "Method", "bench", "build_method", "caption", "count_trainable", "cpu_cores", "default_methods", "has_reserved",
     "interleaved_step_times", "plan_available", "planned_method", "plot_bench", "pruned_hidden", "set_ratios",
     "table_rows", "to_markdown",
 ]
@@ -90,6 +94,23 @@ def interleaved_step_times(trainers: dict[str, _Trainer], *, steps: int, warmup:
 # ----------------------------------------------------------------------------- the bench
 
 
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """What every row of one bench shares (sent to the processes that measure rows)."""
+
+    resolution: int
+    batch_size: int
+    num_classes: int
+    width: float
+    budget_bytes: int
+    device: str
+    verify_images: int
+    measure_steps: int
+    lr: float
+    seed: int
+    timed_cap: int  # the largest batch timed (0: no step timed at the largest batch)
+
+
 def bench(
     *,
     resolution: int = 224,
@@ -108,6 +129,7 @@ def bench(
     command: str | None = None,
     largest_steps: int = 3,
     largest_cap: int = 256,
+    workers: int = 1,
 ) -> BenchResult:
     """Measure every method side by side.
 
@@ -132,12 +154,13 @@ def bench(
             batch, for the throughput that batch buys (Liu et al., seed 003); 0: skip.
         largest_cap: time at most this batch (a streamed row's largest batch can run to
             thousands of small-input images); the row records the batch it timed.
+        workers: processes that measure the rows' memory side by side before any step is
+            timed (the accounting is single-threaded Python; ``cpu_cores()`` on a CPU is what
+            ``edgetl bench`` runs). They are spawned: a script that calls ``bench`` with more
+            than one must guard its entry point (``if __name__ == "__main__":``). On CUDA
+            only 1 (one device, each row's peak measured alone). The timing always runs in
+            this process, alone.
     """
-    from edgetl.memory.meter import measure_training_memory
-    from edgetl.memory.runtime import runtime_peak_bytes
-    from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
-    from edgetl.profile import check_options, paper_report
-
     names = list(methods) if methods is not None else default_methods()
     unknown = [n for n in names if n not in METHODS]
     if unknown:
@@ -151,100 +174,35 @@ def bench(
                           f"got {steps}, {warmup}, {measure_steps}, {largest_steps}, {largest_cap}")
     if budget_bytes < 1:
         raise ConfigError(f"budget {budget_bytes} bytes is not allowed; give a positive size")
+    if workers < 1:
+        raise ConfigError(f"workers {workers} is not allowed; give 1 or more")
+    from edgetl.profile import check_options
+
     for name in names:
         check_options(mode=METHODS[name].mode, accounting="runtime", resolution=resolution,
                       batch_size=batch_size)
     device = torch.device(device)
-    hidden = pruned_hidden(width, num_classes)
+    setting = _Setting(resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
+                       budget_bytes=budget_bytes, device=str(device), verify_images=verify_images,
+                       measure_steps=measure_steps, lr=lr, seed=seed,
+                       timed_cap=largest_cap if largest_steps else 0)
     result = BenchResult(
         resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
         budget_bytes=budget_bytes, steps=steps, warmup=warmup, optimizer="adam", device=str(device),
         threads=torch.get_num_threads(), torch_version=torch.__version__, reference=REFERENCE,
         command=command,
     )
-    verify_pixels = verify_images * 224 * 224
+    if workers > 1 and device.type != "cpu":
+        raise ConfigError(f"workers {workers} is not allowed on {device}: its rows are measured one at a time; give 1")
+    measured = _memory_rows(names, setting, pruned_hidden(width, num_classes), min(workers, len(names)))
     trainers: dict[str, _Trainer] = {}
-    builders: dict[str, Callable[[torch.device, int], EdgeNet]] = {}
-    for name in names:
-        method, plan_note = METHODS[name], ""
-        if method.planned:
-            method, plan_note = planned_method(budget_bytes=budget_bytes, batch_size=batch_size,
-                                               resolution=resolution, num_classes=num_classes, width=width)
-        method_hidden = method.hidden if method.hidden is not None else (hidden if method.pruned else {})
-        # the method's schedule per batch, fitted once: every build of it is the same network
-        # (a schedule reads shapes and trainability, never weights or the device)
-        fitted: dict[int, Schedule] = {}
-
-        def build(dev, b: int, m=method, h=method_hidden, fitted=fitted) -> EdgeNet:
-            net = build_method(m, width=width, num_classes=num_classes, device=dev, hidden=h)
-            if m.lean is None:
-                return net
-            if b in fitted:
-                apply_schedule(net, fitted[b])
-            else:  # as edgetl finetune runs it: whole-batch backward where the peak allows
-                fitted[b] = prepare_step(net, resolution=resolution, batch_size=b)
-            return net
-
-        log.info("%s: accounting", name)
-
-        def measure(b: int, build=build):
-            return measure_training_memory(build(device, b), resolution=resolution, batch_size=b,
-                                           steps=measure_steps, lr=lr, seed=seed)
-
-        def measured(b: int) -> int:
-            return measure(b).peak_bytes
-
-        if method.checkpoint:
-            # Neither accounting models recomputation: the paper walk and the runtime
-            # simulation would both describe the plain full fine-tune.
-            paper_bytes = runtime_bytes = None
-            note = "accountings do not model recomputation; largest batch by measurement"
-        else:
-            stock_meta = build_method(
-                dataclasses.replace(method, lean=None), width=width, num_classes=num_classes,
-                device="meta", hidden=method_hidden)
-            paper_bytes = paper_report(stock_meta, mode=method.mode, resolution=resolution,
-                                       batch_size=batch_size, frozen_bits=FROZEN_BITS).total_bytes
-            meta = build("meta", batch_size)
-
-            def accounted(b: int, meta=meta) -> int:
-                return runtime_peak_bytes(meta, resolution=resolution, batch_size=b)
-
-            runtime_bytes = accounted(batch_size)
-            note = plan_note
-        log.info("%s: measuring the peak", name)
-        at_size = measure(batch_size)
-        measured_bytes = at_size.peak_bytes
-        log.info("%s: largest batch in %.1f MB", name, budget_bytes / MB)
-        if method.checkpoint:
-            source, total_fn, at_batch = "measured", measured, measured_bytes
-        else:
-            source, total_fn, at_batch = "runtime", accounted, runtime_bytes
-        largest, seen = largest_batch(total_fn, budget_bytes, MAX_BATCH, {batch_size: at_batch})
-        verify = None
-        if source == "measured":
-            verify = seen.get(largest)
-        elif 1 <= largest and largest * resolution**2 <= verify_pixels:
-            verify = measured(largest)
-        builders[name] = build
-        real = build(device, batch_size)
-        trainers[name] = _Trainer(real, resolution=resolution, batch_size=batch_size,
-                                  num_classes=num_classes, device=device, lr=lr, seed=seed)
-        result.rows.append(BenchRow(
-            method=name, label=method.label, mode=method.mode,
-            runtime="lean" if method.lean else ("stock+checkpoint" if method.checkpoint else "stock"),
-            lean=None if method.lean is None else dataclasses.asdict(method.lean),
-            hidden={str(k): v for k, v in sorted(method_hidden.items())},
-            trainable_params=count_trainable(real),
-            paper_bytes=paper_bytes, runtime_bytes=runtime_bytes, measured_bytes=measured_bytes,
-            images_per_s=0.0, step_seconds=[],
-            largest_batch=largest, largest_batch_source=source,
-            largest_batch_bytes=seen.get(largest), next_batch_bytes=seen.get(largest + 1),
-            largest_batch_measured_bytes=verify, note=note,
-            reserved_bytes=at_size.reserved_bytes,
-            tensor_bytes=at_size.tensor_bytes if at_size.allocated_bytes is not None else None,
-            step_ops=at_size.ops.total, forward_ops=at_size.ops.forward, unstreamed=method.unstreamed,
-        ))
+    builders: dict[str, Callable[[int], EdgeNet]] = {}
+    for row, method, fitted in measured:
+        builders[row.method] = functools.partial(_build, method, fitted, setting, device)
+        result.rows.append(row)
+        trainers[row.method] = _Trainer(builders[row.method](batch_size), resolution=resolution,
+                                        batch_size=batch_size, num_classes=num_classes, device=device,
+                                        lr=lr, seed=seed)
     log.info("throughput: %d warm-up + %d rounds of %d methods", warmup, steps, len(trainers))
     times = interleaved_step_times(trainers, steps=steps, warmup=warmup)
     for row in result.rows:
@@ -257,7 +215,7 @@ def bench(
                 continue
             timed = min(row.largest_batch, largest_cap)
             log.info("%s: %d steps at batch %d (largest %d)", row.method, largest_steps, timed, row.largest_batch)
-            trainer = _Trainer(builders[row.method](device, timed), resolution=resolution,
+            trainer = _Trainer(builders[row.method](timed), resolution=resolution,
                                batch_size=timed, num_classes=num_classes, device=device, lr=lr, seed=seed)
             trainer.step()  # warm-up
             seconds = [trainer.step() for _ in range(largest_steps)]
@@ -267,5 +225,131 @@ def bench(
             del trainer
     set_ratios(result)
     return result
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _memory_rows(names: list[str], setting: _Setting, hidden: dict[int, int],
+                 workers: int) -> list[tuple[BenchRow, Method, dict[int, Schedule]]]:
+    """``_memory_row`` of every method, in order: here, or in ``workers`` processes (spawned:
+    a fresh interpreter each, torch's threads shared out among them)."""
+    if workers <= 1:
+        return [_memory_row(name, setting, hidden) for name in names]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    log.info("measuring %d methods in %d processes", len(names), workers)
+    threads = max(1, torch.get_num_threads() // workers)
+    level = logging.getLogger("edgetl").getEffectiveLevel()
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_start_worker, initargs=(threads, level)) as pool:
+        return list(pool.map(_memory_row, names, itertools.repeat(setting), itertools.repeat(hidden)))
+
+
+def _start_worker(threads: int, level: int) -> None:
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _build(method: Method, fitted: dict[int, Schedule], setting: _Setting, device, b: int) -> EdgeNet:
+    """The network of ``method`` at batch ``b`` on ``device``, its lean step scheduled as
+    ``edgetl finetune`` runs it (whole-batch backward where the peak allows). A schedule is
+    fitted once per batch into ``fitted``: it reads shapes and trainability, never weights
+    or the device, so every build of the method shares it."""
+    from edgetl.memory.schedule import apply_schedule, prepare_step
+
+    hidden = method.hidden if method.hidden is not None else {}
+    net = build_method(method, width=setting.width, num_classes=setting.num_classes, device=device,
+                       hidden=hidden)
+    if method.lean is None:
+        return net
+    if b in fitted:
+        apply_schedule(net, fitted[b])
+    else:
+        fitted[b] = prepare_step(net, resolution=setting.resolution, batch_size=b)
+    return net
+
+
+def _memory_row(name: str, s: _Setting, hidden: dict[int, int]) -> tuple[BenchRow, Method, dict[int, Schedule]]:
+    """One method's memory columns: paper and runtime accounting at the batch, the measured
+    peak, the largest batch in the budget (re-measured where cheap enough). Returns the row
+    (no timing yet), the method (a plan's pick for ``plan``) and its fitted schedules by
+    batch, the timed batches' included."""
+    from edgetl.memory.meter import measure_training_memory
+    from edgetl.memory.runtime import runtime_peak_bytes
+    from edgetl.profile import paper_report
+
+    method, note = METHODS[name], ""
+    if method.planned:
+        method, note = planned_method(budget_bytes=s.budget_bytes, batch_size=s.batch_size,
+                                      resolution=s.resolution, num_classes=s.num_classes, width=s.width)
+    if method.hidden is None:
+        method = dataclasses.replace(method, hidden=hidden if method.pruned else {})
+    device = torch.device(s.device)
+    fitted: dict[int, Schedule] = {}
+    build = functools.partial(_build, method, fitted, s)
+    log.info("%s: accounting", name)
+
+    def measure(b: int):
+        return measure_training_memory(build(device, b), resolution=s.resolution, batch_size=b,
+                                       steps=s.measure_steps, lr=s.lr, seed=s.seed)
+
+    def measured(b: int) -> int:
+        return measure(b).peak_bytes
+
+    if method.checkpoint:
+        # Neither accounting models recomputation: the paper walk and the runtime
+        # simulation would both describe the plain full fine-tune.
+        paper_bytes = runtime_bytes = None
+        note = "accountings do not model recomputation; largest batch by measurement"
+    else:
+        stock_meta = build_method(dataclasses.replace(method, lean=None), width=s.width,
+                                  num_classes=s.num_classes, device="meta", hidden=method.hidden)
+        paper_bytes = paper_report(stock_meta, mode=method.mode, resolution=s.resolution,
+                                   batch_size=s.batch_size, frozen_bits=FROZEN_BITS).total_bytes
+        meta = build("meta", s.batch_size)
+
+        def accounted(b: int, meta=meta) -> int:
+            return runtime_peak_bytes(meta, resolution=s.resolution, batch_size=b)
+
+        runtime_bytes = accounted(s.batch_size)
+    log.info("%s: measuring the peak", name)
+    at_size = measure(s.batch_size)
+    measured_bytes = at_size.peak_bytes
+    log.info("%s: largest batch in %.1f MB", name, s.budget_bytes / MB)
+    if method.checkpoint:
+        source, total_fn, at_batch = "measured", measured, measured_bytes
+    else:
+        source, total_fn, at_batch = "runtime", accounted, runtime_bytes
+    largest, seen = largest_batch(total_fn, s.budget_bytes, MAX_BATCH, {s.batch_size: at_batch})
+    verify = None
+    if source == "measured":
+        verify = seen.get(largest)
+    elif 1 <= largest and largest * s.resolution**2 <= s.verify_images * 224 * 224:
+        verify = measured(largest)
+    if method.lean is not None and s.timed_cap and largest >= 1:  # the timed batch's schedule, here too
+        build("meta", min(largest, s.timed_cap))
+    row = BenchRow(
+        method=name, label=method.label, mode=method.mode,
+        runtime="lean" if method.lean else ("stock+checkpoint" if method.checkpoint else "stock"),
+        lean=None if method.lean is None else dataclasses.asdict(method.lean),
+        hidden={str(k): v for k, v in sorted(method.hidden.items())},
+        trainable_params=count_trainable(build("meta", s.batch_size)),
+        paper_bytes=paper_bytes, runtime_bytes=runtime_bytes, measured_bytes=measured_bytes,
+        images_per_s=0.0, step_seconds=[],
+        largest_batch=largest, largest_batch_source=source,
+        largest_batch_bytes=seen.get(largest), next_batch_bytes=seen.get(largest + 1),
+        largest_batch_measured_bytes=verify, note=note,
+        reserved_bytes=at_size.reserved_bytes,
+        tensor_bytes=at_size.tensor_bytes if at_size.allocated_bytes is not None else None,
+        step_ops=at_size.ops.total, forward_ops=at_size.ops.forward, unstreamed=method.unstreamed,
+    )
+    return row, method, fitted
 
 

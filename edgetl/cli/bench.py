@@ -7,12 +7,12 @@ import shlex
 import sys
 
 from edgetl.cli import COMMANDS
-from edgetl.bench import METHODS, BenchResult, bench, caption, plot_bench, table_rows, to_markdown
+from edgetl.bench import METHODS, BenchResult, bench, caption, cpu_cores, plot_bench, table_rows, to_markdown
 from edgetl.cli._common import HelpFormatter, positive_float, positive_int, print_table, writable_file
 from edgetl.errors import ConfigError
 from edgetl.units import parse_bytes
 
-# --quick: a tiny backbone at 64 px, a smoke run of every row (119-131 s on a 2-core CPU, docs/bench.md);
+# --quick: a tiny backbone at 64 px, a smoke run of every row (docs/bench.md gives its time on a 2-core CPU);
 # the largest batches are re-measured up to 49 images and timed at up to 16 (one step)
 QUICK = {"width": 0.35, "resolution": 64, "budget": "24MB", "steps": 2, "warmup": 1, "verify_images": 4,
          "largest_steps": 1, "largest_cap": 16}
@@ -72,6 +72,9 @@ def add_parser(sub) -> None:
                         f"pixels and timed {QUICK['largest_steps']} step at up to {QUICK['largest_cap']} "
                         "(explicit flags still win)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--workers", type=positive_int,
+                   help="processes that measure the methods' memory side by side before the timing, "
+                        f"which runs alone (default: one per CPU core on a CPU, here {cpu_cores()}; 1 on CUDA)")
     p.add_argument("--from", dest="source", metavar="PATH", help="render a saved JSON result instead of running")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown (for the README)")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="save the result as JSON")
@@ -119,6 +122,7 @@ def run(args) -> int:
             width=pick("width"), budget_bytes=budget, methods=args.methods, steps=pick("steps"),
             warmup=pick("warmup"), device=args.device, verify_images=pick("verify_images"),
             command=_command(args, pick), largest_steps=pick("largest_steps"), largest_cap=pick("largest_cap"),
+            workers=args.workers or (cpu_cores() if args.device == "cpu" else 1),
         )
     if args.markdown:
         print(to_markdown(result), end="")
