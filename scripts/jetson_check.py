@@ -635,6 +635,7 @@ PYTEST_SHORT = {
         "test_an_op_that_rebinds_its_argument_always_runs",
         "test_an_in_place_op_that_changes_its_arguments_layout_always_runs",
         "test_torchs_meta_kernel_runs_once_per_layout",
+        "test_a_factory_op_follows_the_default_dtype",
         "test_a_leaf_measures_the_same_with_torchs_meta_kernels_every_time[frozen_depthwise_int8]",
         "test_a_metered_step_on_meta_counts_the_same_bytes_and_ops",
     ],

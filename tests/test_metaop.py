@@ -85,6 +85,17 @@ def test_an_in_place_op_that_changes_its_arguments_layout_always_runs():
         assert meta_call(aten.unsqueeze_.default, (x, 0), {}) is x and x.shape == (1, 3, 4)
 
 
+def test_a_factory_op_follows_the_default_dtype():
+    metaop._MEMO.clear()
+    before = torch.get_default_dtype()
+    try:
+        for dtype in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            assert meta_call(aten.empty.memory_format, ([2, 3],), {"device": "meta"}).dtype == dtype
+    finally:
+        torch.set_default_dtype(before)
+
+
 def test_a_real_tensor_is_never_taken_from_memory():
     x = torch.arange(6.0)
     for _ in range(2):

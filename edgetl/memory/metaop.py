@@ -9,8 +9,9 @@ few ops on the same shapes again and again (every pass of a loop over samples, e
 search tries, every measurement of the same layer at another batch).
 
 ``meta_call`` runs an op as torch would, and the first time it sees an op on arguments of a
-given layout (shapes, strides, offsets, dtypes and the plain arguments, by type and value)
-it keeps the layout of the result, when the result can be made again without the op:
+given layout (shapes, strides, offsets, dtypes and the plain arguments, by type and value;
+and torch's default dtype, which a factory op without a dtype takes) it keeps the layout of
+the result, when the result can be made again without the op:
 
 * every result is a new tensor (the schema gives it no alias): it is made again as an empty
   meta tensor of the same shape, strides and dtype, checked to have the same storage size
@@ -55,7 +56,8 @@ def meta_call(func, args: tuple, kwargs: dict):
     if form == _RUNS or (args and type(args[0]) in _PLAIN_TENSORS and args[0].device != _META):
         return func(*args, **kwargs)  # a view or out= op, or a real op (on a real tensor)
     try:
-        key = (func, _key(args), _key(kwargs) if kwargs else None)
+        # a factory op without a dtype makes torch's default dtype: part of the layout
+        key = (func, _key(args), _key(kwargs) if kwargs else None, torch.get_default_dtype())
     except _Unkeyable:
         return func(*args, **kwargs)
     entry = _MEMO.get(key, _MISSING)
