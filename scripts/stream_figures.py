@@ -5,7 +5,7 @@ uint8 pixels (``--uint8-input``), segments that recompute their forward in backw
 (``--recompute``), and the update inside backward with fused optimizer kernels
 (``--step-in-backward --fused``).
 
-    python scripts/stream_figures.py              # markdown table on stdout (CPU, ~15 minutes)
+    python scripts/stream_figures.py              # markdown table on stdout (CPU, ~5 minutes)
 
 Measured: ``edgetl.memory.meter.measure_training_peak`` (live tensor bytes over 2 real steps);
 predicted: ``edgetl.memory.runtime.runtime_report`` of the same network, its schedule fitted.
