@@ -113,7 +113,7 @@ def test_a_batch_statistics_layer_is_measured_at_one_sample_on_meta_only():
 
 def test_the_key_names_every_setting_that_changes_what_a_layer_allocates():
     conv = frozen(act_dtype="bf16", weight="int8", kernel=1)
-    key, tensors = signature(conv)
+    key, tensors, _ = signature(conv)
     assert signature(copy.deepcopy(conv))[0] == key
     assert {id(t) for t in tensors} == {id(t) for t in (*conv.parameters(), *conv.buffers())}
     shape = (4, CH, 9, 9)
@@ -168,8 +168,8 @@ def test_a_loop_cut_short_measures_what_the_whole_loop_does(name, batch):
             setattr(conv, attr, value)
         cut = measured_cost(conv, in_shape=shape, in_dtype=dtype, input_requires_grad=input_grad,
                             output_requires_grad=output_grad)
-        key, tensors = signature(conv)
-        whole, was_cut = measure(conv, tensors, shape, dtype, input_grad, output_grad)
+        sig = signature(conv)
+        whole, was_cut = measure(conv, sig, shape, dtype, input_grad, output_grad)
         assert not was_cut
         assert cut == whole, (setting, cut, whole)
 
@@ -180,9 +180,9 @@ def test_repeated_runs_every_pass_unless_measuring():
     for name in ("frozen_fold_relu6", "frozen_pointwise_bf16_int8"):
         make, shape, dtype, input_grad = LEAVES[name]
         conv = make()
-        key, tensors = signature(conv)
-        assert measure(conv, tensors, (6, *shape[1:]), dtype, input_grad, True, passes=2)[1]
-        assert not measure(conv, tensors, (2, *shape[1:]), dtype, input_grad, True, passes=2)[1]
+        sig = signature(conv)
+        assert measure(conv, sig, (6, *shape[1:]), dtype, input_grad, True, passes=2)[1]
+        assert not measure(conv, sig, (2, *shape[1:]), dtype, input_grad, True, passes=2)[1]
     assert repeated(passes) is passes  # the limit ends with the measurement
 
 
@@ -227,7 +227,7 @@ def test_a_loop_whose_passes_differ_is_measured_whole(batch):
     layer = _Carries()
     shape = (batch, CH, 4, 4)
     cost = measured_cost(layer, in_shape=shape, in_dtype=F32, input_requires_grad=True, output_requires_grad=True)
-    key, tensors = signature(layer)
-    cut, _ = measure(layer, tensors, shape, F32, True, True, passes=2)
-    whole, _ = measure(layer, tensors, shape, F32, True, True)
+    sig = signature(layer)
+    cut, _ = measure(layer, sig, shape, F32, True, True, passes=2)
+    whole, _ = measure(layer, sig, shape, F32, True, True)
     assert cost == whole != cut

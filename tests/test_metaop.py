@@ -126,9 +126,9 @@ def test_a_leaf_measures_the_same_with_torchs_meta_kernels_every_time(name, monk
     factory, shape, dtype, input_grad = LEAVES[name]
     layer = factory()
     output_grad = input_grad or any(p.requires_grad for p in leaf_parameters(layer))
-    key, tensors = signature(layer)
+    sig = signature(layer)
     for batch in (shape[0], shape[0] + 3, shape[0]):
-        args = (layer, tensors, (batch, *shape[1:]), dtype, input_grad, output_grad)
+        args = (layer, sig, (batch, *shape[1:]), dtype, input_grad, output_grad)
         remembered = measure(*args)[0]
         with monkeypatch.context() as m:
             m.setattr("edgetl.memory.meter.meta_call", lambda func, a, kw: func(*a, **kw))

@@ -37,6 +37,7 @@ and at other batches 2 passes are measured alone.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -52,11 +53,29 @@ _SKIPPED = {"_non_persistent_buffers_set", "_is_full_backward_hook"}
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
-def signature(module: nn.Module) -> tuple[tuple, list[torch.Tensor]]:
-    """(the leaf's cost key, every tensor it holds). The key lists its class, plain
-    attributes and tensors' shapes, dtypes and trainability, following the modules it refers
-    to (registered or not); devices are left out (the cost is measured on meta)."""
+class Signature(NamedTuple):
+    """What one walk of a leaf finds (``signature``).
+
+    Attributes:
+        key: its cost key: its class, plain attributes and tensors' shapes, dtypes and
+            trainability, following the modules it refers to (registered or not); devices
+            are left out (the cost is measured on meta).
+        tensors: every tensor it holds (each is an empty meta tensor in its twin).
+        hook_tables: id of each hook table of it and of the modules it holds -> an empty
+            table of the same kind: the deepcopy memo entries that give its twin no hooks
+            (it is measured without them, as its key is made, and a hook's objects are
+            never copied).
+    """
+
+    key: tuple
+    tensors: list[torch.Tensor]
+    hook_tables: dict[int, dict]
+
+
+def signature(module: nn.Module) -> Signature:
+    """The leaf's cost key, tensors and hook tables, in one walk (``Signature``)."""
     tensors: dict[int, torch.Tensor] = {}
+    hook_tables: dict[int, dict] = {}
     seen: dict[int, int] = {}
 
     def walk(obj) -> object:
@@ -69,6 +88,9 @@ def signature(module: nn.Module) -> tuple[tuple, list[torch.Tensor]]:
             if id(obj) in seen:
                 return ("module", seen[id(obj)])
             seen[id(obj)] = len(seen)
+            for k, v in vars(obj).items():
+                if "hook" in k and isinstance(v, dict):
+                    hook_tables[id(v)] = type(v)()
             items = sorted((k, walk(v)) for k, v in vars(obj).items()
                            if "hook" not in k and k not in _SKIPPED)
             return (type(obj).__module__, type(obj).__qualname__, tuple(items))
@@ -90,7 +112,8 @@ def signature(module: nn.Module) -> tuple[tuple, list[torch.Tensor]]:
             f"the runtime accounting cannot key a {type(obj).__name__} held by a leaf layer; "
             f"hold plain values, functions, tensors, modules or plain objects")
 
-    return walk(module), list(tensors.values())
+    key = walk(module)
+    return Signature(key, list(tensors.values()), hook_tables)
 
 
 def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -141,14 +164,14 @@ _ALIKE: set[tuple] = set()
 
 def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
     """``measure`` once per (``signature(module)``'s key, input); ``sig``: that signature."""
-    key, tensors = sig
+    key = sig.key
     full = (key, in_shape, in_dtype, input_grad, output_grad)
     cost = _CACHE.get(full)
     if cost is None:
         if len(_CACHE) > 4096:
             _CACHE.clear()
             _ALIKE.clear()
-        args = (module, tensors, in_shape, in_dtype, input_grad, output_grad)
+        args = (module, sig, in_shape, in_dtype, input_grad, output_grad)
         cost, cut = measure(*args, passes=2)
         layout = (key, in_shape[1:], in_dtype, input_grad, output_grad)
         if cut and layout not in _ALIKE:
@@ -160,26 +183,25 @@ def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad) -> LayerCo
     return copy.copy(cost)  # callers may adjust their copy (the simulator's in-place check)
 
 
-def measure(module: nn.Module, tensors: list[torch.Tensor], in_shape: tuple, in_dtype: torch.dtype,
+def measure(module: nn.Module, sig: Signature, in_shape: tuple, in_dtype: torch.dtype,
             input_grad: bool, output_grad: bool, *, passes: int | None = None) -> tuple[LayerCost, bool]:
     """Run a meta twin of ``module`` once, forward (and backward when ``output_grad``), under
     the storage meter (see the module docstring): (its cost, whether a loop was cut short).
-    ``tensors``: every tensor it holds (its own and those of modules it refers to,
-    ``signature``); each is an empty meta tensor in the twin. ``passes``: how many passes of
-    each of its ``repeated`` loops run (all when None)."""
+    ``sig``: ``signature(module)`` (the tensors and hook tables the twin replaces).
+    ``passes``: how many passes of each of its ``repeated`` loops run (all when None)."""
     Passes.limit, Passes.cut = passes, False
     try:
-        return _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad), Passes.cut
+        return _measure(module, sig, in_shape, in_dtype, input_grad, output_grad), Passes.cut
     finally:
         Passes.limit = None
 
 
-def _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
+def _measure(module, sig: Signature, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
     from edgetl.memory.meter import StorageMeter
 
-    copies = meta_tensors(tensors)
+    copies = meta_tensors(sig.tensors)
     # (deepcopy adds its own entries to a memo); the twin's hook tables start empty
-    twin = copy.deepcopy(module, {**copies, **_empty_hook_tables(module)})
+    twin = copy.deepcopy(module, {**copies, **sig.hook_tables})
     params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
     base = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad)
     # a non-leaf input (as in a network), so an in-place layer may write it; its gradient is
@@ -224,25 +246,3 @@ def _measure(module, tensors, in_shape, in_dtype, input_grad, output_grad) -> La
     finally:
         meter.close()
     return cost
-
-
-def _empty_hook_tables(module: nn.Module) -> dict[int, dict]:
-    """A deepcopy memo entry for each hook table of ``module`` and of every module it holds,
-    registered or not: an empty table of its kind. The twin is measured without hooks (as
-    its key is made), and a hook's objects are never copied."""
-    memo: dict[int, dict] = {}
-    stack, seen = [module], set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        for name, value in vars(m).items():
-            if "hook" in name and isinstance(value, dict):
-                memo[id(value)] = type(value)()
-            elif isinstance(value, nn.Module):
-                stack.append(value)
-            elif isinstance(value, (tuple, list)) or name == "_modules":
-                stack.extend(v for v in (value.values() if isinstance(value, dict) else value)
-                             if isinstance(v, nn.Module))
-    return memo
