@@ -158,14 +158,14 @@ def test_cuda_uses_max_memory_allocated():
 
 
 def test_op_tensors_are_what_pytree_finds():
-    """The meter's walk over an op's output and arguments (``_tensors``) against pytree's
+    """The meter's walk over an op's output and arguments (``tensors_in``) against pytree's
     ``tree_leaves``: the same tensors, in the same order, for nested tuples, lists, dicts,
     return-type tuples (``torch.return_types``) and scalars between them."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
     from torch.utils._pytree import tree_leaves
 
-    from edgetl.memory.meter import _tensors
+    from edgetl.memory.metaop import tensors_in
 
     pool = [torch.zeros(i + 1) for i in range(4)]
     leaves = st.one_of(st.sampled_from(pool), st.integers(), st.floats(allow_nan=False), st.none(),
@@ -179,7 +179,7 @@ def test_op_tensors_are_what_pytree_finds():
     @given(values)
     def check(value):
         expected = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-        found = list(_tensors(value))
+        found = list(tensors_in(value))
         assert [id(t) for t in found] == [id(t) for t in expected]
 
     check()

@@ -264,9 +264,8 @@ def _build(method: Method, fitted: dict[int, Schedule], setting: _Setting, devic
     or the device, so every build of the method shares it."""
     from edgetl.memory.schedule import apply_schedule, prepare_step
 
-    hidden = method.hidden if method.hidden is not None else {}
     net = build_method(method, width=setting.width, num_classes=setting.num_classes, device=device,
-                       hidden=hidden)
+                       hidden=method.hidden)
     if method.lean is None:
         return net
     if b in fitted:
@@ -303,6 +302,7 @@ def _memory_row(name: str, s: _Setting, hidden: dict[int, int]) -> tuple[BenchRo
     def measured(b: int) -> int:
         return measure(b).peak_bytes
 
+    meta = build("meta", s.batch_size)
     if method.checkpoint:
         # Neither accounting models recomputation: the paper walk and the runtime
         # simulation would both describe the plain full fine-tune.
@@ -313,7 +313,6 @@ def _memory_row(name: str, s: _Setting, hidden: dict[int, int]) -> tuple[BenchRo
                                   num_classes=s.num_classes, device="meta", hidden=method.hidden)
         paper_bytes = paper_report(stock_meta, mode=method.mode, resolution=s.resolution,
                                    batch_size=s.batch_size, frozen_bits=FROZEN_BITS).total_bytes
-        meta = build("meta", s.batch_size)
 
         def accounted(b: int, meta=meta) -> int:
             return runtime_peak_bytes(meta, resolution=s.resolution, batch_size=b)
@@ -340,7 +339,7 @@ def _memory_row(name: str, s: _Setting, hidden: dict[int, int]) -> tuple[BenchRo
         runtime="lean" if method.lean else ("stock+checkpoint" if method.checkpoint else "stock"),
         lean=None if method.lean is None else dataclasses.asdict(method.lean),
         hidden={str(k): v for k, v in sorted(method.hidden.items())},
-        trainable_params=count_trainable(build("meta", s.batch_size)),
+        trainable_params=count_trainable(meta),
         paper_bytes=paper_bytes, runtime_bytes=runtime_bytes, measured_bytes=measured_bytes,
         images_per_s=0.0, step_seconds=[],
         largest_batch=largest, largest_batch_source=source,

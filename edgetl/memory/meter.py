@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from edgetl.errors import ConfigError
-from edgetl.memory.metaop import meta_call
+from edgetl.memory.metaop import meta_call, tensors_in
 from edgetl.step import Step, ddp_wrap, resolve_step, set_train_mode, training_step
 
 log = logging.getLogger(__name__)
@@ -121,14 +121,14 @@ class StorageMeter(TorchDispatchMode):
         if type(out) is torch.Tensor:
             self._track(out)
         else:
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 self._track(t)
         # in-place ops that resize an argument (e.g. out=) show up in the args
         mutable = _MUTABLE.get(func)
         if mutable is None:
             mutable = _MUTABLE[func] = func._schema.is_mutable
         if mutable:
-            for t in _tensors((args, kwargs)):
+            for t in tensors_in((args, kwargs)):
                 if id(t.untyped_storage()) in self._sizes:
                     self._track(t)
         if self.current_bytes > self.peak_bytes:
@@ -146,20 +146,6 @@ class StorageMeter(TorchDispatchMode):
 
 
 _MUTABLE: dict = {}  # op -> whether its schema writes an argument
-
-
-def _tensors(value) -> Iterator[torch.Tensor]:
-    """The tensors in an op's output or arguments: a tensor, or tuples, lists (foreach ops)
-    and dicts (kwargs) of them, nested. ``tree_leaves`` finds the same; this runs on every op
-    the meter sees, where pytree's generality cost a quarter of a metered step."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
