@@ -135,6 +135,28 @@ def test_a_layer_of_its_own_is_measured_not_taken_for_its_stock_base():
     assert stock.block(0).cugrd_bytes == MAP
 
 
+class HoldsALocal(nn.Module):
+    """Reads its 4x map once, but its local variable keeps the map alive until it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.act = Resize(), Resize(), nn.ReLU()
+
+    def forward(self, x):
+        big = self.up(x, (2 * x.shape[-2], 2 * x.shape[-1]))
+        small = self.down(big, x.shape[-2:])
+        return self.act(small)  # ``big`` is still bound here
+
+
+def test_how_long_python_holds_a_tensor_is_seen_in_the_forward():
+    """The trace sees a storage die where the code lets go of it: ``big`` lives through the
+    ReLU (7 maps at once), not only until its last reader (a rule of thumb's 6)."""
+    net = tiny_net(HoldsALocal())
+    report = runtime_report(net, mode="full", resolution=RES, batch_size=2)
+    assert report.total_bytes == measure_training_peak(net, resolution=RES, batch_size=2, steps=2)
+    assert report.block(0).peak_bytes == 7 * MAP
+
+
 TINY = BackboneSpec(width=0.35, num_classes=10)
 
 

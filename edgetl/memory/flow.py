@@ -1,8 +1,14 @@
 """The data flow of a training step's forward: a network in, each op's inputs and output storages
-and how long Python holds each storage out (traced once on the meta device)."""
+and how long Python holds each storage out (traced once on the meta device).
+
+How long Python holds a storage is seen, not described: the trace runs the network's own
+forward on meta under no_grad, where nothing but Python refers to a tensor, and notes after
+which op each storage dies (its last reader, the end of a module call it was passed to, a
+local variable rebound later: whatever the code does)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +35,7 @@ class Op:
 
 @dataclass
 class Value:
-    storage: int
+    storage: int  # the storage's number in the trace (one per storage, never reused)
     nbytes: int  # bytes of the storage
     shape: tuple[int, ...]
     act_bytes: int
@@ -65,11 +71,6 @@ def _leaf_now(module: nn.Module, inputs: list[torch.Tensor]) -> bool:
     return True
 
 
-def _skey(t: torch.Tensor) -> int:
-    """The key of a tensor's storage."""
-    return t.untyped_storage()._cdata
-
-
 def _tensors(args) -> list[torch.Tensor]:
     """The tensors among a call's arguments."""
     return [a for a in args if isinstance(a, torch.Tensor)]
@@ -87,31 +88,47 @@ class _FlowRecorder(TorchFunctionMode):
         self.leaves: list[Leaf] = []
         self.leaf_count = 0
         self.image = -1  # the batch's value id, once ``run`` has run
-        self.keep: list[torch.Tensor] = []  # keeps meta storages alive so their keys stay unique
         self.values: list[Value] = []
-        self.latest: dict[int, int] = {}  # storage key -> newest value id
+        self.numbers: dict[int, int] = {}  # id of a live storage -> its number
+        self.seen = 0  # storages numbered so far
+        self.latest: dict[int, int] = {}  # storage number -> newest value id
+        self.holds: dict[int, int] = {}  # storage number -> the last op recorded before it died
+        self.finalizers: list[weakref.finalize] = []
         self.ops: list[Op] = []
-        self.spans: list[tuple[int, int, int]] = []  # (storage, first op, last op) of module inputs
-        self.stack: list[tuple[int | None, int, bool]] = []
+        self.stack: list[bool] = []  # per module call: a leaf call
         self.ignored: list[bool] = []  # per module call: inside a streamed segment (its own leaf)
         self.busy = False  # inside a hook: its own tensor calls are no ops
         self.leaf_depth = 0
 
+    def number(self, t: torch.Tensor) -> int:
+        """The number of ``t``'s storage: a new one for a storage not seen yet, noted dead (in
+        ``holds``) when the storage goes."""
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key not in self.numbers:
+            self.numbers[key] = self.seen
+            self.seen += 1
+            self.finalizers.append(weakref.finalize(storage, self.died, key))
+        return self.numbers[key]
+
+    def died(self, key: int) -> None:
+        """A storage's last reference went: Python held it up to the last op recorded."""
+        self.holds[self.numbers.pop(key)] = len(self.ops) - 1
+
     def value_of(self, t: torch.Tensor) -> int:
         """The newest value of ``t``'s storage (a new one for a storage not seen yet)."""
-        key = _skey(t)
+        key = self.number(t)
         if key not in self.latest:
-            self.keep.append(t)
             self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(), t.dtype))
             self.latest[key] = len(self.values) - 1
         return self.latest[key]
 
     def new_value(self, t: torch.Tensor, producer: int) -> int:
         """A new value for ``t``, written by op ``producer``."""
-        self.keep.append(t)
-        self.values.append(Value(_skey(t), t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(), t.dtype,
+        key = self.number(t)
+        self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(), t.dtype,
                                   producer=producer))
-        self.latest[_skey(t)] = len(self.values) - 1
+        self.latest[key] = len(self.values) - 1
         return len(self.values) - 1
 
     def pre(self, name: str, is_leaf: bool):
@@ -120,29 +137,23 @@ class _FlowRecorder(TorchFunctionMode):
             self.ignored.append(bool(self.leaf_depth))
             if self.ignored[-1]:
                 return
-            self.busy = True
-            ts = _tensors(args)
-            leaf = is_leaf and _leaf_now(module, ts)
-            self.stack.append((_skey(ts[0]) if ts else None, len(self.ops), leaf))
+            leaf = is_leaf and _leaf_now(module, _tensors(args))
+            self.stack.append(leaf)
             if leaf:
                 self.leaf_depth += 1
-            self.busy = False
 
         return hook
 
     def post(self, name: str, is_leaf: bool):
-        """The forward hook of module ``name``: records a leaf's op and the span of its input."""
+        """The forward hook of module ``name``: records a leaf's op."""
         def hook(module, args, output):
             if self.ignored.pop():
                 return
-            self.busy = True
-            key, first, leaf_call = self.stack.pop()
-            if leaf_call:
+            if self.stack.pop():
                 self.leaf_depth -= 1
+                self.busy = True
                 self.record_leaf(name, module, args, output)
-            if key is not None and len(self.ops) > first:
-                self.spans.append((key, first, len(self.ops) - 1))
-            self.busy = False
+                self.busy = False
 
         return hook
 
@@ -156,7 +167,7 @@ class _FlowRecorder(TorchFunctionMode):
             raise RuntimeError(f"trace order mismatch: {leaf.name} vs {name}")
         ins = [self.value_of(t) for t in _tensors(args)]
         if any(output is t for t in _tensors(args)) and not getattr(module, "inplace", False):
-            self.latest[_skey(output)] = ins[0]  # identity (e.g. Resize to the same size)
+            self.latest[self.number(output)] = ins[0]  # identity (e.g. Resize to the same size)
             self.ops.append(Op(name, leaf.block, leaf.part, ins, ins[0], self.originals[name], leaf,
                                 func="identity"))
         else:
@@ -184,13 +195,19 @@ class _FlowRecorder(TorchFunctionMode):
             is_leaf = len(list(module.children())) == 0
             handles.append(module.register_forward_pre_hook(self.pre(name, is_leaf)))
             handles.append(module.register_forward_hook(self.post(name, is_leaf)))
-        self.image = self.value_of(image_t)
         try:
+            self.image = self.value_of(image_t)
             with torch.no_grad(), self:
-                return meta(image_t)
+                logits = meta(image_t)
         finally:
             for h in handles:
                 h.remove()
+            for fin in self.finalizers:
+                fin.detach()
+        # the logits: until the loss has them; anything else still alive, until forward returns
+        for key in self.numbers.values():
+            self.holds[key] = len(self.ops)
+        return logits
 
 
 def _meta_copy(net: EdgeNet) -> EdgeNet:
@@ -208,16 +225,16 @@ def _meta_copy(net: EdgeNet) -> EdgeNet:
 
 
 def trace_flow(net: EdgeNet, resolution: int, batch_size: int) -> Flow:
-    """Trace ``net`` on meta, recording for each op which tensors it reads and writes: one
-    meta forward, seen by the leaf trace (``trace_meta``) and the flow recorder alike."""
+    """Trace ``net`` on meta, recording for each op which tensors it reads and writes and how
+    long Python holds them: one meta forward, seen by the leaf trace (``trace_meta``) and the
+    flow recorder alike."""
     meta = _meta_copy(net)
     recorder = _FlowRecorder(dict(net.named_modules()))
     trace = trace_meta(meta, dict(meta.named_modules()), resolution, batch_size,
                        leaves=recorder.leaves, run=recorder.run)
     ops, values = recorder.ops, recorder.values
     _mark_requires_grad(ops, values)
-    holds = _holds(net, ops, values, recorder.spans)
-    return Flow(ops, values, holds, recorder.image, trace.leaves)
+    return Flow(ops, values, recorder.holds, recorder.image, trace.leaves)
 
 
 def _mark_requires_grad(ops: list[Op], values: list[Value]) -> None:
@@ -227,34 +244,3 @@ def _mark_requires_grad(ops: list[Op], values: list[Value]) -> None:
             continue
         own = op.module is not None and any(p.requires_grad for p in leaf_parameters(op.module))
         values[op.output].requires_grad = own or any(values[v].requires_grad for v in op.inputs)
-
-
-def _holds(net: EdgeNet, ops: list[Op], values: list[Value],
-           spans: list[tuple[int, int, int]]) -> dict[int, int]:
-    """Storage -> index of the op after which Python no longer refers to it: its last
-    reader, the end of a module call it was passed to, a side tap's span, the loss."""
-    holds: dict[int, int] = {}
-    for i, op in enumerate(ops):
-        for v in op.inputs:
-            s = values[v].storage
-            holds[s] = max(holds.get(s, i), i)
-    for key, _, last in spans:
-        holds[key] = max(holds.get(key, last), last)
-    # EdgeNet.forward keeps ``side_in`` bound until it rebinds it, just before the next tap
-    # block (or the streamed segment that ends at it) runs
-    side = net.side
-    if side is not None:
-        taps = list(side.taps)
-        for j, tap in enumerate(taps):
-            name = f"side.blocks.{j}."
-            first = next((op for op in ops if op.name.startswith(name)), None)
-            if first is None:
-                continue
-            nxt = taps[j + 1] if j + 1 < len(taps) else None
-            end = next((i - 1 for i, op in enumerate(ops) if nxt is not None and op.block == nxt
-                        and op.part == "backbone"), len(ops) - 1)
-            s = values[first.inputs[0]].storage
-            holds[s] = max(holds.get(s, end), end)
-    holds[values[ops[-1].output].storage] = len(ops)  # the logits: until the loss has them
-    return holds
-

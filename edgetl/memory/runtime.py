@@ -9,10 +9,10 @@ storage with per-layer rules saying what autograd keeps:
   state (Adam: 2x trainable bytes + one fp32 step scalar per trainable tensor), and the
   grads of trainable params once backward produces them;
 * forward: each op allocates its output (unless in-place or a view) and whatever it
-  keeps for backward; a tensor stays alive while Python still refers to it (until its
-  last use, or while a module it was passed to is still running — e.g. a residual
-  block's input, a ConvBNReLU's input — or, in EdgeNet, the side module's input until
-  the next tap) or while a saved-for-backward reference to its storage exists;
+  keeps for backward; a tensor stays alive while Python still refers to it (as long as
+  the network's own forward, run on meta, kept it: its last reader, a module call it was
+  passed to, a local variable rebound later) or while a saved-for-backward reference to
+  its storage exists;
   storages are counted once, so views and in-place results are free;
 * backward: ops run in reverse order (autograd's sequence-number order); each holds its
   grad_output, allocates grad_input (pass-through for add and views) and param grads,
