@@ -38,10 +38,14 @@ class Value:
     storage: int  # the storage's number in the trace (one per storage, never reused)
     nbytes: int  # bytes of the storage
     shape: tuple[int, ...]
-    act_bytes: int
     dtype: torch.dtype
     requires_grad: bool = False
     producer: int | None = None  # op index
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per element."""
+        return self.dtype.itemsize
 
 
 @dataclass
@@ -119,14 +123,14 @@ class _FlowRecorder(TorchFunctionMode):
         """The newest value of ``t``'s storage (a new one for a storage not seen yet)."""
         key = self.number(t)
         if key not in self.latest:
-            self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(), t.dtype))
+            self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype))
             self.latest[key] = len(self.values) - 1
         return self.latest[key]
 
     def new_value(self, t: torch.Tensor, producer: int) -> int:
         """A new value for ``t``, written by op ``producer``."""
         key = self.number(t)
-        self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.element_size(), t.dtype,
+        self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype,
                                   producer=producer))
         self.latest[key] = len(self.values) - 1
         return len(self.values) - 1

@@ -327,7 +327,7 @@ class _Simulation:
         for v in dict.fromkeys(op.inputs):
             if not values[v].requires_grad:
                 continue
-            if cost.grad_input or values[v].act_bytes != values[op.output].act_bytes:
+            if cost.grad_input or values[v].dtype != values[op.output].dtype:
                 # (a pass-through grad is cast to the input's dtype by the engine)
                 key = ("grad", i, v)
                 mem.alloc(key, values[v].nbytes)
