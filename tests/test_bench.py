@@ -12,9 +12,10 @@ import torch
 import torchvision
 
 from edgetl.bench import (
-    METHODS, PLAN, REFERENCE, BenchResult, bench, plot_bench, pruned_hidden,
+    METHODS, PLAN, REFERENCE, BenchResult, bench, cpu_name, plot_bench, pruned_hidden,
     to_markdown,
 )
+from edgetl.bench.result import caption
 from edgetl.cli import main
 from edgetl.memory.runtime import runtime_report
 from edgetl.models.backbone import BackboneSpec
@@ -213,6 +214,27 @@ def test_plan_row_is_the_plan_for_the_budget(result):
     assert row.hidden == {str(b): k for b, k in c.kept.items()}
     assert row.runtime_bytes == chosen.predicted_bytes <= BUDGET
     assert c.describe() in row.note
+
+
+@pytest.mark.parametrize("flags,bf16", [("fpu sse avx2 avx512f avx512_bf16", "bf16 instructions"),
+                                        ("fpu sse avx2 amx_bf16 amx_tile", "bf16 instructions"),
+                                        ("fpu sse avx2 avx512f", "no bf16 instructions")])
+def test_the_cpu_is_named_with_its_bf16_instructions(tmp_path, flags, bf16):
+    """The bench names the processor it timed on: bf16 steps run many times slower without bf16
+    instructions, so a table's throughput says little without it."""
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: {flags}\n\n"
+                    f"processor\t: 1\nmodel name\t: Example CPU 9000\nflags\t\t: {flags}\n")
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert cpu_name(str(info)) == f"Example CPU 9000, {capability}, {bf16}"
+    assert cpu_name(str(tmp_path / "missing")).endswith(f", {capability}")
+
+
+def test_the_caption_names_the_cpu(result):
+    assert result.cpu == cpu_name()
+    assert f"cpu ({cpu_name()}; {torch.get_num_threads()} thread" in caption(result)
+    unnamed = dataclasses.replace(result, cpu=None)  # a table saved before the bench named it
+    assert f"cpu ({torch.get_num_threads()} thread" in caption(unnamed)
 
 
 def test_pruned_hidden_is_the_papers():

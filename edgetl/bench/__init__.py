@@ -20,6 +20,7 @@ import functools
 import itertools
 import logging
 import os
+import platform
 import statistics
 import time
 from typing import Callable
@@ -190,7 +191,7 @@ def bench(
         resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
         budget_bytes=budget_bytes, steps=steps, warmup=warmup, optimizer="adam", device=str(device),
         threads=torch.get_num_threads(), torch_version=torch.__version__, reference=REFERENCE,
-        command=command,
+        command=command, cpu=cpu_name() if device.type == "cpu" else None,
     )
     if workers > 1 and device.type != "cpu":
         raise ConfigError(f"workers {workers} is not allowed on {device}: its rows are measured one at a time; give 1")
@@ -225,6 +226,27 @@ def bench(
             del trainer
     set_ratios(result)
     return result
+
+
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The processor the steps are timed on: its model (Linux's ``cpuinfo``), the vector
+    instructions torch's kernels use here, and whether it has bf16 instructions (without
+    them, bf16 arithmetic on a CPU is emulated and many times slower)."""
+    model, flags = "", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    parts = [model or platform.processor() or platform.machine(), torch.backends.cpu.get_cpu_capability()]
+    if flags:
+        parts.append("bf16 instructions" if flags & {"avx512_bf16", "amx_bf16"} else "no bf16 instructions")
+    return ", ".join(p for p in parts if p)
 
 
 def cpu_cores() -> int:

@@ -65,6 +65,7 @@ class BenchResult:
     reference: str
     rows: list[BenchRow] = field(default_factory=list)
     command: str | None = None
+    cpu: str | None = None  # the processor, on CPU (``edgetl.bench.cpu_name``)
 
     def row(self, method: str) -> BenchRow:
         for r in self.rows:
@@ -186,7 +187,8 @@ def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
 
 def caption(result: BenchResult) -> str:
     return (f"MobileNetV2 {result.width:g}, {result.resolution} px, batch {result.batch_size}, "
-            f"{result.num_classes} classes, Adam, {result.device} ({result.threads} thread"
+            f"{result.num_classes} classes, Adam, {result.device} ("
+            f"{result.cpu + '; ' if result.cpu else ''}{result.threads} thread"
             f"{'s' if result.threads != 1 else ''}, torch {result.torch_version}); throughput: median of "
             f"{result.steps} interleaved steps after {result.warmup} warm-up; MB = 10^6 bytes")
 
