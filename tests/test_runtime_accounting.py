@@ -9,6 +9,8 @@ from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.paper import sensitive
 from edgetl.memory.report import MB
 from edgetl.memory.cost import LayerCost
+from edgetl.memory.flow import trace_flow
+from edgetl.memory.leaf import function_cost
 from edgetl.memory.rules import layer_cost, stock_cost
 from edgetl.memory.runtime import runtime_report
 from edgetl.step import Step
@@ -155,6 +157,38 @@ def test_how_long_python_holds_a_tensor_is_seen_in_the_forward():
     report = runtime_report(net, mode="full", resolution=RES, batch_size=2)
     assert report.total_bytes == measure_training_peak(net, resolution=RES, batch_size=2, steps=2)
     assert report.block(0).peak_bytes == 7 * MAP
+
+
+class GatesAndJoins(nn.Module):
+    """Functions no table describes, called between its layers: a squeeze-excite gate (a mean,
+    a sigmoid, a broadcast multiply that keeps both its inputs), erf, and a concatenation of
+    a list of tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.squeeze = nn.Conv2d(2 * CH, CH, 1)
+
+    def forward(self, x):
+        gate = torch.sigmoid(x.mean((2, 3), keepdim=True))
+        return self.squeeze(torch.cat([x * gate, torch.special.erf(x)], 1))
+
+
+def test_functions_between_layers_are_measured_like_layers():
+    """Each function call is measured on meta with its own arguments: the multiply keeps both
+    its inputs and returns a new gradient for each (the gate's a reduction of it), the
+    concatenation passes slices of its grad_output on. Block 0 keeps, per image, the conv's
+    output (for the multiply and erf), the gate (sigmoid's output, the multiply's input) and
+    the concatenation (the 1x1 conv's input), by hand; the whole step equals the meter's."""
+    net = tiny_net(GatesAndJoins())
+    report = runtime_report(net, mode="full", resolution=RES, batch_size=2)
+    assert report.block(0).cugrd_bytes == MAP + CH * F4 + 2 * MAP
+    assert report.total_bytes == measure_training_peak(net, resolution=RES, batch_size=2, steps=2)
+    flow = trace_flow(net, RES, 2)
+    costs = {op.func: function_cost(op.call, (True,) * len(op.inputs), True) for op in flow.ops if op.call}
+    assert costs["mul"].inputs_kept == (True, True) and costs["mul"].inputs_passed == (False, False)
+    assert costs["cat"].inputs_kept == (False, False) and costs["cat"].inputs_passed == (True, True)
+    assert costs["sigmoid"].saves_output and costs["mean"].inputs_kept == (False,)
+    assert costs["special_erf"].inputs_kept == (True,) and costs["special_erf"].saved_new_bytes == 0
 
 
 TINY = BackboneSpec(width=0.35, num_classes=10)

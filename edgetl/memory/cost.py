@@ -37,6 +37,36 @@ class LayerCost:
     backward_temp_bytes: int = 0
     grad_input: bool = True
 
+    def keeps_input(self, i: int) -> bool:
+        """Whether backward keeps a reference to the storage of tensor input ``i`` (a layer: its
+        first)."""
+        return self.saves_input and i == 0
+
+    def passes_grad(self, i: int) -> bool:
+        """Whether tensor input ``i``'s gradient is grad_output itself (no new buffer)."""
+        return not self.grad_input
+
+
+@dataclass
+class FunctionCost(LayerCost):
+    """What one call of a function between leaves holds (an add, a view, a cast, an
+    interpolation: ``edgetl.memory.leaf.function_cost``), per tensor input where a function
+    of several tensors differs from a layer.
+
+    Attributes:
+        inputs_kept: per tensor input: backward keeps a reference to its storage.
+        inputs_passed: per tensor input: its gradient is grad_output itself.
+    """
+
+    inputs_kept: tuple[bool, ...] = ()
+    inputs_passed: tuple[bool, ...] = ()
+
+    def keeps_input(self, i: int) -> bool:
+        return self.inputs_kept[i]
+
+    def passes_grad(self, i: int) -> bool:
+        return self.inputs_passed[i]
+
 
 def numel(shape) -> int:
     """Elements of a tensor of this shape."""

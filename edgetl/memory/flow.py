@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from edgetl.memory.leaf import leaf_parameters
+from edgetl.memory.leaf import Call, call_of, leaf_parameters
 from edgetl.memory.trace import Leaf, meta_copy, trace_meta
 from edgetl.models.backbone import EdgeNet
 from edgetl.models.stream import mark_shapes_only
@@ -26,11 +26,12 @@ class Op:
     name: str
     block: int
     part: str
-    inputs: list[int]  # value ids
+    inputs: list[int]  # value ids, one per tensor input (a tensor passed twice, twice)
     output: int  # value id
     module: nn.Module | None = None  # original (not meta) module, None for functions
     leaf: Leaf | None = None
     func: str = ""
+    call: Call | None = None  # a function's call, None for leaves
 
 
 @dataclass
@@ -55,12 +56,6 @@ class Flow:
     holds: dict[int, int]  # storage -> op index after which Python no longer refers to it
     image: int  # value id of the input batch
     leaves: list[Leaf]
-
-
-ALIAS_FUNCS = {"flatten", "view", "reshape", "squeeze", "unsqueeze", "__getitem__", "detach"}
-ADD_FUNCS = {"add", "__add__", "__radd__", "__iadd__", "add_"}
-# new output, nothing saved, backward allocates grad_input (a cast back, upsample_*_backward)
-PLAIN_FUNCS = {"to", "float", "half", "bfloat16", "type", "interpolate"}
 
 
 def _func_name(func) -> str:
@@ -182,13 +177,14 @@ class _FlowRecorder(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if self.busy or self.leaf_depth or not isinstance(out, torch.Tensor):
             return out
-        if any(out is t for t in _tensors(args)):
+        call, tensors = call_of(func, args, kwargs)
+        if any(out is t for t in tensors):
             return out  # x.to(x.dtype) and the like: the very same tensor, no op
-        ins = [self.value_of(t) for t in _tensors(args)]
-        if not ins:
+        if not tensors:
             return out
+        ins = [self.value_of(t) for t in tensors]
         block, part = (self.ops[-1].block, self.ops[-1].part) if self.ops else (0, "backbone")
-        self.ops.append(Op(_func_name(func), block, part, ins, -1, func=_func_name(func)))
+        self.ops.append(Op(_func_name(func), block, part, ins, -1, func=_func_name(func), call=call))
         self.ops[-1].output = self.new_value(out, len(self.ops) - 1)
         return out
 

@@ -1,4 +1,5 @@
-"""What a leaf layer holds, measured: a leaf module and its input in, a LayerCost out.
+"""What a leaf layer holds, measured: a leaf module and its input in, a LayerCost out (and
+the same for a function called between leaves).
 
 edgetl's lean layers (``edgetl.models.lean``, ``lean_side``, ``lean_full``, ``compress``)
 are autograd Functions whose allocations are chosen by hand. Their cost is not written a
@@ -24,6 +25,12 @@ entry cannot be served. The measurement is exact for the code that runs; the who
 prediction is checked against the meter in tests/test_lean_runtime.py and
 tests/test_moments.py.
 
+A function the network calls between its leaves (a residual add, a flatten, a cast, an
+interpolation, whatever its forward calls) is measured the same way (``function_cost``): the
+call is recorded with its arguments (``Call``, each tensor replaced by its layout) and run
+once on meta inputs under the meter, per input flags included, since a function of several
+tensors may keep some of its inputs and pass grad_output on to others.
+
 A loop over the samples of a batch (or chunks of a weight) runs only its first passes
 while it is measured, when the layer loops through ``edgetl.memory.cost.repeated``: the
 leaf is measured with 2 passes of each such loop, so a search's batch of hundreds is
@@ -37,6 +44,7 @@ and at other batches 2 passes are measured alone.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -44,7 +52,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from edgetl.errors import CapabilityError
-from edgetl.memory.cost import LayerCost, Passes
+from edgetl.memory.cost import FunctionCost, LayerCost, Passes
 from edgetl.memory.trace import meta_tensors
 
 # nn.Module bookkeeping that does not change what a call allocates (hooks are the meter's,
@@ -242,6 +250,163 @@ def _measure(module, sig: Signature, in_shape, in_dtype, input_grad, output_grad
             cost.backward_temp_bytes = meter.peak_bytes - start - sum(results.values())
             if input_grad:
                 cost.grad_input = id(grads[0].untyped_storage()) != g_key
+            del grads, gy, out
+    finally:
+        meter.close()
+    return cost
+
+
+# ----------------------------------------------------------------------------- functions between leaves
+
+
+@dataclass(frozen=True)
+class Call:
+    """A function called between leaves, as it was called: ``func`` with ``args`` and
+    ``kwargs`` in which each tensor is ``Arg(i)``, tensor input ``i``, of the layout
+    ``layouts[i]`` (shape, strides, dtype). Hashable: the key of its measured cost."""
+
+    func: object
+    args: tuple
+    kwargs: tuple  # sorted (name, value) pairs
+    layouts: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
+
+
+@dataclass(frozen=True)
+class Arg:
+    """Tensor input ``index`` of a ``Call``."""
+
+    index: int
+
+
+def call_of(func, args, kwargs) -> tuple[Call, list[torch.Tensor]]:
+    """``func``'s call as a ``Call`` and its tensor inputs, in the order of their ``Arg``s
+    (tensors found in nested tuples, lists and dicts too; one ``Arg`` per distinct tensor)."""
+    tensors: list[torch.Tensor] = []
+    targs = _template(tuple(args), tensors, func)
+    tkwargs = tuple(sorted((k, _template(v, tensors, func)) for k, v in (kwargs or {}).items()))
+    layouts = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors)
+    return Call(func, targs, tkwargs, layouts), tensors
+
+
+def _template(obj, tensors: list[torch.Tensor], func):
+    """``obj`` with each tensor replaced by its ``Arg`` (appended to ``tensors`` when new).
+    A plain recursive function, not a closure: a closure calling itself is a reference cycle,
+    which would keep the tensors alive until the next garbage collection, past the moment the
+    flow trace must see them die."""
+    if isinstance(obj, torch.Tensor):
+        for i, t in enumerate(tensors):
+            if t is obj:
+                return Arg(i)
+        tensors.append(obj)
+        return Arg(len(tensors) - 1)
+    if isinstance(obj, (tuple, list)):  # a torch.Size comes back a tuple
+        return ("list" if isinstance(obj, list) else "tuple", tuple(_template(v, tensors, func) for v in obj))
+    if isinstance(obj, dict):
+        return ("dict", tuple(sorted((k, _template(v, tensors, func)) for k, v in obj.items())))
+    if isinstance(obj, slice):
+        return ("slice", *(_template(v, tensors, func) for v in (obj.start, obj.stop, obj.step)))
+    try:
+        hash(obj)
+    except TypeError:
+        name = getattr(func, "__name__", str(func))
+        raise CapabilityError(
+            f"the runtime accounting cannot key the {type(obj).__name__} argument of {name} "
+            f"(between layers): pass plain values and tensors") from None
+    return ("value", obj)
+
+
+def rebuild(template, tensors: list[torch.Tensor]):
+    """A ``Call``'s argument (``Call.args`` or a kwargs value) with its ``Arg``s replaced by
+    ``tensors``."""
+    if isinstance(template, Arg):
+        return tensors[template.index]
+    kind = template[0]
+    if kind == "value":
+        return template[1]
+    if kind == "slice":
+        return slice(*(rebuild(t, tensors) for t in template[1:]))
+    if kind == "dict":
+        return {k: rebuild(v, tensors) for k, v in template[1]}
+    items = [rebuild(v, tensors) for v in template[1]]
+    return tuple(items) if kind == "tuple" else items
+
+
+_FUNCTION_CACHE: dict[tuple, FunctionCost] = {}
+
+
+def function_cost(call: Call, inputs_grad: tuple[bool, ...], output_grad: bool) -> FunctionCost:
+    """What one call of a function between leaves holds (``Call``: the function, its
+    arguments, its tensor inputs' layouts), with these inputs needing grad:
+    measured like a leaf, once per call and flags (see ``measure_function``)."""
+    flags = (tuple(bool(g) for g in inputs_grad), bool(output_grad))
+    key = (call, *flags, torch.get_default_dtype())  # a factory inside a function follows the default
+    cost = _FUNCTION_CACHE.get(key)
+    if cost is None:
+        if len(_FUNCTION_CACHE) > 4096:
+            _FUNCTION_CACHE.clear()
+        cost = _FUNCTION_CACHE[key] = measure_function(call, *flags)
+    return copy.copy(cost)
+
+
+def measure_function(call: Call, inputs_grad: tuple[bool, ...], output_grad: bool) -> FunctionCost:
+    """Run ``call`` once on meta inputs of its layouts, forward (and backward when
+    ``output_grad``), under the storage meter: what it keeps and allocates, per input where a
+    function of several tensors can differ (which inputs it keeps, whose gradient is
+    grad_output itself). An output sharing an input's storage (a view, an in-place add) is in
+    place."""
+    from edgetl.memory.meter import StorageMeter
+
+    bases = [torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=g)
+             for (shape, stride, dtype), g in zip(call.layouts, inputs_grad)]
+    # non-leaf inputs (as in a network), so an in-place function may write them; their
+    # gradients are read at their edges
+    xs = [b.clone() if g else b for b, g in zip(bases, inputs_grad)]
+    edges = [get_gradient_edge(x) for x, g in zip(xs, inputs_grad) if g]
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(id(t.untyped_storage()))
+        return t
+
+    name = getattr(call.func, "__name__", str(call.func))
+    meter = StorageMeter()
+    meter.register(bases, xs)
+    try:
+        with meter:
+            start = meter.current_bytes
+            meter.reset_peak()
+            try:
+                with torch.enable_grad() if output_grad else torch.no_grad():
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        out = call.func(*rebuild(call.args, xs),
+                                        **{k: rebuild(v, xs) for k, v in call.kwargs})
+            except Exception as exc:
+                raise CapabilityError(f"the runtime accounting cannot measure {name} (called between "
+                                      f"layers) on the meta device: {exc}") from None
+            kept = meter.current_bytes - start
+            storages = [x.untyped_storage() for x in xs]
+            inplace = any(out.untyped_storage() is s for s in storages)
+            new_out = 0 if inplace else out.untyped_storage().nbytes()
+            forward_temp = meter.peak_bytes - start - kept
+            if not output_grad:
+                return FunctionCost(inplace=inplace, forward_temp_bytes=forward_temp,
+                                    inputs_kept=(False,) * len(xs), inputs_passed=(False,) * len(xs))
+            kept_inputs = tuple(id(s) in saved and not inplace for s in storages)
+            cost = FunctionCost(saves_output=id(out.untyped_storage()) in saved, saved_new_bytes=kept - new_out,
+                                inplace=inplace, forward_temp_bytes=forward_temp, inputs_kept=kept_inputs)
+            gy = torch.empty_like(out)
+            start = meter.current_bytes
+            meter.reset_peak()
+            grads = iter(torch.autograd.grad([out], edges, grad_outputs=[gy]) if edges else ())
+            g_key = id(gy.untyped_storage())
+            passed, results = [], {}
+            for g_needed in inputs_grad:
+                g = next(grads) if g_needed else None
+                passed.append(g is not None and id(g.untyped_storage()) == g_key)
+                if g is not None and not passed[-1]:
+                    results[id(g.untyped_storage())] = g.untyped_storage().nbytes()
+            cost.inputs_passed = tuple(passed)
+            cost.backward_temp_bytes = meter.peak_bytes - start - sum(results.values())
             del grads, gy, out
     finally:
         meter.close()

@@ -15,12 +15,14 @@ storage with per-layer rules saying what autograd keeps:
   its storage exists;
   storages are counted once, so views and in-place results are free;
 * backward: ops run in reverse order (autograd's sequence-number order); each holds its
-  grad_output, allocates grad_input (pass-through for add and views) and param grads,
-  then releases its saved tensors; gradients reaching a tensor from two consumers
-  (skips, side taps) are summed in place;
+  grad_output, allocates grad_input (or passes grad_output on, as an add or a view does)
+  and param grads, then releases its saved tensors; gradients reaching a tensor from two
+  consumers (skips, side taps) are summed in place;
 * optimizer step: Adam's ``denom`` needs two temporaries of the largest param.
 
-What each leaf layer keeps is ``edgetl.memory.rules``; what the loss and optimizer allocate,
+What each leaf layer keeps is ``edgetl.memory.rules``; what a function called between leaves
+keeps (an add, a view, a cast, an interpolation: whatever the network calls), measured like a
+leaf, ``edgetl.memory.leaf.function_cost``; what the loss and optimizer allocate,
 ``edgetl.memory.step_cost``; which tensor each op reads and writes, and how long Python
 holds it, ``edgetl.memory.flow``.
 """
@@ -32,12 +34,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from edgetl.errors import CapabilityError, ConfigError
+from edgetl.errors import ConfigError
 from edgetl.memory.cost import LayerCost
-from edgetl.memory.flow import ADD_FUNCS, ALIAS_FUNCS, PLAIN_FUNCS, Flow, Op, Value, trace_flow
+from edgetl.memory.flow import Flow, Op, Value, trace_flow
 from edgetl.memory.paper import sensitive
 from edgetl.memory.report import BlockMemory, MemoryReport
-from edgetl.memory.leaf import leaf_parameters
+from edgetl.memory.leaf import function_cost, leaf_parameters
 from edgetl.memory.rules import layer_cost
 from edgetl.memory.step_cost import LossTrace, OptimizerCost, loss_trace, optimizer_cost
 from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
@@ -122,17 +124,6 @@ def _static_bytes(flow: Flow, net: nn.Module, batch_size: int, opt: OptimizerCos
     return static, parts
 
 
-def _function_cost(func: str) -> LayerCost | None:
-    """The rule of a function called between leaves (a view, an add, a cast); None: no rule."""
-    if func in ALIAS_FUNCS:
-        return LayerCost(inplace=True, grad_input=False)
-    if func in ADD_FUNCS:
-        return LayerCost(grad_input=False)
-    if func in PLAIN_FUNCS:
-        return LayerCost()
-    return None
-
-
 @dataclass
 class _Simulation:
     """One simulated step in progress: live storages, what each op keeps, the result so far."""
@@ -199,13 +190,7 @@ class _Simulation:
             if cost.inplace and out.storage != ins[0].storage:
                 cost.inplace = False  # traced as a new tensor: trust the trace
             return cost
-        cost = _function_cost(op.func)
-        if cost is None:
-            ops = self.flow.ops
-            raise CapabilityError(
-                f"the runtime accounting has no rule for the function {op.func} (called after "
-                f"{ops[i - 1].name if i else 'the input'}): add it to the function sets in edgetl.memory.flow")
-        return cost
+        return function_cost(op.call, tuple(v.requires_grad for v in ins), grad_fn)
 
     def forward_op(self, i: int, op: Op) -> None:
         """Op ``i``'s forward: its output, what it keeps and its temporaries; then Python
@@ -235,8 +220,7 @@ class _Simulation:
         if cost.forward_temp_bytes:
             _drop(mem, ("tmp", i))
         if grad_fn:
-            if cost.saves_input:
-                keep.append(ins[0].storage)
+            keep += [v.storage for j, v in enumerate(ins) if cost.keeps_input(j)]
             if cost.saves_output:
                 keep.append(out.storage)
         for k in keep:
@@ -324,10 +308,10 @@ class _Simulation:
         """Op ``i``'s backward computing: (value id, gradient storage) per input needing grad."""
         mem, values, cost = self.mem, self.flow.values, self.costs[i]
         outs: list[tuple[int, object]] = []
-        for v in dict.fromkeys(op.inputs):
-            if not values[v].requires_grad:
+        for j, v in enumerate(op.inputs):
+            if not values[v].requires_grad or v in op.inputs[:j]:
                 continue
-            if cost.grad_input or values[v].dtype != values[op.output].dtype:
+            if not cost.passes_grad(j) or values[v].dtype != values[op.output].dtype:
                 # (a pass-through grad is cast to the input's dtype by the engine)
                 key = ("grad", i, v)
                 mem.alloc(key, values[v].nbytes)
