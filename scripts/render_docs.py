@@ -26,6 +26,8 @@ Blocks (NAME: source):
 * ``storage``: ``benchmarks/storage_accuracy.json`` (summarised as ``experiments/storage_accuracy.py`` does)
 * ``stream``: ``benchmarks/stream_figures_224.md`` (``scripts/stream_figures.py``'s output; that
   script writes markdown only, so its committed table is the source)
+* ``plan-verify``: ``benchmarks/plan_verify_224.json`` (``scripts/plan_figures.py``: ``edgetl plan
+  --verify`` at each budget)
 * ``tested-on``: ``benchmarks/jetson_check_summary.json`` through ``scripts/tested_on.py``; a
   one-line placeholder while that file is not committed
 """
@@ -295,6 +297,20 @@ def render_stream() -> str:
     return _table([header[i] for i in keep], [[r[i] for i in keep] for r in rows], [align[i] for i in keep])
 
 
+def render_plan_verify() -> str:
+    """Each budget's plan and its measured peak (``scripts/plan_figures.py``'s JSON)."""
+    data = json.loads((BENCH / "plan_verify_224.json").read_text())
+    rows = [[r["budget"], r["batch"], r["backbone"], r["chosen"].replace("|", "·"),
+             f"{r['predicted_bytes'] / 1e6:.2f}", f"{r['measured_bytes'] / 1e6:.2f}",
+             str(r["measured_bytes"] - r["predicted_bytes"]), str(r["evaluations"])] for r in data["rows"]]
+    table = _table(["budget", "batch", "backbone", "chosen", "predicted MB", "measured MB",
+                    "measured - predicted (B)", "accounting evaluations"], rows,
+                   ["---", "---", "---", "---", "---:", "---:", "---:", "---:"])
+    return table + (f"\n`edgetl plan --budget B --batch-size N|auto --num-classes 102 --verify` (224 px, Rep-Net, "
+                    f"Adam), torch {data['torch']}; measured: live tensor bytes over "
+                    f"{data['rows'][0]['verify_steps']} real training steps on CPU.\n")
+
+
 def render_tested_on() -> str:
     summary = BENCH / "jetson_check_summary.json"
     if not (summary.is_file() and (SCRIPTS / "tested_on.py").is_file()):
@@ -316,6 +332,7 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "levers-grad": (render_levers_grad, "benchmarks/levers_accuracy.json"),
     "storage": (render_storage, "benchmarks/storage_accuracy.json"),
     "stream": (render_stream, "benchmarks/stream_figures_224.md"),
+    "plan-verify": (render_plan_verify, "benchmarks/plan_verify_224.json (scripts/plan_figures.py)"),
     "tested-on": (render_tested_on, "benchmarks/{jetson,host}_check_summary.json (scripts/tested_on.py)"),
 }
 
