@@ -388,10 +388,11 @@ def measure_function(call: Call, inputs_grad: tuple[bool, ...], output_grad: boo
             inplace = any(out.untyped_storage() is s for s in storages)
             new_out = 0 if inplace else out.untyped_storage().nbytes()
             forward_temp = meter.peak_bytes - start - kept
-            if not output_grad:
+            if not (output_grad and out.requires_grad):  # (an argmax's output has no gradient)
                 return FunctionCost(inplace=inplace, forward_temp_bytes=forward_temp,
                                     inputs_kept=(False,) * len(xs), inputs_passed=(False,) * len(xs))
-            kept_inputs = tuple(id(s) in saved and not inplace for s in storages)
+            # an input written in place is the output (``saves_output``)
+            kept_inputs = tuple(id(s) in saved and s is not out.untyped_storage() for s in storages)
             cost = FunctionCost(saves_output=id(out.untyped_storage()) in saved, saved_new_bytes=kept - new_out,
                                 inplace=inplace, forward_temp_bytes=forward_temp, inputs_kept=kept_inputs)
             gy = torch.empty_like(out)
