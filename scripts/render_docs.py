@@ -26,6 +26,7 @@ Blocks (NAME: source):
 * ``storage``: ``benchmarks/storage_accuracy.json`` (summarised as ``experiments/storage_accuracy.py`` does)
 * ``stream``: ``benchmarks/stream_figures_224.md`` (``scripts/stream_figures.py``'s output; that
   script writes markdown only, so its committed table is the source)
+* ``step-ops``: ``benchmarks/step_ops_224.json`` (``scripts/step_ops.py --json``)
 * ``plan-verify``: ``benchmarks/plan_verify_224.json`` (``scripts/plan_figures.py``: ``edgetl plan
   --verify`` at each budget)
 * ``tested-on``: ``benchmarks/jetson_check_summary.json`` through ``scripts/tested_on.py``; a
@@ -311,6 +312,16 @@ def render_plan_verify() -> str:
                     f"{data['rows'][0]['verify_steps']} real training steps on CPU.\n")
 
 
+def render_step_ops() -> str:
+    """Aten ops per step, one sample at a time against the fitted schedule (``scripts/step_ops.py``)."""
+    data = json.loads((BENCH / "step_ops_224.json").read_text())
+    rows = [[r["label"], r["schedule"], f"{r['forward']:,}", f"{r['backward']:,}", f"{r['optimizer']:,}",
+             f"{r['total']:,}", f"{r['predicted_bytes'] / 1e6:.2f}"] for r in data["rows"]]
+    return _table([f"method ({data['resolution']} px, batch {data['batch_size']}, {data['num_classes']} classes)",
+                   "schedule", "forward ops", "backward ops", "optimizer ops", "ops/step", "predicted peak MB"],
+                  rows, ["---", "---", "---:", "---:", "---:", "---:", "---:"])
+
+
 def render_tested_on() -> str:
     summary = BENCH / "jetson_check_summary.json"
     if not (summary.is_file() and (SCRIPTS / "tested_on.py").is_file()):
@@ -332,6 +343,7 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "levers-grad": (render_levers_grad, "benchmarks/levers_accuracy.json"),
     "storage": (render_storage, "benchmarks/storage_accuracy.json"),
     "stream": (render_stream, "benchmarks/stream_figures_224.md"),
+    "step-ops": (render_step_ops, "benchmarks/step_ops_224.json (scripts/step_ops.py --json)"),
     "plan-verify": (render_plan_verify, "benchmarks/plan_verify_224.json (scripts/plan_figures.py)"),
     "tested-on": (render_tested_on, "benchmarks/{jetson,host}_check_summary.json (scripts/tested_on.py)"),
 }

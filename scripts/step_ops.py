@@ -1,14 +1,21 @@
 """Aten ops per training step (kernel launches on a GPU), one sample at a time against the
-fitted schedule (issue #17 item 6). Counted on the meta device: seconds, no data.
+fitted schedule. Counted on the meta device: seconds, no data.
 
-    python scripts/step_ops.py --batch-size 32 --resolution 224
+    python scripts/step_ops.py --batch-size 32 --resolution 224 [--json benchmarks/step_ops_224.json]
+
+The table is printed; ``--json`` also saves the rows (docs/lean-runtime.md renders its table
+from the committed file, scripts/render_docs.py).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+import torch
 
 from edgetl.bench import METHODS, build_method, pruned_hidden
+from edgetl.io import atomic_text_json
 from edgetl.memory.meter import count_step_ops
 from edgetl.memory.runtime import runtime_report
 from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
@@ -21,7 +28,9 @@ def main() -> None:
     p.add_argument("--resolution", type=int, default=224)
     p.add_argument("--num-classes", type=int, default=102)
     p.add_argument("--methods", default="repnet-lean,repnet-pruned,repnet-pruned-pool2-bf16-int8")
+    p.add_argument("--json", type=Path, help="also save the rows as JSON")
     a = p.parse_args()
+    saved = []
     print("| method | schedule | forward ops | backward ops | optimizer ops | ops/step | predicted peak MB |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in a.methods.split(","):
@@ -38,7 +47,14 @@ def main() -> None:
                                   batch_size=a.batch_size).total_bytes
             rows.append(f"| {method.label} | {label} | {ops.forward:,} | {ops.backward:,} | "
                         f"{ops.optimizer:,} | {ops.total:,} | {peak / MB:.2f} |")
+            saved.append({"method": name, "label": method.label, "schedule": label, "forward": ops.forward,
+                          "backward": ops.backward, "optimizer": ops.optimizer, "total": ops.total,
+                          "predicted_bytes": peak})
         print("\n".join(rows), flush=True)
+    if a.json is not None:
+        atomic_text_json(a.json, {"resolution": a.resolution, "batch_size": a.batch_size,
+                                  "num_classes": a.num_classes, "torch": torch.__version__, "rows": saved})
+        print(f"saved {a.json}")
 
 
 if __name__ == "__main__":
