@@ -26,6 +26,7 @@ Blocks (NAME: source):
 * ``storage``: ``benchmarks/storage_accuracy.json`` (summarised as ``experiments/storage_accuracy.py`` does)
 * ``stream``: ``benchmarks/stream_figures_224.md`` (``scripts/stream_figures.py``'s output; that
   script writes markdown only, so its committed table is the source)
+* ``demo``: ``benchmarks/demo_report.json`` (the ``report.json`` of ``edgetl demo -o DIR``)
 * ``step-ops``: ``benchmarks/step_ops_224.json`` (``scripts/step_ops.py --json``)
 * ``plan-verify``: ``benchmarks/plan_verify_224.json`` (``scripts/plan_figures.py``: ``edgetl plan
   --verify`` at each budget)
@@ -312,6 +313,30 @@ def render_plan_verify() -> str:
                     f"{data['rows'][0]['verify_steps']} real training steps on CPU.\n")
 
 
+DEMO_STAGES = {  # the demo's fine-tuning stages, as the pipeline page names them
+    "ft_pruned": "Rep-Net, pruned backbone (the method)",
+    "ft_repnet": "Rep-Net, unpruned backbone",
+    "ft_streamed": "Rep-Net, unpruned backbone, streamed by {stream}, uint8 batch, recompute",
+    "ft_full": "full fine-tune (stock modules)",
+}
+
+
+def render_demo() -> str:
+    """The demo's target-task rows and stage times (its ``report.json``)."""
+    report = json.loads((BENCH / "demo_report.json").read_text())
+    rows = []
+    for stage, label in DEMO_STAGES.items():
+        r = report[stage]
+        rows.append([label.format(**r), f"k={r['pool']}" if r["mode"] == "repnet" else "-", f"{r['target_acc1']:.1f} %",
+                     f"{r['predicted_bytes'] / 1e6:.2f} MB", f"{r['measured_bytes'] / 1e6:.2f} MB"])
+    table = _table(["target task (5 classes)", "side pooling", "val top-1", "predicted peak", "measured peak"],
+                   rows, ["---", "---", "---", "---", "---"])
+    times = ", ".join(f"{name} {r['wall_s']:.0f} s" for name, r in report.items())
+    return table + (f"\nSource task top-1: pretrained {report['pretrain']['source_acc1']:.1f} %, pruned + retrained "
+                    f"{report['retrain']['source_acc1']:.1f} %; ONNX export max abs diff "
+                    f"{report['export']['max_abs_diff']:.1e}. Stages: {times}.\n")
+
+
 def render_step_ops() -> str:
     """Aten ops per step, one sample at a time against the fitted schedule (``scripts/step_ops.py``)."""
     data = json.loads((BENCH / "step_ops_224.json").read_text())
@@ -343,6 +368,7 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "levers-grad": (render_levers_grad, "benchmarks/levers_accuracy.json"),
     "storage": (render_storage, "benchmarks/storage_accuracy.json"),
     "stream": (render_stream, "benchmarks/stream_figures_224.md"),
+    "demo": (render_demo, "benchmarks/demo_report.json (edgetl demo's report.json)"),
     "step-ops": (render_step_ops, "benchmarks/step_ops_224.json (scripts/step_ops.py --json)"),
     "plan-verify": (render_plan_verify, "benchmarks/plan_verify_224.json (scripts/plan_figures.py)"),
     "tested-on": (render_tested_on, "benchmarks/{jetson,host}_check_summary.json (scripts/tested_on.py)"),
