@@ -26,6 +26,7 @@ Blocks (NAME: source):
 * ``storage``: ``benchmarks/storage_accuracy.json`` (summarised as ``experiments/storage_accuracy.py`` does)
 * ``stream``: ``benchmarks/stream_figures_224.md`` (``scripts/stream_figures.py``'s output; that
   script writes markdown only, so its committed table is the source)
+* ``step-peaks-repnet``, ``step-peaks-full``: ``benchmarks/step_peaks_224.json`` (``scripts/step_peaks.py``)
 * ``demo``: ``benchmarks/demo_report.json`` (the ``report.json`` of ``edgetl demo -o DIR``)
 * ``step-ops``: ``benchmarks/step_ops_224.json`` (``scripts/step_ops.py --json``)
 * ``plan-verify``: ``benchmarks/plan_verify_224.json`` (``scripts/plan_figures.py``: ``edgetl plan
@@ -313,6 +314,39 @@ def render_plan_verify() -> str:
                     f"{data['rows'][0]['verify_steps']} real training steps on CPU.\n")
 
 
+def _step_peaks() -> tuple[dict, str]:
+    data = json.loads((BENCH / "step_peaks_224.json").read_text())
+    rows = data["rows"]
+    exact = sum(r["measured_bytes"] == r["predicted_bytes"] for r in rows)
+    caption = (f"\n{data['resolution']} px, batch {data['batch_size']}, {data['num_classes']} classes, Adam, CPU, "
+               f"torch {data['torch']}: measured = predicted (runtime accounting) to the byte in {exact} of "
+               f"{len(rows)} configurations.\n")
+    return data, caption
+
+
+def render_step_peaks_repnet() -> str:
+    """Rep-Net's measured step peak by runtime (``scripts/step_peaks.py``)."""
+    data, caption = _step_peaks()
+    rows = [r for r in data["rows"] if r["table"] == "repnet"]
+    columns = list(dict.fromkeys(r["column"] for r in rows))
+    labels = {"Rep-Net": "Rep-Net",
+              "pruned": "Rep-Net, backbone pruned 0.3/0.78/0.46/0.46 (the paper's configuration), k=2"}
+    out = []
+    for name, label in labels.items():
+        cells = {r["column"]: r for r in rows if r["row"] == name}
+        out.append([label] + [f"{cells[c]['measured_bytes'] / 1e6:.2f} MB" for c in columns])
+    return _table(["configuration", *columns], out, ["---"] * (1 + len(columns))) + caption
+
+
+def render_step_peaks_full() -> str:
+    """Full fine-tuning's measured step peak by storage (``scripts/step_peaks.py``)."""
+    data, caption = _step_peaks()
+    out = [[r["row"], f"{r['measured_bytes'] / 1e6:.2f}", f"{r['stored_bytes'] / 1e6:.1f}"]
+           for r in data["rows"] if r["table"] == "full"]
+    return _table(["full fine-tuning", "measured MB", "of which stored for backward"], out,
+                  ["---", "---:", "---:"]) + caption
+
+
 DEMO_STAGES = {  # the demo's fine-tuning stages, as the pipeline page names them
     "ft_pruned": "Rep-Net, pruned backbone (the method)",
     "ft_repnet": "Rep-Net, unpruned backbone",
@@ -368,6 +402,8 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "levers-grad": (render_levers_grad, "benchmarks/levers_accuracy.json"),
     "storage": (render_storage, "benchmarks/storage_accuracy.json"),
     "stream": (render_stream, "benchmarks/stream_figures_224.md"),
+    "step-peaks-repnet": (render_step_peaks_repnet, "benchmarks/step_peaks_224.json (scripts/step_peaks.py)"),
+    "step-peaks-full": (render_step_peaks_full, "benchmarks/step_peaks_224.json (scripts/step_peaks.py)"),
     "demo": (render_demo, "benchmarks/demo_report.json (edgetl demo's report.json)"),
     "step-ops": (render_step_ops, "benchmarks/step_ops_224.json (scripts/step_ops.py --json)"),
     "plan-verify": (render_plan_verify, "benchmarks/plan_verify_224.json (scripts/plan_figures.py)"),
