@@ -26,6 +26,8 @@ Blocks (NAME: source):
 * ``storage``: ``benchmarks/storage_accuracy.json`` (summarised as ``experiments/storage_accuracy.py`` does)
 * ``stream``: ``benchmarks/stream_figures_224.md`` (``scripts/stream_figures.py``'s output; that
   script writes markdown only, so its committed table is the source)
+* ``paper-model``, ``prune``: ``benchmarks/paper_figures_224.json`` (``scripts/paper_figures.py``: ``edgetl
+  prune`` and ``edgetl profile --accounting paper``); the papers' own figures beside them are quoted
 * ``step-peaks-repnet``, ``step-peaks-full``: ``benchmarks/step_peaks_224.json`` (``scripts/step_peaks.py``)
 * ``demo``: ``benchmarks/demo_report.json`` (the ``report.json`` of ``edgetl demo -o DIR``)
 * ``step-ops``: ``benchmarks/step_ops_224.json`` (``scripts/step_ops.py --json``)
@@ -314,6 +316,56 @@ def render_plan_verify() -> str:
                     f"{data['rows'][0]['verify_steps']} real training steps on CPU.\n")
 
 
+# what the papers print for the same configurations (TinyTL's profiler; Rep-Net's Fig. 1 and Table I)
+PAPER_QUOTES = {"full": "TinyTL's profiler: 447.7 MB", "repnet": "Fig. 1: 5.72 MB; Table I: 51 MB",
+                "pruned": "2.02 MB; 21 MB"}
+
+
+def render_paper_model() -> str:
+    """The paper memory model at 224 px beside the papers' figures (``scripts/paper_figures.py``)."""
+    data = json.loads((BENCH / "paper_figures_224.json").read_text())
+    full, before, after = data["full"], data["prune"]["before"]["memory"], data["prune"]["after"]["memory"]
+    tmp2 = before["tmp_bytes"]["2"]
+    rows = [
+        ["full fine-tune (`--mode full`)", f"{full['peak_activation_bytes'] / 1e6:.2f} MB",
+         f"{full['total_bytes'] / 1e6:.1f} MB", PAPER_QUOTES["full"]],
+        ["Rep-Net (`--mode repnet`)",
+         f"{before['peak_activation_bytes_per_image'] / 1e6:.2f} MB (block 2 temporary: {tmp2 / 1e6:.2f} MB)",
+         f"{before['total_bytes'] / 1e6:.1f} MB", PAPER_QUOTES["repnet"]],
+        ["Rep-Net, backbone pruned " + "/".join(f"{r:g}" for r in data["prune"]["pruning"]["ratios"]),
+         f"{after['peak_activation_bytes_per_image'] / 1e6:.2f} MB", f"{after['total_bytes'] / 1e6:.1f} MB",
+         PAPER_QUOTES["pruned"]],
+    ]
+    return _table(["configuration", "peak activation / image", f"total at batch {before['batch_size']}", "paper"],
+                  rows, ["---", "---", "---", "---"])
+
+
+def render_prune() -> str:
+    """``edgetl prune`` with the paper's ratios: its record of before and after (``scripts/paper_figures.py``)."""
+    data = json.loads((BENCH / "paper_figures_224.json").read_text())["prune"]
+    before, after = data["before"], data["after"]
+
+    def change(a: float, b: float) -> str:
+        return f" ({(b / a - 1) * 100:+.1f} %)".replace("+", "")
+
+    def hidden(side: dict) -> str:
+        return " / ".join(str(side["hidden"][str(b)]) for b in data["pruning"]["blocks"])
+
+    mb, mb_after = before["memory"], after["memory"]
+    rows = [
+        ["hidden channels, blocks " + "-".join(str(b) for b in data["pruning"]["blocks"][::3]),
+         hidden(before), hidden(after)],
+        ["params", f"{before['params']:,}", f"{after['params']:,}"],
+        ["MACs", f"{before['macs'] / 1e6:.1f} M", f"{after['macs'] / 1e6:.1f} M" + change(before["macs"], after["macs"])],
+        ["peak activation / image", f"{mb['peak_activation_bytes_per_image'] / 1e6:.2f} MB",
+         f"{mb_after['peak_activation_bytes_per_image'] / 1e6:.2f} MB"
+         + change(mb["peak_activation_bytes_per_image"], mb_after["peak_activation_bytes_per_image"])],
+        [f"Rep-Net total at batch {mb['batch_size']}", f"{mb['total_bytes'] / 1e6:.2f} MB",
+         f"{mb_after['total_bytes'] / 1e6:.2f} MB" + change(mb["total_bytes"], mb_after["total_bytes"])],
+    ]
+    return _table([f"{mb['resolution']} px, paper accounting", "before", "after"], rows, ["---", "---", "---"])
+
+
 def _step_peaks() -> tuple[dict, str]:
     data = json.loads((BENCH / "step_peaks_224.json").read_text())
     rows = data["rows"]
@@ -402,6 +454,8 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "levers-grad": (render_levers_grad, "benchmarks/levers_accuracy.json"),
     "storage": (render_storage, "benchmarks/storage_accuracy.json"),
     "stream": (render_stream, "benchmarks/stream_figures_224.md"),
+    "paper-model": (render_paper_model, "benchmarks/paper_figures_224.json (scripts/paper_figures.py)"),
+    "prune": (render_prune, "benchmarks/paper_figures_224.json (scripts/paper_figures.py)"),
     "step-peaks-repnet": (render_step_peaks_repnet, "benchmarks/step_peaks_224.json (scripts/step_peaks.py)"),
     "step-peaks-full": (render_step_peaks_full, "benchmarks/step_peaks_224.json (scripts/step_peaks.py)"),
     "demo": (render_demo, "benchmarks/demo_report.json (edgetl demo's report.json)"),

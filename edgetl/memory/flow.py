@@ -26,7 +26,7 @@ class Op:
     name: str
     block: int
     part: str
-    inputs: list[int]  # value ids, one per tensor input (a tensor passed twice, twice)
+    inputs: list[int]  # value ids, one per distinct tensor input (two views of one storage: its value twice)
     output: int  # value id
     module: nn.Module | None = None  # original (not meta) module, None for functions
     leaf: Leaf | None = None
