@@ -346,14 +346,14 @@ def render_prune() -> str:
     before, after = data["before"], data["after"]
 
     def change(a: float, b: float) -> str:
-        return f" ({(b / a - 1) * 100:+.1f} %)".replace("+", "")
+        return f" ({(b / a - 1) * 100:.1f} %)"
 
     def hidden(side: dict) -> str:
         return " / ".join(str(side["hidden"][str(b)]) for b in data["pruning"]["blocks"])
 
     mb, mb_after = before["memory"], after["memory"]
     rows = [
-        ["hidden channels, blocks " + "-".join(str(b) for b in data["pruning"]["blocks"][::3]),
+        ["hidden channels, blocks " + ", ".join(str(b) for b in data["pruning"]["blocks"]),
          hidden(before), hidden(after)],
         ["params", f"{before['params']:,}", f"{after['params']:,}"],
         ["MACs", f"{before['macs'] / 1e6:.1f} M", f"{after['macs'] / 1e6:.1f} M" + change(before["macs"], after["macs"])],
