@@ -57,8 +57,8 @@ gpu-check: setup
 # The emulated Jetson check (issue #28): Debian's arm64 CPython 3.11 under qemu user-mode
 # emulation (no binfmt handler, host architectures untouched) with the pins of
 # docker/requirements-jetson.txt, built into .jetson/ (downloads cached); results in
-# jetson-check/summary.json. Short: the CI subset (14-15 min on 2 cores, rebuilding .jetson/ from
-# its cached downloads included); full: 16 checks, 12-22 min (the machine's speed varies by day).
+# jetson-check/summary.json. Short: the CI subset (7-15 min on 2 cores, rebuilding .jetson/ from
+# its cached downloads included); full: 16 checks, 10-22 min (the machine's speed varies by day).
 .PHONY: jetson-env jetson-check jetson-check-short
 jetson-env:
 	bash scripts/jetson_env.sh
