@@ -205,17 +205,36 @@ def measure(module: nn.Module, sig: Signature, in_shape: tuple, in_dtype: torch.
 
 
 def _measure(module, sig: Signature, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
-    from edgetl.memory.meter import StorageMeter
-
     copies = meta_tensors(sig.tensors)
     # (deepcopy adds its own entries to a memo); the twin's hook tables start empty
     twin = copy.deepcopy(module, {**copies, **sig.hook_tables})
     params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
-    base = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad)
-    # a non-leaf input (as in a network), so an in-place layer may write it; its gradient is
-    # read at its edge, which the clone's backward never runs past
-    x = base.clone() if input_grad else base
-    edge = get_gradient_edge(x) if input_grad else None
+    x = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad)
+    c = _metered(twin, [x], output_grad, held=list(copies.values()), params=params)
+    return LayerCost(saves_input=c.inputs_kept[0], saves_output=c.saves_output, saved_new_bytes=c.saved_new_bytes,
+                     inplace=c.inplace, forward_temp_bytes=c.forward_temp_bytes,
+                     backward_temp_bytes=c.backward_temp_bytes, grad_input=not c.inputs_passed[0])
+
+
+def _metered(fn, inputs: list[torch.Tensor], output_grad: bool, *, held: list[torch.Tensor] = (),
+             params: list[torch.Tensor] = ()) -> FunctionCost:
+    """Run ``fn(*inputs)`` once under the storage meter, forward (and backward when
+    ``output_grad``): what it keeps and allocates, per input (a leaf is a function of one).
+
+    ``inputs``: meta tensors, requiring grad where the input needs it; ``held``: other tensors
+    alive meanwhile (a leaf twin's weights); ``params``: trainable tensors whose gradients
+    backward also returns (counted as its results, not temporaries). Forward: the bytes alive
+    after the call less the output are what it keeps; the peak above that its temporaries; the
+    storages its autograd nodes save (``saved_tensors_hooks``) say which inputs, or the output,
+    it keeps by reference; an output sharing an input's storage (a view, an in-place op) is in
+    place. Backward: the peak above what it started with, less the gradients it returns, is
+    its temporaries; an input whose gradient is grad_output itself is passed through."""
+    from edgetl.memory.meter import StorageMeter
+
+    # non-leaf inputs (as in a network), so an in-place function may write them; their
+    # gradients are read at their edges, which the clones' backward never runs past
+    xs = [b.clone() if b.requires_grad else b for b in inputs]
+    edges = [get_gradient_edge(x) for x in xs if x.requires_grad]
     saved: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -223,34 +242,38 @@ def _measure(module, sig: Signature, in_shape, in_dtype, input_grad, output_grad
         return t
 
     meter = StorageMeter()
-    meter.register(base, x, list(copies.values()))
+    meter.register(inputs, xs, list(held))
     try:
         with meter:
             start = meter.current_bytes
             meter.reset_peak()
             with torch.enable_grad() if output_grad else torch.no_grad():
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = twin(x)
+                    out = fn(*xs)
             kept = meter.current_bytes - start
-            inplace = out.untyped_storage() is x.untyped_storage()
+            storages = [x.untyped_storage() for x in xs]
+            inplace = any(out.untyped_storage() is s for s in storages)
             new_out = 0 if inplace else out.untyped_storage().nbytes()
             forward_temp = meter.peak_bytes - start - kept
-            if not output_grad:
-                return LayerCost(inplace=inplace, forward_temp_bytes=forward_temp)
-            cost = LayerCost(saves_input=id(x.untyped_storage()) in saved and not inplace,
-                             saves_output=id(out.untyped_storage()) in saved,
-                             saved_new_bytes=kept - new_out, inplace=inplace, forward_temp_bytes=forward_temp)
+            if not (output_grad and out.requires_grad):  # (an argmax's output has no gradient)
+                return FunctionCost(inplace=inplace, forward_temp_bytes=forward_temp,
+                                    inputs_kept=(False,) * len(xs), inputs_passed=(False,) * len(xs))
+            # an input written in place is the output (``saves_output``)
+            kept_inputs = tuple(id(s) in saved and s is not out.untyped_storage() for s in storages)
+            cost = FunctionCost(saves_output=id(out.untyped_storage()) in saved, saved_new_bytes=kept - new_out,
+                                inplace=inplace, forward_temp_bytes=forward_temp, inputs_kept=kept_inputs)
             gy = torch.empty_like(out)
             start = meter.current_bytes
             meter.reset_peak()
-            grads = torch.autograd.grad([out], ([edge] if input_grad else []) + params, grad_outputs=[gy])
+            grads = torch.autograd.grad([out], edges + list(params), grad_outputs=[gy])
             g_key = id(gy.untyped_storage())
+            input_grads = iter(grads[:len(edges)])
+            cost.inputs_passed = tuple(x.requires_grad and id(next(input_grads).untyped_storage()) == g_key
+                                       for x in inputs)
             results = {id(g.untyped_storage()): g.untyped_storage().nbytes() for g in grads}
             results.pop(g_key, None)  # a pass-through gradient is grad_output itself
             cost.backward_temp_bytes = meter.peak_bytes - start - sum(results.values())
-            if input_grad:
-                cost.grad_input = id(grads[0].untyped_storage()) != g_key
-            del grads, gy, out
+            del grads, input_grads, gy, out
     finally:
         meter.close()
     return cost
@@ -350,65 +373,18 @@ def function_cost(call: Call, inputs_grad: tuple[bool, ...], output_grad: bool) 
 
 def measure_function(call: Call, inputs_grad: tuple[bool, ...], output_grad: bool) -> FunctionCost:
     """Run ``call`` once on meta inputs of its layouts, forward (and backward when
-    ``output_grad``), under the storage meter: what it keeps and allocates, per input where a
-    function of several tensors can differ (which inputs it keeps, whose gradient is
-    grad_output itself). An output sharing an input's storage (a view, an in-place add) is in
-    place."""
-    from edgetl.memory.meter import StorageMeter
+    ``output_grad``), under the storage meter (``_metered``, as a leaf is measured): what it
+    keeps and allocates, per input where a function of several tensors can differ (which
+    inputs it keeps, whose gradient is grad_output itself)."""
+    inputs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=g)
+              for (shape, stride, dtype), g in zip(call.layouts, inputs_grad)]
 
-    bases = [torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=g)
-             for (shape, stride, dtype), g in zip(call.layouts, inputs_grad)]
-    # non-leaf inputs (as in a network), so an in-place function may write them; their
-    # gradients are read at their edges
-    xs = [b.clone() if g else b for b, g in zip(bases, inputs_grad)]
-    edges = [get_gradient_edge(x) for x, g in zip(xs, inputs_grad) if g]
-    saved: set[int] = set()
+    def run(*xs: torch.Tensor) -> torch.Tensor:
+        return call.func(*rebuild(call.args, list(xs)), **{k: rebuild(v, list(xs)) for k, v in call.kwargs})
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.add(id(t.untyped_storage()))
-        return t
-
-    name = getattr(call.func, "__name__", str(call.func))
-    meter = StorageMeter()
-    meter.register(bases, xs)
     try:
-        with meter:
-            start = meter.current_bytes
-            meter.reset_peak()
-            try:
-                with torch.enable_grad() if output_grad else torch.no_grad():
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                        out = call.func(*rebuild(call.args, xs),
-                                        **{k: rebuild(v, xs) for k, v in call.kwargs})
-            except Exception as exc:
-                raise CapabilityError(f"the runtime accounting cannot measure {name} (called between "
-                                      f"layers) on the meta device: {exc}") from None
-            kept = meter.current_bytes - start
-            storages = [x.untyped_storage() for x in xs]
-            inplace = any(out.untyped_storage() is s for s in storages)
-            new_out = 0 if inplace else out.untyped_storage().nbytes()
-            forward_temp = meter.peak_bytes - start - kept
-            if not (output_grad and out.requires_grad):  # (an argmax's output has no gradient)
-                return FunctionCost(inplace=inplace, forward_temp_bytes=forward_temp,
-                                    inputs_kept=(False,) * len(xs), inputs_passed=(False,) * len(xs))
-            # an input written in place is the output (``saves_output``)
-            kept_inputs = tuple(id(s) in saved and s is not out.untyped_storage() for s in storages)
-            cost = FunctionCost(saves_output=id(out.untyped_storage()) in saved, saved_new_bytes=kept - new_out,
-                                inplace=inplace, forward_temp_bytes=forward_temp, inputs_kept=kept_inputs)
-            gy = torch.empty_like(out)
-            start = meter.current_bytes
-            meter.reset_peak()
-            grads = iter(torch.autograd.grad([out], edges, grad_outputs=[gy]) if edges else ())
-            g_key = id(gy.untyped_storage())
-            passed, results = [], {}
-            for g_needed in inputs_grad:
-                g = next(grads) if g_needed else None
-                passed.append(g is not None and id(g.untyped_storage()) == g_key)
-                if g is not None and not passed[-1]:
-                    results[id(g.untyped_storage())] = g.untyped_storage().nbytes()
-            cost.inputs_passed = tuple(passed)
-            cost.backward_temp_bytes = meter.peak_bytes - start - sum(results.values())
-            del grads, gy, out
-    finally:
-        meter.close()
-    return cost
+        return _metered(run, inputs, output_grad)
+    except Exception as exc:
+        name = getattr(call.func, "__name__", str(call.func))
+        raise CapabilityError(f"the runtime accounting cannot measure {name} (called between "
+                              f"layers) on the meta device: {exc}") from None
