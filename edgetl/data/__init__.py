@@ -20,7 +20,17 @@ once, counted). A file that passes the check but fails to decode while training 
 ``BadImageError``, one line even when a DataLoader worker re-raises it; under "skip" its
 sample is dropped from the batch (``Batch.skipped`` names it).
 
+Entries that are not files: an ImageFolder is read without passing over anything in
+silence. In a split folder, an entry that is neither a folder nor a file (a dangling
+symlink, a FIFO, a socket) is refused in one line whatever ``data.on_bad_image`` says: it
+may be a class, and leaving a class out changes the label set. In a class folder, such an
+entry is an unreadable image: "error" refuses naming it, "skip" leaves it out, counted in
+``ImageCheck.bad`` and the run's summary, and named in the log. Nothing is opened in a way
+that waits (a FIFO). Symlinks to folders and files that exist are followed. labels.txt and
+CUB's tables are UTF-8 text with or without a byte-order mark, LF or CRLF line ends.
+
 Rooms: ``sources`` (ImageFolder, CUB-200-2011 and the torchvision presets, one split each),
+``files`` (what an entry is when it is not a readable file; a user's text file's lines),
 ``datasets`` (the dataset types, ``TransformedDataset``, ``Batch`` and ``collate``),
 ``transforms`` (DESIGN 3), ``images`` (one image file's check, ``BadImageError``), ``splits``
 (class subsets and caps, ``check_learnable``, ``check_images``, ``DataSplits``) and
@@ -60,7 +70,16 @@ from edgetl.data.loaders import (
     loaders_from_recipe,
     worker_error,
 )
-from edgetl.data.sources import CUB_FILES, IMAGE_EXTENSIONS, SPLITS, _torchvision_preset, cub200, image_folder
+from edgetl.data.files import NotAFileError, entry_fault, open_regular, read_text_lines
+from edgetl.data.sources import (
+    CUB_FILES,
+    IMAGE_EXTENSIONS,
+    SPLITS,
+    _torchvision_preset,
+    class_folders,
+    cub200,
+    image_folder,
+)
 from edgetl.data.splits import (
     BAD_IMAGE_POLICIES,
     DataSplits,
@@ -90,6 +109,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "ImageCheck",
     "LabeledDataset",
+    "NotAFileError",
     "ResumableSampler",
     "SPLITS",
     "ShardSampler",
@@ -103,11 +123,13 @@ __all__ = [
     "check_image_file",
     "check_images",
     "check_learnable",
+    "class_folders",
     "collate",
     "cub200",
     "datasets_from_recipe",
     "dist_rank_world",
     "drop_samples",
+    "entry_fault",
     "eval_transform",
     "fashion_mnist",
     "find_fashion_mnist",
@@ -116,6 +138,8 @@ __all__ = [
     "load_split",
     "loader_errors",
     "loaders_from_recipe",
+    "open_regular",
+    "read_text_lines",
     "select",
     "train_transform",
     "worker_error",

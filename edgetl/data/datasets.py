@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
 
+from edgetl.data.files import open_regular
 from edgetl.data.images import BadImageError, bad_image_error, image_fault
 
 
@@ -43,7 +44,7 @@ class FileListDataset(LabeledDataset):
     def __getitem__(self, index: int):
         path, label = self.samples[index]
         try:
-            with Image.open(path) as img:
+            with open_regular(path) as f, Image.open(f) as img:
                 return img.convert("RGB"), label
         except MemoryError:
             raise

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from edgetl.data.files import open_regular
 from edgetl.errors import DataError
 
 
@@ -90,10 +91,11 @@ def check_image_file(path: str | Path) -> str | None:
 
     Reads the header (format, size) and the end of the file (``_end_looks_whole``); only a
     file whose end looks wrong is decoded in full, so a good file costs one open and two
-    small reads.
+    small reads. An entry that is not a file (a dangling symlink, a FIFO) is named, not
+    opened (``open_regular``).
     """
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return "the file is empty"
@@ -103,7 +105,7 @@ def check_image_file(path: str | Path) -> str | None:
                     return f"its header says {width}x{height} pixels"
                 if _end_looks_whole(f, img, size):
                     return None
-        with Image.open(path) as img:
+        with open_regular(path) as f, Image.open(f) as img:
             img.load()
         return None
     except MemoryError:

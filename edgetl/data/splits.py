@@ -133,7 +133,9 @@ def check_images(splits: "DataSplits", policy: str = "error") -> "DataSplits":
     Args:
         splits: from ``build_datasets``.
         policy: "error" raises a one-line DataError naming the first bad file (all of them
-            are logged at INFO); "skip" logs each bad file once (WARNING) and leaves it out.
+            are logged at INFO); "skip" logs each bad file once (WARNING) and leaves it out,
+            then one WARNING with the count and the first names. A bad file is also an entry
+            that is not a file at all: a dangling symlink, a FIFO, a socket (``image_folder``).
 
     Returns:
         The splits (without the bad files under "skip") with ``image_check`` set.
@@ -178,6 +180,10 @@ def check_images(splits: "DataSplits", policy: str = "error") -> "DataSplits":
             "fix or remove them, or set data.on_bad_image: skip"
         )
     log.info("checked %d image files in %.2f s: %d bad", checked, seconds, len(bad))
+    if policy == "skip" and bad:
+        first = ", ".join(path for _, path, _ in bad[:3])
+        log.warning("left out %d of %d image files as unreadable (data.on_bad_image: skip): %s%s", len(bad),
+                    checked, first, ", ..." if len(bad) > 3 else "")
     if policy == "skip" and bad:
         check_learnable(kept["train"].base, kept["val"].base, "after skipping unreadable images")
     return DataSplits(train=kept["train"], val=kept["val"], classes=splits.classes,
