@@ -29,6 +29,11 @@ data:
 	  fi; \
 	fi
 
+# OpenMP threads wait passively: spinning threads make every step 10-30x slower while another
+# process (a second pytest worker, the demo) shares the cores (issue #43; the edgetl program
+# sets the same for itself, edgetl.cli.entry). A value set by the caller is kept.
+export OMP_WAIT_POLICY ?= PASSIVE
+
 test: setup
 	$(PY) -m pytest -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 

@@ -1,5 +1,5 @@
 """`python -m edgetl` runs the command-line interface."""
 
-from edgetl.cli import main
+from edgetl.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from edgetl.errors import BudgetError, ConfigError, EdgetlError
-from edgetl.io import atomic_text_json, atomic_torch_save
+from edgetl.io import atomic_text_json, atomic_torch_save, load_state
 from edgetl.memory import search
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.models.backbone import EdgeNet, describe_backbone
@@ -281,7 +281,7 @@ def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, cl
     from edgetl.train import BEST, LAST, load_checkpoint
 
     source = out_dir / BEST if (out_dir / BEST).is_file() else out_dir / LAST
-    net.load_state_dict(load_checkpoint(source)["model"])
+    load_state(net, load_checkpoint(source)["model"], source, "the fine-tuned network")
     net.to("cpu")
     stock.to("cpu")
     if options is None:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import yaml
 
-from edgetl.errors import ConfigError, ResourceError
+from edgetl.errors import ConfigError, DataError, ResourceError
 from edgetl.units import MB
 
 
@@ -125,12 +126,76 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def read_json(path: str | Path):
     """Parse a JSON file; a damaged one is a one-line DataError naming the file."""
-    from edgetl.errors import DataError
-
     try:
-        return json.loads(Path(path).read_text())
+        # utf-8-sig: a byte-order mark, as Windows editors save UTF-8, is not part of the text
+        return json.loads(Path(path).read_text(encoding="utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{path} is corrupted: {exc}") from None
+
+
+def error_reason(exc: BaseException, limit: int = 160) -> str:
+    """One short line saying why ``exc`` happened: its first non-empty line, or its type's
+    name where it has no message (torch raises empty EOFError and IndexError for some
+    damaged files), cut to ``limit`` characters."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    line = next((" ".join(x.split()) for x in str(exc).splitlines() if x.strip()), "")
+    if line.startswith("Weights only load failed"):
+        # torch's advice that follows (load with weights_only=False) is what edgetl must never do
+        line = "it holds objects other than tensors and plain values, or is not a torch file"
+    if not line:
+        line = "the file ends before its data does" if isinstance(exc, EOFError) else type(exc).__name__
+    if len(line) > limit and ". " in line:  # torch's long messages: the first sentence says it
+        line = line.split(". ", 1)[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def load_torch_file(path: str | Path, what: str, map_location: str | torch.device = "cpu"):
+    """``torch.load(weights_only=True)`` of a file edgetl reads: an unreadable or damaged one
+    is a one-line DataError naming the file and ``what`` it should be (never code execution)."""
+    path = Path(path)
+    try:
+        if path.stat().st_size == 0:
+            raise DataError(f"{path} is empty; allowed: {what}")
+        with warnings.catch_warnings():  # torch warns about foreign pickles on stderr; the error says it
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except DataError:
+        raise
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {error_reason(exc)}") from None
+    except Exception as exc:  # torch raises many types for a damaged file
+        raise DataError(f"{path} is damaged or not {what}: {error_reason(exc)}") from None
+
+
+def _names(keys: list[str], limit: int = 3) -> str:
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def load_state(module: torch.nn.Module, state, path: str | Path, what: str) -> None:
+    """``module.load_state_dict(state)``; a state that does not fit is one DataError line naming
+    ``path``, how many entries are missing, unexpected or of another shape, and the first few."""
+    if not isinstance(state, dict):
+        raise DataError(f"{path} does not hold a state_dict for {what} (it holds a {type(state).__name__})")
+    want = module.state_dict()
+    missing = [k for k in want if k not in state]
+    unexpected = [str(k) for k in state if k not in want]
+    shapes = [f"{k} {tuple(state[k].shape)} for {tuple(v.shape)}" for k, v in want.items()
+              if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape]
+    wrong = [k for k in want if k in state and not isinstance(state[k], torch.Tensor)]
+    parts = [f"{len(missing)} missing ({_names(missing)})" if missing else "",
+             f"{len(unexpected)} unexpected ({_names(unexpected)})" if unexpected else "",
+             f"{len(shapes)} of another shape ({_names(shapes, 2)})" if shapes else "",
+             f"{len(wrong)} not tensors ({_names(wrong)})" if wrong else ""]
+    detail = "; ".join(p for p in parts if p)
+    if not detail:
+        try:
+            module.load_state_dict(state)
+            return
+        except (RuntimeError, TypeError, ValueError, KeyError) as exc:
+            detail = error_reason(exc)
+    raise DataError(f"{path} does not fit {what}: {detail}")
 
 
 def atomic_text_json(path: str | Path, data) -> None:

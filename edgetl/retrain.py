@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from edgetl.errors import ConfigError, DataError
-from edgetl.io import atomic_text_json, read_json
+from edgetl.io import atomic_text_json, load_state, read_json
 from edgetl.models.backbone import (
     SPEC_FILE,
     WEIGHTS_FILE,
@@ -215,7 +215,7 @@ def load_teacher(path: str | Path) -> tuple[EdgeNet, list[str] | None]:
     if (run / RETRAIN_FILE).is_file() and ckpt_file.is_file():
         meta = read_run_info(run)
         net = build_backbone(BackboneSpec.from_dict(meta["spec"]))
-        net.load_state_dict(load_checkpoint(ckpt_file)["model"])
+        load_state(net, load_checkpoint(ckpt_file)["model"], ckpt_file, "the network its run describes")
         return net, meta.get("classes")
     if not path.exists():
         raise DataError(f"distillation teacher {path} does not exist; give a backbone folder or a retrain run")
@@ -283,9 +283,9 @@ def _write_backbone(out_dir: Path, spec: BackboneSpec, info: dict) -> None:
     """backbone.pt (best weights) then backbone.json: a folder with backbone.json is complete."""
     from edgetl.train import BEST, LAST, load_checkpoint
 
-    ckpt = load_checkpoint(out_dir / (BEST if (out_dir / BEST).is_file() else LAST))
+    source = out_dir / (BEST if (out_dir / BEST).is_file() else LAST)
     net = build_backbone(spec)
-    net.load_state_dict(ckpt["model"])
+    load_state(net, load_checkpoint(source)["model"], source, "the retrained backbone")
     save_backbone(out_dir, net, info)
 
 

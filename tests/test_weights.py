@@ -82,7 +82,7 @@ def test_a_damaged_cache_file_is_one_line(tmp_path, monkeypatch):
     path = weights_file("mobilenet_v2:IMAGENET1K_V1")
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a checkpoint")
-    with pytest.raises(DataError, match=f"{V1_FILE} is corrupted"):
+    with pytest.raises(DataError, match=f"{V1_FILE} is damaged or not a state_dict"):
         open_backbone("mobilenet_v2:IMAGENET1K_V1")
     torch.save({"features.0.0.weight": torch.zeros(1)}, path)
     with pytest.raises(DataError, match="does not fit mobilenet_v2 width 1.0"):

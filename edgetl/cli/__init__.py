@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from edgetl import __version__
@@ -73,6 +74,23 @@ def fail(message: str) -> int:
     return EXIT_USAGE
 
 
+# OpenMP threads that spin-wait between parallel regions make a step 10-30x slower when another
+# process shares the cores (issue #43: a Jetson runs its camera pipeline beside the training; a
+# 2-core host runs the tests beside it); passive waiting costs nothing measurable alone
+# (benchmarks/busy_cores.json). OpenMP reads the variable once, when torch loads, so only the
+# program's entry may set it, never the library's import; a value the user set is kept.
+THREAD_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def entry() -> int:
+    """The ``edgetl`` program (console script and ``python -m edgetl``): the threading policy,
+    set before torch loads, then ``main``."""
+    if "torch" not in sys.modules:
+        for name, value in THREAD_WAIT_POLICY.items():
+            os.environ.setdefault(name, value)
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=_command_of(argv))
@@ -84,11 +102,53 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    stdout, sys.stdout = sys.stdout, _StandardOutput(sys.stdout)
     try:
         check_supported()
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # a closed or full standard output fails here, inside the try
+        return code
     except EdgetlError as exc:
         return fail(str(exc))
     except KeyboardInterrupt:
         print("edgetl: interrupted", file=sys.stderr)
         return 130
+    except OutputError as exc:
+        # nothing more can be shown there; the interpreter's own flush at exit must not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        return fail(str(exc))
+    except OSError as exc:  # the environment: a full or read-only destination, a vanished file
+        where = f" {exc.filename}" if exc.filename else ""
+        return fail(f"cannot use{where}: {(exc.strerror or type(exc).__name__).lower()}")
+    finally:
+        sys.stdout = stdout
+
+
+class OutputError(OSError):
+    """Standard output could not be written: a closed pipe (``edgetl plan | head -1``) or a
+    full device behind ``>``."""
+
+
+class _StandardOutput:
+    """sys.stdout while a command runs: a failed write is named as standard output's, so the
+    one line can say what failed (an OSError from a print carries no file name)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise OutputError("standard output was closed before edgetl finished writing (a closed pipe)") from None
+        except OSError as exc:
+            raise OutputError(f"cannot write standard output: {(exc.strerror or str(exc)).lower()}") from None
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from pathlib import Path
 
 from edgetl.errors import ConfigError
@@ -39,6 +40,27 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: an integer >= 1")
     return value
+
+
+def torch_device(text: str) -> str:
+    """A torch device that is here: cpu, cuda or cuda:N with N below the number of GPUs torch
+    sees. Checked when the command line is read, so a missing GPU is one line before any
+    work (torch would fail deep inside the first CUDA call)."""
+    match = re.fullmatch(r"cpu|cuda(?::([0-9]{1,3}))?", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a device; allowed: cpu, cuda, cuda:N")
+    if text == "cpu":
+        return text
+    index = match.group(1)
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA device is available here; allowed: cpu")
+    if index and int(index) >= count:
+        raise argparse.ArgumentTypeError(f"{text}: torch sees {count} CUDA device{'s' * (count > 1)}; "
+                                         f"allowed: cpu, cuda, cuda:0..cuda:{count - 1}")
+    return text
 
 
 def budget_type(text: str) -> int:

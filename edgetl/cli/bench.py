@@ -8,7 +8,7 @@ import sys
 
 from edgetl.cli import COMMANDS
 from edgetl.bench import METHODS, BenchResult, bench, caption, cpu_cores, plot_bench, table_rows, to_markdown
-from edgetl.cli._common import HelpFormatter, positive_float, positive_int, print_table, writable_file
+from edgetl.cli._common import HelpFormatter, positive_float, positive_int, print_table, torch_device, writable_file
 from edgetl.errors import ConfigError
 from edgetl.units import parse_bytes
 
@@ -71,7 +71,7 @@ def add_parser(sub) -> None:
                         f"{QUICK['steps']} steps, largest batch re-measured up to {QUICK['verify_images']} x 224^2 "
                         f"pixels and timed {QUICK['largest_steps']} step at up to {QUICK['largest_cap']} "
                         "(explicit flags still win)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
     p.add_argument("--workers", type=positive_int,
                    help="processes that measure the methods' memory side by side before the timing, "
                         f"which runs alone (default: one per CPU core on a CPU, here {cpu_cores()}; 1 on CUDA)")

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, fmt_mb, print_table
+from edgetl.cli._common import HelpFormatter, fmt_mb, print_table, torch_device
 
 STAGE_TITLES = {
     "pretrain": "pretrain the backbone on the source task (classes 0-4)",
@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--quick", action="store_true", help="small scale (about a minute; used by the tests)")
     p.add_argument("--data", metavar="PATH", help="Fashion-MNIST folder (default: the Debian package's)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
     p.add_argument("-o", "--out", type=Path, default=Path("runs/demo"), metavar="DIR", help="demo folder")
     p.set_defaults(run=run)
 

@@ -12,8 +12,10 @@ from edgetl.cli._common import (
     positive_float,
     positive_int,
     print_table,
+    torch_device,
     writable_file,
 )
+from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
 from edgetl.options import MODES, RUNTIMES, LeanOptions, add_option_flags
 from edgetl.profile import ACCOUNTINGS, FROZEN_BITS, plot_profile, profile
@@ -51,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune) or a weights name (mobilenet_v2:IMAGENET1K_V1)")
     p.add_argument("--measure", action="store_true",
                    help="also run real training steps (forward, backward, Adam) and measure the peak")
-    p.add_argument("--device", default="cpu", help="device for --measure")
+    p.add_argument("--device", type=torch_device, help="torch device for --measure: cpu (default), cuda, cuda:N")
     p.add_argument("--json", type=writable_file, metavar="PATH", help="save the report as JSON")
     p.add_argument("--plot", type=writable_file, metavar="PATH", help="save a per-block PNG chart")
     p.set_defaults(run=run)
@@ -123,6 +125,8 @@ def _runtime(report: MemoryReport) -> str:
 
 
 def run(args) -> int:
+    if args.device is not None and not args.measure:
+        raise ConfigError(f"--device {args.device} is the device of --measure; add --measure, or drop --device")
     report = profile(
         mode=args.mode,
         accounting=args.accounting,
@@ -133,7 +137,7 @@ def run(args) -> int:
         frozen_bits=args.frozen_bits,
         checkpoint=args.checkpoint,
         measure=args.measure,
-        device=args.device,
+        device=args.device or "cpu",
         runtime=args.runtime,
         lean=LeanOptions.of(args),
         step_in_backward=args.step_in_backward,

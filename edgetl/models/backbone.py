@@ -20,6 +20,7 @@ from torchvision.models import mobilenet_v2
 from torchvision.models.mobilenetv2 import InvertedResidual
 
 from edgetl.errors import ConfigError, DataError
+from edgetl.io import load_state, load_torch_file
 
 HEAD_BLOCK = 19
 NUM_FEATURE_BLOCKS = 19
@@ -281,14 +282,8 @@ def load_backbone(folder: str | Path, device: torch.device | str | None = None) 
     path = Path(folder) / WEIGHTS_FILE
     if not path.is_file():
         raise DataError(f"{folder} has no weights file {WEIGHTS_FILE}")
-    try:
-        state = torch.load(path, map_location=device or "cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a damaged file
-        raise DataError(f"{path} is corrupted or not a state_dict: {str(exc).splitlines()[0]}") from None
-    try:
-        net.load_state_dict(state)
-    except RuntimeError as exc:
-        raise DataError(f"{path} does not match {SPEC_FILE}: {str(exc).splitlines()[1:2]}") from None
+    state = load_torch_file(path, "a state_dict", map_location=device or "cpu")
+    load_state(net, state, path, f"the network {SPEC_FILE} describes")
     return net
 
 
@@ -339,21 +334,12 @@ def weights_file(ref: str) -> Path:
 
 
 def _read_state_dict(path: Path, what: str) -> dict:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a damaged file
-        raise DataError(f"{path} is corrupted or not a state_dict: {str(exc).splitlines()[0]}") from None
+    state = load_torch_file(path, "a state_dict")
     if not isinstance(state, dict):
         raise DataError(f"{path} does not hold a state_dict ({what})")
     return state
 
 
-def _load_into(net: EdgeNet, state: dict, path: Path, what: str) -> None:
-    try:
-        net.load_state_dict(state)
-    except RuntimeError as exc:
-        detail = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), "")
-        raise DataError(f"{path} does not fit {what}: {detail}") from None
 
 
 def _imagenet_state_dict(ref: str) -> tuple[dict, Path]:
@@ -442,13 +428,13 @@ def open_backbone(
             width = _imagenet_width(ref, width)
             state, file = _imagenet_state_dict(str(ref))
             net = build_backbone(BackboneSpec(width=width), device=device)
-            _load_into(net, state, file, f"mobilenet_v2 width {width}")
+            load_state(net, state, file, f"mobilenet_v2 width {width}")
             source = f"torchvision {info['weights']} ({file})"
         return net.eval(), {"source": source, "arch": WEIGHTS_ARCH, "width": width, **info}
     if path.is_file():
         width = 1.0 if width is None else width
         net = build_backbone(BackboneSpec(width=width), device=device)
-        _load_into(net, _read_state_dict(path, "a torchvision mobilenet_v2 state_dict"), path,
+        load_state(net, _read_state_dict(path, "a torchvision mobilenet_v2 state_dict"), path,
                    f"mobilenet_v2 width {width}")
         return net.eval(), {"source": f"torchvision mobilenet_v2 width {width}, weights {path}",
                             "arch": WEIGHTS_ARCH, "width": width, "weights_file": str(path)}

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from edgetl.errors import DataError
-from edgetl.io import atomic_torch_save, tensor_bytes, tensors_in
+from edgetl.io import atomic_torch_save, load_torch_file, tensor_bytes, tensors_in
 from edgetl.train.distributed import unwrap
 from edgetl.train.rng import rng_state
 
@@ -41,10 +41,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     path = Path(path)
     if not path.is_file():
         raise DataError(f"checkpoint {path} does not exist")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # torch raises many types for a damaged file
-        raise DataError(f"{path} is corrupted or not an edgetl checkpoint: {str(exc).splitlines()[0]}") from None
+    ckpt = load_torch_file(path, "an edgetl checkpoint", map_location=map_location)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise DataError(f"{path} is not an edgetl checkpoint (format {CHECKPOINT_FORMAT})")
     return ckpt
