@@ -359,9 +359,13 @@ def read_yaml(path: str | Path, what: str = "YAML file", max_bytes: int = MAX_YA
     """
     path = Path(path)
     name = f"{what} {path}"
+    from edgetl.data.files import NotAFileError, open_regular  # a FIFO is never waited on
+
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read(max_bytes + 1)
+    except NotAFileError as exc:
+        raise ConfigError(f"cannot read {name}: it is {exc}; allowed: a YAML file") from None
     except OSError as exc:
         raise ConfigError(f"cannot read {name}: {(exc.strerror or str(exc)).lower()}") from None
     if len(data) > max_bytes:

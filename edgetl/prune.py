@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgetl.data import IMAGENET_MEAN, IMAGENET_STD
+from edgetl.data import IMAGENET_MEAN, IMAGENET_STD, class_folders
 from edgetl.errors import ConfigError, DataError
 from edgetl.models.backbone import (
     BackboneSpec,
@@ -310,7 +310,10 @@ def calibration_batches(source: str | Path, *, resolution: int, batches: int = 8
 
 
 def _image_folder(root: Path, need: int, resolution: int, seed: int) -> torch.Tensor:
-    from torchvision import datasets, transforms
+    """``need`` images of ``root/<class>/*`` (or ``root/train/<class>/*``), read as a split is
+    read for training (``edgetl.data.class_folders``): an entry that cannot be read is named in
+    one line, and a FIFO among the images is never waited on."""
+    from torchvision import transforms
 
     if not root.is_dir():
         raise DataError(f"calibration data {root} is neither 'fashion-mnist' nor a folder")
@@ -322,15 +325,9 @@ def _image_folder(root: Path, need: int, resolution: int, seed: int) -> torch.Te
         transforms.ToTensor(),
         transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])
-    try:
-        data = datasets.ImageFolder(str(root), transform=transform)
-    except (FileNotFoundError, OSError) as exc:
-        raise DataError(f"{root} is not an ImageFolder (<class>/<image> files): {exc}") from None
+    data = class_folders(root)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:need]
-    try:
-        return torch.stack([data[int(i)][0] for i in order])
-    except OSError as exc:
-        raise DataError(f"cannot read an image under {root}: {exc}") from None
+    return torch.stack([transform(data[int(i)][0]) for i in order])
 
 
 # ------------------------------------------------------------------------------- doing

@@ -74,6 +74,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -91,6 +92,9 @@ from edgetl.models.backbone import (
     save_backbone,
 )
 from edgetl.recipe import Recipe
+
+if TYPE_CHECKING:  # the data stage loads inside retrain()
+    from edgetl.data import ImageCheck
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +121,7 @@ class RetrainResult:
         source: where the starting weights came from.
         new_head: a trained classifier was replaced by a new one for the data's classes.
         world_size: processes that trained.
+        image_check: what the image check before training read and left out (None: not checked).
     """
 
     out_dir: Path
@@ -133,6 +138,7 @@ class RetrainResult:
     teacher: str | None = None
     world_size: int = 1
     info: dict = field(default_factory=dict)
+    image_check: ImageCheck | None = None
 
 
 # --- models ----------------------------------------------------------------------------
@@ -412,4 +418,5 @@ def retrain(
         epochs=recipe.train.epochs, history=history, seconds=time.perf_counter() - t0,
         train_seconds=sum(r["epoch_time_s"] for r in history), spec=spec, source=source,
         classes=classes, new_head=new_head, teacher=teacher_path, world_size=world, info=info,
+        image_check=splits.image_check,
     )

@@ -452,3 +452,16 @@ def test_class_folders_reads_one_folder_of_classes_by_the_same_rules(tmp_path):
     with pytest.raises(DataError) as info:
         D.class_folders(root / "train")
     assert one_line(info) == f"{entry} is {what}; each entry of {root / 'train'} {CLASS_RULE}"
+
+
+def test_prune_calibration_reads_class_folders_by_the_same_rules(tmp_path, capsys, backbone):
+    """`edgetl prune --calib-data DIR` samples images the way training reads a split: a dangling
+    class folder is named in one line (torchvision's ImageFolder passed over it)."""
+    data = colors(tmp_path / "d", n_train=8, n_val=4)
+    entry, what = _dangling_class(data / "train")
+    before = snapshot(data)
+    out = tmp_path / "pruned"
+    assert exit_code(["prune", "--checkpoint", str(backbone), "--blocks", "2", "--ratios", "0.5",
+                      "--calib-data", str(data), "--calib-batches", "1", "--resolution", "64", "-o", str(out)]) == 2
+    assert error_line(capsys.readouterr().err) == f"{entry} is {what}; each entry of {data / 'train'} {CLASS_RULE}"
+    assert not out.exists() and snapshot(data) == before

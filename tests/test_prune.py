@@ -377,7 +377,7 @@ def _checkpoint(tmp_path):
     (["--ratios", "0.3,0.3", "--target-bytes", "100"], "--target-bytes needs --auto"),
     (["--checkpoint", "MISSING", "--ratios", "0.3,0.3"], "does not exist"),
     (["--checkpoint", "BADJSON", "--ratios", "0.3,0.3"], "corrupted"),
-    (["--checkpoint", "BADPT", "--ratios", "0.3,0.3"], "corrupted"),
+    (["--checkpoint", "BADPT", "--ratios", "0.3,0.3"], "is damaged or not a state_dict"),
     (["--weights", "MISSINGW", "--ratios", "0.3,0.3"], "does not exist"),
     (["--calib-data", "MISSINGDATA", "--ratios", "0.3,0.3"], "neither 'fashion-mnist' nor a folder"),
     ([], "give --ratios"),

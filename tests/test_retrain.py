@@ -299,6 +299,8 @@ def test_defaults_run_to_the_end(tmp_path, capsys, caplog):
     assert main([*argv, "--batch-size", "12"]) == 0
     out = capsys.readouterr().out
     assert f"saved to {run}" in out
+    # the summary says how many images the check before training read (12 + 6 made above)
+    assert "images: 18 files checked in " in out
     recipe = load_recipe(run / "recipe.yaml")
     assert recipe.distill is None and recipe.optim.warmup_epochs == 1 and recipe.train.epochs == 1
     # the 1-epoch warmup of a 10-epoch recipe, in a 1-epoch run of 1 step: warm up 0 steps, said once

@@ -178,7 +178,7 @@ def test_resume_guards(toy, tmp_path):
     with pytest.raises(ConfigError, match="recipe differs in optim.lr"):
         run(apply_overrides(rcp, {"optim.lr": 0.5}), tmp_path / "r", resume=True)
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(DataError, match="corrupted"):
+    with pytest.raises(DataError, match="is damaged or not an edgetl checkpoint"):
         T.load_checkpoint(tmp_path / "bad.pt")
 
 

@@ -116,6 +116,14 @@ def fmt_mb(n_bytes: float | None, unit: str = "MB") -> str:
     return f"{n_bytes / (MIB if unit == 'MiB' else MB):.2f}"
 
 
+def fmt_image_check(check) -> str:
+    """"images: 72 files checked in 0.01 s (header and end of each)", plus what was left out."""
+    text = f"images: {check.checked} files checked in {check.seconds:.2f} s (header and end of each)"
+    if check.bad:
+        text += f"; {len(check.bad)} unreadable, left out (data.on_bad_image: skip)"
+    return text
+
+
 def fmt_side_pools(lean: dict) -> str:
     """"pool 2 (stored per side module: 2 2 1 1 1 1)": the requested k and what each side conv stores."""
     pools = lean.get("side_pools") or []

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import positive_float, positive_int, print_table
+from edgetl.cli._common import fmt_image_check, positive_float, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.recipe import apply_overrides, load_recipe, parse_override
 
@@ -203,7 +203,8 @@ def run(args) -> int:
             ["best val top-1", f"{result.best_acc1:.2f} % (epoch {result.best_epoch})"
              if result.best_acc1 is not None else "-"],
             ["last val top-1", f"{result.history[-1]['val_acc1']:.2f} %" if result.history else "-"],
-            ["training time", f"{result.train_seconds / 60:.1f} min (this call {result.seconds / 60:.1f} min)"]]
+            ["training time", f"{result.train_seconds / 60:.1f} min (this call {result.seconds / 60:.1f} min)"],
+            ["data", fmt_image_check(result.image_check) if result.image_check and result.image_check.checked else "-"]]
     print()
     print_table(["", "retrain"], rows)
     out = result.out_dir
