@@ -26,6 +26,9 @@ import yaml
 
 from edgetl.errors import ConfigError, DataError, ResourceError
 from edgetl.units import MB
+# The Software text chunk of every PNG edgetl writes: the mark by which a later command knows a
+# chart is edgetl's to replace (edgetl.cli._common.output_file).
+PNG_SOFTWARE = "edgetl"
 
 
 def _umask() -> int:

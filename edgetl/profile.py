@@ -208,7 +208,7 @@ def plot_profile(report: MemoryReport, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from edgetl.io import atomic_write_bytes
+    from edgetl.io import PNG_SOFTWARE, atomic_write_bytes
 
     idx = list(range(len(report.blocks)))
     labels = [str(b.index) if b.name != "head" else "head" for b in report.blocks]
@@ -237,6 +237,6 @@ def plot_profile(report: MemoryReport, path: str | Path) -> None:
     ax.legend(loc="upper right")
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata={"Software": PNG_SOFTWARE})  # edgetl may replace it later
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())

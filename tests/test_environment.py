@@ -246,3 +246,56 @@ def test_the_program_waits_passively_and_the_library_import_sets_nothing():
     assert _probe(PROBE, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's choice is kept
     library = "import os, edgetl, edgetl.cli, edgetl.step, edgetl.finetune; print(os.environ.get('OMP_WAIT_POLICY'))"
     assert _probe(library) == "None"
+
+
+# --- outputs replace only edgetl's own files of the same kind (issue #41 item 2) -----------------
+
+PROFILE = ["profile", "--width", "0.35", "--resolution", "64", "--batch-size", "2"]
+
+
+@pytest.mark.parametrize("flag, name, kind", [
+    ("--json", "report.json", "an edgetl profile report"),
+    ("--plot", "chart.png", "an edgetl chart"),
+])
+@pytest.mark.parametrize("theirs", [b"my notes\n", b'{"accounting": 1}', b"\x89PNG\r\n\x1a\nnot ours", b""],
+                         ids=["text", "other-json", "other-png", "empty"])
+def test_an_output_onto_a_file_edgetl_did_not_write_is_refused_before_any_work(flag, name, kind, theirs,
+                                                                                 tmp_path, capsys):
+    target = tmp_path / name
+    target.write_bytes(theirs)
+    assert exit_code([*PROFILE, flag, str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # refused before the profile ran
+    assert one_line(captured.err).endswith(
+        f"argument {flag}: {target} exists and is not {kind}; edgetl replaces only files it wrote of the same "
+        f"kind: give another path, or move that file away (see --help)")
+    assert target.read_bytes() == theirs and sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_outputs_onto_the_commands_own_earlier_outputs_are_replaced(tmp_path, capsys):
+    report, chart = tmp_path / "report.json", tmp_path / "chart.png"
+    assert exit_code([*PROFILE, "--json", str(report), "--plot", str(chart)]) == 0
+    assert b"Software\x00edgetl" in chart.read_bytes()[:4096]  # the mark a later run recognises
+    first = json.loads(report.read_text())
+    assert exit_code([*PROFILE, "--resolution", "96", "--json", str(report), "--plot", str(chart)]) == 0
+    assert json.loads(report.read_text())["resolution"] == 96 != first["resolution"]
+    # a chart is not a report, nor a report a chart: each kind replaces only its own
+    assert exit_code([*PROFILE, "--json", str(chart)]) == 2
+    assert exit_code([*PROFILE, "--plot", str(report)]) == 2
+    capsys.readouterr()
+
+
+def test_a_symlink_at_an_output_path_is_replaced_only_if_it_leads_to_edgetls_file(tmp_path, capsys):
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"keep": true}')
+    (tmp_path / "link.json").symlink_to(mine)
+    assert exit_code([*PROFILE, "--json", str(tmp_path / "link.json")]) == 2
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "nowhere.json")
+    assert exit_code([*PROFILE, "--json", str(tmp_path / "dangling.json")]) == 2
+    assert mine.read_text() == '{"keep": true}' and not (tmp_path / "nowhere.json").exists()
+    capsys.readouterr()
+
+
+def test_an_empty_output_path_is_refused(capsys):
+    assert exit_code([*PROFILE, "--json", ""]) == 2
+    assert one_line(capsys.readouterr().err).endswith("argument --json: an empty path; give a file path (see --help)")

@@ -232,7 +232,7 @@ def plot_bench(result: BenchResult, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from edgetl.io import atomic_write_bytes
+    from edgetl.io import PNG_SOFTWARE, atomic_write_bytes
 
     rows = result.rows
     idx = list(range(len(rows)))
@@ -276,6 +276,6 @@ def plot_bench(result: BenchResult, path: str | Path) -> None:
     fig.suptitle(caption(result), fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata={"Software": PNG_SOFTWARE})  # edgetl may replace it later
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())

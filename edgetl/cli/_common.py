@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
 from pathlib import Path
 
 from edgetl.errors import ConfigError
+from edgetl.io import PNG_SOFTWARE
 from edgetl.units import MB, MIB
 from edgetl.units import parse_bytes
 
@@ -99,6 +101,8 @@ def keep_type(text: str) -> float:
 
 def writable_file(text: str) -> Path:
     """An output file path whose folder exists and is writable (checked before any work)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a file path")
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
@@ -108,6 +112,72 @@ def writable_file(text: str) -> Path:
     if not os.access(parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: folder {parent} is not writable")
     return path
+
+
+# An output file replaces an existing file only if edgetl wrote it for the same purpose (issue #41:
+# edgetl never overwrites a file it did not make; `plan -o` onto a user's notes or onto the
+# backbone's own backbone.json is refused before any work). Each kind is recognised by what it
+# holds, read whole up to this size (a larger file is no output of these kinds).
+MAX_RECOGNISED_BYTES = 64 * 2**20
+
+
+def _json_with(*keys: str):
+    def recognise(data: bytes) -> bool:
+        try:
+            value = json.loads(data.decode("utf-8-sig"))
+        except (ValueError, UnicodeDecodeError):
+            return False
+        return isinstance(value, dict) and all(k in value for k in keys)
+    return recognise
+
+
+def _plan_document(data: bytes) -> bool:
+    import yaml
+
+    try:
+        value = yaml.safe_load(data.decode("utf-8-sig"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(value, dict) and str(value.get("format", "")).startswith("edgetl-plan/")
+
+
+def _edgetl_png(data: bytes) -> bool:
+    return data.startswith(b"\x89PNG\r\n\x1a\n") and b"Software\x00" + PNG_SOFTWARE.encode() in data[:4096]
+
+
+def _csv_headed(first: str):
+    return lambda data: data.split(b"\n", 1)[0].decode("utf-8", "replace").startswith(first)
+
+
+OUTPUT_KINDS = {  # kind -> (what it is, in messages; how edgetl's own file of that kind is recognised)
+    "plan": ("an edgetl plan", _plan_document),
+    "profile-json": ("an edgetl profile report", _json_with("accounting", "mode", "blocks")),
+    "bench-json": ("edgetl bench results", _json_with("reference", "rows", "resolution")),
+    "bench-csv": ("edgetl bench rows", _csv_headed("method,label,")),
+    "png": ("an edgetl chart", _edgetl_png),
+}
+
+
+def output_file(kind: str):
+    """An argparse type for an output file of ``kind`` (``OUTPUT_KINDS``): ``writable_file``, and
+    an existing file at the path is replaced only if it is edgetl's own file of that kind."""
+    what, recognise = OUTPUT_KINDS[kind]
+
+    def check(text: str) -> Path:
+        path = writable_file(text)
+        if not (path.exists() or path.is_symlink()):
+            return path
+        try:
+            ours = path.is_file() and path.stat().st_size <= MAX_RECOGNISED_BYTES and recognise(path.read_bytes())
+        except OSError:
+            ours = False
+        if not ours:
+            raise argparse.ArgumentTypeError(f"{text} exists and is not {what}; edgetl replaces only files it wrote "
+                                             f"of the same kind: give another path, or move that file away")
+        return path
+
+    check.__name__ = kind  # argparse names the type in some messages
+    return check
 
 
 def fmt_mb(n_bytes: float | None, unit: str = "MB") -> str:

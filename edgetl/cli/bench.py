@@ -8,7 +8,7 @@ import sys
 
 from edgetl.cli import COMMANDS
 from edgetl.bench import METHODS, BenchResult, bench, caption, cpu_cores, plot_bench, table_rows, to_markdown
-from edgetl.cli._common import HelpFormatter, positive_float, positive_int, print_table, torch_device, writable_file
+from edgetl.cli._common import HelpFormatter, positive_float, positive_int, output_file, print_table, torch_device
 from edgetl.errors import ConfigError
 from edgetl.units import parse_bytes
 
@@ -77,9 +77,9 @@ def add_parser(sub) -> None:
                         f"which runs alone (default: one per CPU core on a CPU, here {cpu_cores()}; 1 on CUDA)")
     p.add_argument("--from", dest="source", metavar="PATH", help="render a saved JSON result instead of running")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown (for the README)")
-    p.add_argument("--json", type=writable_file, metavar="PATH", help="save the result as JSON")
-    p.add_argument("--csv", type=writable_file, metavar="PATH", help="save the rows as CSV")
-    p.add_argument("--plot", type=writable_file, metavar="PATH", help="save a PNG chart")
+    p.add_argument("--json", type=output_file("bench-json"), metavar="PATH", help="save the result as JSON")
+    p.add_argument("--csv", type=output_file("bench-csv"), metavar="PATH", help="save the rows as CSV")
+    p.add_argument("--plot", type=output_file("png"), metavar="PATH", help="save a PNG chart")
     p.set_defaults(run=run)
 
 

@@ -9,11 +9,11 @@ from edgetl.cli._common import (
     HelpFormatter,
     fmt_mb,
     fmt_side_pools,
+    output_file,
     positive_float,
     positive_int,
     print_table,
     torch_device,
-    writable_file,
 )
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
@@ -54,8 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--measure", action="store_true",
                    help="also run real training steps (forward, backward, Adam) and measure the peak")
     p.add_argument("--device", type=torch_device, help="torch device for --measure: cpu (default), cuda, cuda:N")
-    p.add_argument("--json", type=writable_file, metavar="PATH", help="save the report as JSON")
-    p.add_argument("--plot", type=writable_file, metavar="PATH", help="save a per-block PNG chart")
+    p.add_argument("--json", type=output_file("profile-json"), metavar="PATH", help="save the report as JSON")
+    p.add_argument("--plot", type=output_file("png"), metavar="PATH", help="save a per-block PNG chart")
     p.set_defaults(run=run)
 
 
