@@ -299,3 +299,14 @@ def test_a_symlink_at_an_output_path_is_replaced_only_if_it_leads_to_edgetls_fil
 def test_an_empty_output_path_is_refused(capsys):
     assert exit_code([*PROFILE, "--json", ""]) == 2
     assert one_line(capsys.readouterr().err).endswith("argument --json: an empty path; give a file path (see --help)")
+
+
+def test_a_working_folder_that_was_deleted_is_one_line(tmp_path):
+    program = Path(sys.executable).parent / "edgetl"
+    if not program.exists():
+        pytest.skip("the edgetl console script is not installed beside this Python")
+    script = f"mkdir gone && cd gone && rmdir ../gone && exec {program} plan --budget 256MB"
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert one_line(proc.stderr) == ("edgetl: error: the working folder no longer exists (deleted or unmounted); "
+                                     "cd to a folder that exists")

@@ -85,6 +85,10 @@ THREAD_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
 def entry() -> int:
     """The ``edgetl`` program (console script and ``python -m edgetl``): the threading policy,
     set before torch loads, then ``main``."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # torch's libraries fail to load there, with a fatal error of their own
+        return fail("the working folder no longer exists (deleted or unmounted); cd to a folder that exists")
     if "torch" not in sys.modules:
         for name, value in THREAD_WAIT_POLICY.items():
             os.environ.setdefault(name, value)
