@@ -214,12 +214,12 @@ def run_demo(
     planned = stages.run("plan", plan_stage)
 
     def prune_stage(work: Path) -> dict:
-        from edgetl.models.backbone import load_backbone
+        from edgetl.models.backbone import PAPER_RATIOS, load_backbone
         from edgetl.prune import calibration_batches, prune, save_pruned
 
         blocks, ratios = planned["blocks"], planned["ratios"]
         if not blocks:  # the plan fitted without pruning: prune as the paper does
-            blocks, ratios = [1, 2, 3, 4], [0.3, 0.78, 0.46, 0.46]
+            blocks, ratios = list(PAPER_RATIOS), list(PAPER_RATIOS.values())
         net = load_backbone(pre["backbone"])
         batches = calibration_batches("fashion-mnist", resolution=scale.resolution, batches=4)
         result = prune(net=net, blocks=blocks, ratios=ratios, importance="activation-l2", calib_batches=batches,

@@ -26,6 +26,7 @@ from torch import nn
 from edgetl.data import IMAGENET_MEAN, IMAGENET_STD, class_folders
 from edgetl.errors import ConfigError, DataError
 from edgetl.models.backbone import (
+    PAPER_RATIOS,
     BackboneSpec,
     EdgeNet,
     block_out_channels,
@@ -38,7 +39,6 @@ from edgetl.models.backbone import (
 log = logging.getLogger(__name__)
 
 IMPORTANCES = ("activation-l2", "weight-l2")
-PAPER_RATIOS = {1: 0.3, 2: 0.78, 3: 0.46, 4: 0.46}  # FMEC 2023, MobileNetV2 1.0 at 224 px
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_IMAGES = "train-images-idx3-ubyte.gz"
 RATIO_STEP = 0.001  # --auto picks ratios on this grid: fine enough to hit every kept count up to 1000

@@ -28,9 +28,11 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from edgetl.models.backbone import PAPER_RATIOS as PAPER_PRUNING
+
 SOURCE_CLASSES = [0, 1, 2, 3, 4]
-PAPER_BLOCKS = [1, 2, 3, 4]
-PAPER_RATIOS = [0.3, 0.78, 0.46, 0.46]
+PAPER_BLOCKS = list(PAPER_PRUNING)
+PAPER_RATIOS = list(PAPER_PRUNING.values())
 PAPER_BATCH, PAPER_RESOLUTION = 8, 224
 RESOLUTION, BATCH_SIZE = 64, 32  # the fashion_mnist recipe's, which every study trains at
 # The source task is the fixture's at every scale of a study: the same backbone throughout.

@@ -25,10 +25,10 @@ import torch
 
 from edgetl.cli import main as edgetl
 from edgetl.io import atomic_text_json
-from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
+from edgetl.models.backbone import PAPER_RATIOS, BackboneSpec, build_backbone, save_backbone
 
 ROOT = Path(__file__).resolve().parents[1]
-PRUNE = ["prune", "--ratios", "0.3,0.78,0.46,0.46", "--importance", "weight-l2"]
+PRUNE = ["prune", "--ratios", ",".join(map(str, PAPER_RATIOS.values())), "--importance", "weight-l2"]
 FULL = ["profile", "--mode", "full", "--accounting", "paper", "--num-classes", "102"]
 
 

@@ -10,12 +10,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from edgetl.errors import ConfigError
-from edgetl.models.backbone import BackboneSpec, EdgeNet, build_backbone, hidden_channels
+from edgetl.models.backbone import PAPER_RATIOS, BackboneSpec, EdgeNet, build_backbone, hidden_channels
 from edgetl.models.side import LeanOptions, build_network
 
 # The FMEC paper's pruning ratios for blocks 1-4 (DESIGN 5); at width 1.0 they keep
 # 22/21/77/77 hidden channels.
-PAPER_PRUNING = {1: 0.3, 2: 0.78, 3: 0.46, 4: 0.46}
+PAPER_PRUNING = PAPER_RATIOS
 REFERENCE = "repnet-stock"
 PLAN = "plan"
 FROZEN_BITS = 8  # paper accounting: frozen weights stored 8-bit (DESIGN 2a)

@@ -23,6 +23,10 @@ from edgetl.errors import ConfigError, DataError
 from edgetl.io import load_state, load_torch_file
 
 HEAD_BLOCK = 19
+# The FMEC 2023 paper's pruning of MobileNetV2 1.0 at 224 px: block -> ratio of hidden channels
+# removed (DESIGN 5; keeps 22/21/77/77). The one place they are written: prune, bench, demo and
+# the figure scripts read them here.
+PAPER_RATIOS = {1: 0.3, 2: 0.78, 3: 0.46, 4: 0.46}
 NUM_FEATURE_BLOCKS = 19
 ARCHS = ("mobilenet_v2",)
 
