@@ -89,7 +89,8 @@ def add_parser(sub) -> None:
 
 
 def apply_plan(args) -> None:
-    """Fill flags the user did not give from ``--plan``; check the backbone is the planned one."""
+    """Fill flags the user did not give from ``--plan``; refuse, naming both sides, a plan made
+    for another backbone (width or hidden channels) than the one the run trains."""
     from edgetl.models.backbone import backbone_spec
     from edgetl.plan import load_plan
 
@@ -102,12 +103,20 @@ def apply_plan(args) -> None:
                         ("fused", c.fused or None), ("step_in_backward", c.step_in_backward or None)):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    want = plan.spec.hidden
-    have = backbone_spec(args.backbone).hidden if args.backbone else {}
-    if have != want:
+    # the backbone the run trains is the recipe's that these flags resolve (--backbone, --weights,
+    # --set model.backbone or model.width, the recipe's own; none: MobileNetV2 at model.width)
+    m = recipe_from_args(argparse.Namespace(**{**vars(args), "plan": None})).model
+    have = backbone_spec(m.backbone, width=None if m.backbone and Path(m.backbone).is_dir() else m.width)
+    name = m.backbone or "MobileNetV2 (model.width)"
+    want = plan.spec
+    if have.width != want.width:
+        again = f"--backbone {m.backbone}" if m.backbone else f"--width {have.width:g}"
+        raise ConfigError(f"{args.plan} was planned for MobileNetV2 width {want.width:g}; the backbone {name} is "
+                          f"width {have.width:g}: plan again with {again}, or give a width-{want.width:g} backbone")
+    if have.hidden != want.hidden:
         hint = f"edgetl prune --plan {args.plan} -o pruned, then --backbone pruned" if c.kept else "the unpruned backbone"
-        raise ConfigError(f"{args.plan} plans hidden channels {want or 'unpruned'}; the backbone has "
-                          f"{have or 'unpruned'}: use {hint}")
+        raise ConfigError(f"{args.plan} plans hidden channels {want.hidden or 'unpruned'}; the backbone {name} has "
+                          f"{have.hidden or 'unpruned'}: use {hint}")
     args.plan_resolution = plan.resolution
 
 

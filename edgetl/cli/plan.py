@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, budget_type, fmt_mb, positive_int, print_table, writable_file
+from edgetl.cli._common import (
+    HelpFormatter, budget_type, fmt_mb, positive_float, positive_int, print_table, writable_file,
+)
 from edgetl.errors import ConfigError
 
 
@@ -59,7 +61,8 @@ def add_parser(sub) -> None:
                    help="what fine-tunes: Rep-Net side network, bias-only TinyTL-B, or lean full fine-tuning")
     p.add_argument("--batch-size", type=batch_type, default=8, metavar="N|auto",
                    help="fixed batch, or auto: the largest that fits")
-    p.add_argument("--max-batch-size", type=positive_int, default=MAX_BATCH_SIZE, help="upper end for auto")
+    p.add_argument("--max-batch-size", type=positive_int,
+                   help=f"upper end for --batch-size auto (default {MAX_BATCH_SIZE})")
     p.add_argument("--resolution", type=positive_int, default=224, help="input size in pixels")
     p.add_argument("--num-classes", type=positive_int, default=102, help="classifier outputs")
     p.add_argument("--precision", choices=(*PRECISIONS, "half"),
@@ -72,7 +75,9 @@ def add_parser(sub) -> None:
                    help="fix the update inside backward (optim.step_in_backward) on or off; --no-step-in-backward "
                         "for a run under DDP (torchrun), which refuses it; default: searched")
     p.add_argument("--backbone", metavar="DIR|NAME", help="backbone folder or weights name, e.g. mobilenet_v2:IMAGENET1K_V1 (default: MobileNetV2 --width)")
-    p.add_argument("--width", type=float, default=1.0, help="width multiplier without --backbone")
+    p.add_argument("--width", type=positive_float,
+                   help="width multiplier of the default backbone or mobilenet_v2:random (default 1.0; a backbone "
+                        "folder has its own)")
     p.add_argument("--max-ratio", type=float, default=MAX_RATIO, help="most any block may be pruned")
     p.add_argument("--verify", action="store_true",
                    help="build the planned network (random weights) and measure real training steps")
@@ -147,14 +152,17 @@ def print_plan(plan) -> None:
 
 
 def run(args) -> int:
-    from edgetl.plan import DEVICES, VERIFY_TOLERANCE, plan, verify_plan
+    from edgetl.plan import DEVICES, MAX_BATCH_SIZE, VERIFY_TOLERANCE, plan, verify_plan
 
     if args.device not in DEVICES:
         raise ConfigError(f"unknown device {args.device!r}; allowed: {', '.join(DEVICES)}")
+    if args.max_batch_size is not None and args.batch_size != "auto":
+        raise ConfigError(f"--max-batch-size {args.max_batch_size} needs --batch-size auto (the batch is fixed "
+                          f"at {args.batch_size})")
     result = plan(budget_bytes=args.budget, device_preset=args.device, budget_scope=args.budget_scope,
                   batch_size=args.batch_size, resolution=args.resolution, num_classes=args.num_classes,
                   precision=args.precision, stream=args.stream, backbone=args.backbone, width=args.width,
-                  max_ratio=args.max_ratio, max_batch_size=args.max_batch_size, mode=args.mode,
+                  max_ratio=args.max_ratio, max_batch_size=args.max_batch_size or MAX_BATCH_SIZE, mode=args.mode,
                   fused=args.fused, step_in_backward=args.step_in_backward)
     if args.verify:
         verify_plan(result)

@@ -181,15 +181,18 @@ def run(args) -> int:
 
 
 def _from_plan(path, spec) -> tuple[list[int], list[float]]:
-    """Blocks and ratios of a plan, after checking it was made for this input backbone."""
+    """Blocks and ratios of a plan, after checking it was made for this input backbone (its
+    width and hidden channels), naming both sides."""
+    from edgetl.models.backbone import BackboneSpec
     from edgetl.plan import load_plan
 
     plan = load_plan(path)
-    planned = plan.backbone
-    if (planned["width"], {int(k): v for k, v in planned["hidden"].items()}) != (spec.width, spec.hidden):
+    planned = BackboneSpec.from_dict(plan.backbone)
+    if (planned.width, planned.hidden) != (spec.width, spec.hidden):
         raise ConfigError(
-            f"{path} was planned for backbone width {planned['width']} hidden {planned['hidden'] or 'unpruned'}; "
-            f"this input is width {spec.width} hidden {spec.hidden or 'unpruned'}: plan again with --backbone"
+            f"{path} was planned for backbone width {planned.width:g} hidden {planned.hidden or 'unpruned'}; "
+            f"this input is width {spec.width:g} hidden {spec.hidden or 'unpruned'}: plan again with --backbone "
+            "(this input) or --width"
         )
     if not plan.chosen.kept:
         raise ConfigError(f"{path} prunes nothing: fine-tune the input backbone directly "

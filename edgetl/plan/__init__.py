@@ -65,15 +65,26 @@ __all__ = [
 ]
 
 
-def _resolve_spec(backbone, width: float, num_classes: int) -> BackboneSpec:
-    if backbone is None:
-        return BackboneSpec(width=width, num_classes=num_classes)
-    if isinstance(backbone, BackboneSpec):
-        return dataclasses.replace(backbone, num_classes=num_classes, hidden=dict(backbone.hidden))
+def _resolve_spec(backbone, width: float | None, num_classes: int) -> BackboneSpec:
+    """The input backbone's spec. ``width`` describes the default MobileNetV2 (or
+    mobilenet_v2:random, a weights file): beside a backbone folder, which has its own, it is
+    refused as retrain and prune refuse it, and so is a width a spec or weights name lacks."""
     from edgetl.models.backbone import backbone_spec
 
-    # a folder, or a weights name: only the architecture matters here (nothing is loaded)
-    return dataclasses.replace(backbone_spec(backbone, width=width), num_classes=num_classes)
+    if backbone is None:
+        spec = BackboneSpec(width=1.0 if width is None else width)
+    elif isinstance(backbone, BackboneSpec):
+        spec = backbone
+    else:
+        # a folder, or a weights name: only the architecture matters here (nothing is loaded)
+        folder = Path(backbone).is_dir()
+        spec = backbone_spec(backbone, width=None if folder else width)
+        if folder and width is not None:
+            raise ConfigError(f"width {width:g} is for the default backbone; the backbone folder {backbone} has "
+                              f"its own width ({spec.width:g}): leave the width out")
+    if width is not None and spec.width != width:
+        raise ConfigError(f"width {width:g} disagrees with the backbone's width {spec.width:g}; leave the width out")
+    return dataclasses.replace(spec, num_classes=num_classes, hidden=dict(spec.hidden))
 
 
 def _check_budget(budget_bytes, device_preset, budget_scope: str, batch_size, max_batch_size) -> DevicePreset:
@@ -165,7 +176,7 @@ def plan(
     frozen_weights: str | None = None,
     stream: int | None = None,
     backbone: BackboneSpec | str | Path | None = None,
-    width: float = 1.0,
+    width: float | None = None,
     blocks: list[int] | None = None,
     max_ratio: float = MAX_RATIO,
     max_batch_size: int = MAX_BATCH_SIZE,
@@ -191,7 +202,8 @@ def plan(
             searches: streaming is the first lever, and the plan keeps the largest micro-batch
             that fits (fewer, larger kernels).
         backbone: a BackboneSpec or a backbone folder (pruned or not); None: MobileNetV2 ``width``.
-        width: width multiplier when no backbone is given.
+        width: width multiplier of the default backbone (1.0 where None); refused beside a
+            backbone that has its own (a folder, ImageNet weights, a spec of another width).
         blocks: blocks pruning may touch; None: the sensitive blocks of the runtime profile.
         max_ratio: most any block may be pruned.
         max_batch_size: upper end of the "auto" search.

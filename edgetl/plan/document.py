@@ -7,12 +7,17 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
 from edgetl.errors import BudgetError, ConfigError, DataError
-from edgetl.models.backbone import BackboneSpec, prunable_blocks
-from edgetl.options import CONV_STORAGES, FROZEN_WEIGHTS, POOLS, PRECISIONS, LeanOptions
+from edgetl.models.backbone import ARCHS, BackboneSpec, prunable_blocks
+from edgetl.options import (
+    CONV_STORAGES, FROZEN_WEIGHTS, MAX_BATCH, POOLS, PRECISIONS, LeanOptions, option_default,
+)
+from edgetl.plan.devices import DEVICES
+from edgetl.schema import allowed, build, check_fields, show
 
 PLAN_FORMAT = "edgetl-plan/1"
 MODE = "repnet"  # the default planned mode: Rep-Net on a frozen lean backbone
@@ -29,6 +34,154 @@ VERIFY_TOLERANCE = 0.05
 OBJECTIVE = ("fit the budget removing as few hidden channels as possible, then prefer a smaller "
              "pooling k, then a larger batch; storage savings (frozen fp16, int8 frozen weights, "
              "half activations) before pooling, pooling before pruning")
+
+
+# --- the document's schema: each section as the recipe's are (edgetl.schema), parsed, never coerced ----
+
+
+@dataclass(kw_only=True)
+class _FinetuneSection:
+    """plan.finetune (and a runner-up's): the lean runtime options and the batch."""
+
+    mode: Literal[PLAN_MODES]
+    runtime: Literal["lean"] = "lean"  # plans before issue #16 had no runtime: lean
+    pool: int = option_default("pool", dataclasses.MISSING)
+    precision: Literal[PRECISIONS]
+    frozen_weights: Literal[FROZEN_WEIGHTS]
+    bn: Literal["fold"]
+    batch_size: int = allowed(ge=1, le=MAX_BATCH)  # train.batch_size's range
+    stream: int = option_default("stream", 0)  # plans before streaming streamed nothing
+    uint8_input: bool | None = None  # derived from stream; absent in plans before it
+    recompute: bool = False
+    storage: Literal[CONV_STORAGES] = "exact"
+    fused: bool = False  # plans before issue #30 changed no step
+    step_in_backward: bool = False
+
+
+@dataclass(kw_only=True)
+class _PruneSection:
+    """plan.prune, less its two mappings of block -> channels (``channels``, ``kept``)."""
+
+    blocks: list[int] = allowed(ge=prunable_blocks().start, le=prunable_blocks().stop - 1)
+    ratios: list[float] = allowed(ge=0, lt=1)
+
+
+@dataclass(kw_only=True)
+class _BudgetSection:
+    """plan.budget, less ``overheads`` (name -> bytes)."""
+
+    budget_bytes: int = allowed(ge=1)
+    scope: Literal[BUDGET_SCOPES]
+    tensor_budget_bytes: int = allowed(ge=0)
+    device: Literal[tuple(DEVICES)]
+    device_process_limit_bytes: int | None = allowed(None, ge=1)
+
+
+@dataclass(kw_only=True)
+class _RequestSection:
+    """plan.request: what ``plan`` was asked (None: searched)."""
+
+    mode: Literal[PLAN_MODES] = MODE  # absent before issue #16: Rep-Net
+    batch_size: int | Literal["auto"]  # an integer >= 1 (checked in Plan.from_dict)
+    precision: Literal[PRECISIONS] | None
+    pool: int | None = allowed(choices=POOLS)
+    frozen_weights: Literal[FROZEN_WEIGHTS] | None
+    stream: int | None = allowed(None, ge=0, le=MAX_BATCH)  # absent before streaming
+    fused: bool | None = None  # absent before issue #30
+    step_in_backward: bool | None = None
+    blocks: list[int] | None = allowed(ge=prunable_blocks().start, le=prunable_blocks().stop - 1)
+    max_ratio: float = allowed(ge=0, lt=1)
+    max_batch_size: int = allowed(ge=1)
+
+
+@dataclass(kw_only=True)
+class _BackboneSection:
+    """plan.backbone: the input backbone's ``BackboneSpec``, less ``hidden`` (block -> channels)."""
+
+    arch: Literal[ARCHS] = "mobilenet_v2"
+    width: float = allowed(gt=0)
+    num_classes: int = allowed(ge=1)
+    dropout: float = allowed(0.2, ge=0, le=1)
+
+
+@dataclass(kw_only=True)
+class _TopSection:
+    """The plan's own values (its sections are parsed apart)."""
+
+    format: str
+    objective: str = OBJECTIVE
+    resolution: int = allowed(ge=1)
+    num_classes: int = allowed(ge=1)
+    notes: list[str] | None = None
+
+
+@dataclass(kw_only=True)
+class _PredictedSection:
+    """plan.predicted, less ``breakdown`` (part -> bytes)."""
+
+    total_bytes: int = allowed(ge=0)
+
+
+@dataclass(kw_only=True)
+class _VerifySection:
+    measured_bytes: int = allowed(ge=0)
+    steps: int = allowed(ge=1)
+
+
+@dataclass(kw_only=True)
+class _SearchSection:
+    evaluations: int = allowed(0, ge=0)
+    seconds: float = allowed(0.0, ge=0)
+
+
+@dataclass(kw_only=True)
+class _CandidateSection:
+    predicted_bytes: int = allowed(ge=0)
+    fits: bool
+    why: str = ""
+
+
+def _section(schema, data, where: str, maps: dict[str, bool] | None = None):
+    """``data`` read as the section ``schema`` by the recipe's machinery (``edgetl.schema``):
+    unknown keys refused with a close match, missing required values refused, every value of
+    its type (an integer is no float, a boolean no string or number) and in its range; one
+    ConfigError line naming the key. ``maps`` names the keys that hold mappings to integers
+    (True: keyed by block number), returned beside the section."""
+    maps = maps or {}
+    _check_keys(data, {f.name for f in dataclasses.fields(schema)} | set(maps), where)
+    missing = [key for key in maps if key not in data]
+    if missing:
+        raise ConfigError(f"{where}: missing required value {missing[0]} (a mapping)")
+    section = build(schema, {k: v for k, v in data.items() if k not in maps}, "", where)
+    check_fields(section, where)
+    return section, {key: _int_map(data[key], f"{where}.{key}", blocks) for key, blocks in maps.items()}
+
+
+def _int_map(data, where: str, blocks: bool) -> dict:
+    """A mapping of names (``blocks``: block numbers, JSON's "3" as YAML's 3) to integers >= 0."""
+    if data is None and not blocks:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} is {show(data)}; allowed: a mapping of "
+                          f"{'block numbers' if blocks else 'names'} to integers")
+    out = {}
+    for key, value in data.items():
+        name = key
+        if blocks:
+            number = key if isinstance(key, int) and not isinstance(key, bool) else (
+                int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None)
+            if number not in prunable_blocks():
+                raise ConfigError(f"{where}: key {show(key)} is not a block that can be pruned; allowed: "
+                                  f"{prunable_blocks().start}..{prunable_blocks().stop - 1}")
+            name = number
+        elif not isinstance(key, str):
+            raise ConfigError(f"{where}: key {show(key)} is not a name; allowed: a string")
+        if name in out:
+            raise ConfigError(f"{where}: block {name} is named twice ({show(key)})")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}.{key}: {show(value)} is not allowed; allowed: an integer >= 0")
+        out[name] = value
+    return out
 
 
 
@@ -145,45 +298,63 @@ class PlanConfig:
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "PlanConfig":
-        _check_keys(data, {"prune", "finetune"}, where)
-        p, f = data["prune"], data["finetune"]
-        _check_keys(p, {"blocks", "ratios", "channels", "kept"}, f"{where}.prune")
-        # plans written before streaming stream nothing; before issue #16 every plan was Rep-Net's;
-        # before issue #30 no plan changed the optimizer step
-        f = {"stream": 0, "runtime": "lean", "storage": "exact", "recompute": False, "fused": False,
-             "step_in_backward": False, **f}
-        _check_keys(f, {"mode", "runtime", "pool", "precision", "frozen_weights", "bn", "batch_size", "stream",
-                        "storage", "recompute", "uint8_input", "fused", "step_in_backward"}
-                    - ({"uint8_input"} - set(f)), f"{where}.finetune")
+        """Parse ``{"prune": ..., "finetune": ...}``: every value of its type and range, and the
+        redundant ones agreeing (blocks, ratios, channels and kept; stream and uint8_input)."""
+        _check_keys(data, {"prune", "finetune"}, where, required={"prune", "finetune"})
+        finetune = data["finetune"]
         for key in ("fused", "step_in_backward"):
-            if not isinstance(f[key], bool):
-                raise ConfigError(f"{where}.finetune.{key}: {f[key]!r}; allowed: true, false")
-        kept = {int(b): int(k) for b, k in p["kept"].items()}
-        channels = {int(b): int(c) for b, c in p["channels"].items()}
-        if sorted(kept) != sorted(channels) or sorted(kept) != [int(b) for b in p["blocks"]]:
-            raise ConfigError(f"{where}.prune: blocks, channels and kept name different blocks")
-        for b in kept:
-            if b not in prunable_blocks() or not 1 <= kept[b] <= channels[b]:
-                raise ConfigError(f"{where}.prune: block {b} keeps {kept[b]} of {channels[b]} channels")
-        if f["mode"] not in PLAN_MODES or f["bn"] != "fold" or f["runtime"] != "lean":
-            raise ConfigError(f"{where}.finetune: mode {f['mode']!r}, bn {f['bn']!r}, runtime {f['runtime']!r}; "
-                              f"planned are modes {', '.join(PLAN_MODES)} with bn fold on the lean runtime")
-        if f["storage"] not in CONV_STORAGES or (f["storage"] != "exact" and f["mode"] != "full"):
-            raise ConfigError(f"{where}.finetune.storage: {f['storage']!r}; allowed: {', '.join(CONV_STORAGES)} "
+            if isinstance(finetune, dict) and not isinstance(finetune.get(key, False), bool):
+                raise ConfigError(f"{where}.finetune.{key}: {finetune[key]!r}; allowed: true, false")
+        p, maps = _section(_PruneSection, data["prune"], f"{where}.prune", {"channels": True, "kept": True})
+        f, _ = _section(_FinetuneSection, finetune, f"{where}.finetune")
+        kept, channels = maps["kept"], maps["channels"]
+        _check_pruning(p.blocks, p.ratios, channels, kept, f"{where}.prune")
+        if f.storage != "exact" and f.mode != "full":
+            raise ConfigError(f"{where}.finetune.storage: {f.storage!r}; allowed: {', '.join(CONV_STORAGES)} "
                               "(mode full), exact (other modes)")
-        config = cls(kept, channels, int(f["pool"]), str(f["precision"]), str(f["frozen_weights"]),
-                     int(f["batch_size"]), int(f["stream"]), str(f["mode"]), str(f["storage"]),
-                     bool(f["recompute"]), f["fused"], f["step_in_backward"])
-        if f.get("uint8_input", config.uint8_input) != config.uint8_input:
-            raise ConfigError(f"{where}.finetune.uint8_input: {f['uint8_input']!r}; a plan keeps the batch uint8 "
-                              f"exactly when it streams (allowed here: {config.uint8_input})")
+        config = cls(kept, channels, f.pool, f.precision, f.frozen_weights, f.batch_size, f.stream, f.mode,
+                     f.storage, f.recompute, f.fused, f.step_in_backward)
+        if f.uint8_input is not None and f.uint8_input != config.uint8_input:
+            raise ConfigError(f"{where}.finetune.uint8_input: {f.uint8_input!r} disagrees with "
+                              f"{where}.finetune.stream {f.stream}: a plan keeps the batch uint8 exactly when "
+                              f"it streams (allowed here: {str(config.uint8_input).lower()})")
         try:
             config.lean.for_mode(config.mode, "lean", defaults=LeanOptions(pool=1))
         except ConfigError as exc:
             raise ConfigError(f"{where}.finetune: {exc}") from None
-        if config.batch_size < 1:
-            raise ConfigError(f"{where}.finetune.batch_size: {config.batch_size}; allowed: >= 1")
         return config
+
+    def check_channels(self, hidden: dict[int, int], where: str) -> None:
+        """Refuse channel counts that are not the input backbone's ``hidden`` (block -> channels)."""
+        for b in self.blocks:
+            if self.channels[b] != hidden[b]:
+                raise ConfigError(f"{where}.prune.channels: block {b} has {self.channels[b]} hidden channels "
+                                  f"here but {hidden[b]} in the plan's backbone (plan.backbone)")
+
+
+def _check_pruning(blocks: list[int], ratios: list[float], channels: dict[int, int], kept: dict[int, int],
+                   where: str) -> None:
+    """The four views of one pruning agree: the same blocks, once each, a ratio per block that
+    makes ``edgetl prune`` keep exactly ``kept`` of ``channels``, and 1 <= kept <= channels."""
+    from edgetl.prune import kept_channels
+
+    if len(set(blocks)) != len(blocks):
+        raise ConfigError(f"{where}.blocks: {show(blocks)} names a block twice")
+    for key, named in (("channels", channels), ("kept", kept)):
+        if sorted(named) != sorted(blocks):
+            raise ConfigError(f"{where}: {key} names blocks {sorted(named)}, blocks names {sorted(blocks)}; "
+                              "allowed: the same blocks")
+    if len(ratios) != len(blocks):
+        raise ConfigError(f"{where}.ratios: {len(ratios)} ratios for {len(blocks)} blocks {show(blocks)}; "
+                          "allowed: one ratio per block")
+    for b, r in zip(blocks, ratios):
+        if not 1 <= kept[b] <= channels[b]:
+            raise ConfigError(f"{where}.kept: block {b} keeps {kept[b]} of {channels[b]} channels; "
+                              f"allowed: 1..{channels[b]}")
+        if kept_channels(channels[b], r) != kept[b]:
+            raise ConfigError(f"{where}.ratios: block {b} ratio {r} keeps {kept_channels(channels[b], r)} of "
+                              f"{channels[b]} channels, kept says {kept[b]}; allowed: a ratio that keeps "
+                              f"{kept[b]} (e.g. {ratio_for(channels[b], kept[b])})")
 
 
 @dataclass
@@ -201,9 +372,9 @@ class Candidate:
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "Candidate":
-        _check_keys(data, {"config", "predicted_bytes", "fits", "why"}, where)
-        return cls(PlanConfig.from_dict(data["config"], f"{where}.config"), int(data["predicted_bytes"]),
-                   bool(data["fits"]), str(data["why"]))
+        _check_keys(data, {"config", "predicted_bytes", "fits", "why"}, where, required={"config"})
+        c, _ = _section(_CandidateSection, {k: v for k, v in data.items() if k != "config"}, where)
+        return cls(PlanConfig.from_dict(data["config"], f"{where}.config"), c.predicted_bytes, c.fits, c.why)
 
 
 @dataclass
@@ -275,34 +446,116 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
+        """Parse a plan document (``PLAN_FORMAT``) as a recipe is parsed: no unknown or missing
+        key, every value of its type and range, never coerced; then its redundant values must
+        agree (``_check_agreement``). One ConfigError line naming the key otherwise."""
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise DataError(f"not an edgetl plan (format {PLAN_FORMAT})")
-        _check_keys(data, {"format", "objective", "budget", "resolution", "num_classes", "request",
-                           "backbone", "prune", "finetune", "predicted", "verify", "runners_up",
-                           "search", "notes"}, "plan")
-        b = data["budget"]
-        _check_keys(b, {"budget_bytes", "scope", "tensor_budget_bytes", "device", "overheads",
-                        "device_process_limit_bytes"}, "plan.budget")
-        chosen = PlanConfig.from_dict({"prune": data["prune"], "finetune": data["finetune"]}, "plan")
-        BackboneSpec.from_dict(data["backbone"])  # validates
-        verify = data.get("verify") or {}
-        search = data.get("search") or {}
-        return cls(
-            budget_bytes=int(b["budget_bytes"]), budget_scope=str(b["scope"]),
-            tensor_budget_bytes=int(b["tensor_budget_bytes"]), device=str(b["device"]),
-            overheads={str(k): int(v) for k, v in (b.get("overheads") or {}).items()},
-            device_process_limit_bytes=b.get("device_process_limit_bytes"),
-            resolution=int(data["resolution"]), num_classes=int(data["num_classes"]),
-            request=dict(data["request"]), backbone=dict(data["backbone"]), chosen=chosen,
-            predicted_bytes=int(data["predicted"]["total_bytes"]),
-            breakdown={str(k): int(v) for k, v in data["predicted"]["breakdown"].items()},
-            runners_up=[Candidate.from_dict(c, f"plan.runners_up[{i}]")
-                        for i, c in enumerate(data.get("runners_up") or [])],
-            objective=str(data.get("objective", OBJECTIVE)),
-            evaluations=int(search.get("evaluations", 0)), search_seconds=float(search.get("seconds", 0.0)),
-            notes=list(data.get("notes") or []),
-            measured_bytes=verify.get("measured_bytes"), verify_steps=verify.get("steps"),
+        scalars = {f.name for f in dataclasses.fields(_TopSection)}
+        required = {"budget", "request", "backbone", "prune", "finetune", "predicted"}
+        _check_keys(data, scalars | required | {"verify", "runners_up", "search"}, "plan", required=required)
+        top, _ = _section(_TopSection, {k: v for k, v in data.items() if k in scalars}, "plan")
+        budget, budget_maps = _section(_BudgetSection, data["budget"], "plan.budget", {"overheads": False})
+        _section(_RequestSection, data["request"], "plan.request")
+        backbone, backbone_maps = _section(_BackboneSection, data["backbone"], "plan.backbone", {"hidden": True})
+        predicted, predicted_maps = _section(_PredictedSection, data["predicted"], "plan.predicted",
+                                             {"breakdown": False})
+        verify = None if data.get("verify") is None else _section(_VerifySection, data["verify"], "plan.verify")[0]
+        search = _section(_SearchSection, {} if data.get("search") is None else data["search"], "plan.search")[0]
+        runners = [] if data.get("runners_up") is None else data["runners_up"]
+        if not isinstance(runners, list):
+            raise ConfigError(f"plan.runners_up is {show(runners)}; allowed: a list of configurations")
+        try:
+            BackboneSpec(backbone.arch, backbone.width, backbone.num_classes, backbone_maps["hidden"],
+                         backbone.dropout)
+        except ConfigError as exc:
+            raise ConfigError(f"plan.backbone: {exc}") from None
+        plan = cls(
+            budget_bytes=budget.budget_bytes, budget_scope=budget.scope,
+            tensor_budget_bytes=budget.tensor_budget_bytes, device=budget.device,
+            overheads=budget_maps["overheads"], device_process_limit_bytes=budget.device_process_limit_bytes,
+            resolution=top.resolution, num_classes=top.num_classes,
+            request=dict(data["request"]), backbone=dict(data["backbone"]),
+            chosen=PlanConfig.from_dict({"prune": data["prune"], "finetune": data["finetune"]}, "plan"),
+            predicted_bytes=predicted.total_bytes, breakdown=predicted_maps["breakdown"],
+            runners_up=[Candidate.from_dict(c, f"plan.runners_up[{i}]") for i, c in enumerate(runners)],
+            objective=top.objective, evaluations=search.evaluations, search_seconds=search.seconds,
+            notes=list(top.notes or []),
+            measured_bytes=None if verify is None else verify.measured_bytes,
+            verify_steps=None if verify is None else verify.steps,
         )
+        plan._check_agreement()
+        return plan
+
+    def _check_agreement(self) -> None:
+        """Refuse a plan whose redundant values disagree (a hand edit of one of them), naming
+        both sides: the backbone's classes and hidden channels against the plan's; the tensor
+        budget, overheads and process limit against the budget, its scope and device; the
+        breakdown against its total, which must fit; each runner-up's ``fits``; the chosen
+        configuration against what was requested; the resolution against the mode."""
+        from edgetl.models.backbone import build_backbone, hidden_channels
+        from edgetl.profile import check_options
+
+        base = BackboneSpec.from_dict(self.backbone)
+        if base.num_classes != self.num_classes:
+            raise ConfigError(f"plan.backbone.num_classes: {base.num_classes} disagrees with plan.num_classes "
+                              f"{self.num_classes}; allowed: the same class count")
+        meta = build_backbone(base, device="meta")
+        hidden = {b: hidden_channels(meta, b) for b in prunable_blocks()}
+        self.chosen.check_channels(hidden, "plan")
+        for i, c in enumerate(self.runners_up):
+            c.config.check_channels(hidden, f"plan.runners_up[{i}].config")
+        preset = DEVICES[self.device]
+        tensor_budget = self.budget_bytes if self.budget_scope == "tensors" else preset.tensor_budget(self.budget_bytes)
+        if self.tensor_budget_bytes != tensor_budget:
+            raise ConfigError(f"plan.budget.tensor_budget_bytes: {self.tensor_budget_bytes} disagrees with "
+                              f"plan.budget.budget_bytes {self.budget_bytes} (scope {self.budget_scope}, device "
+                              f"{self.device}); allowed here: {tensor_budget}")
+        for key, have, want in (("overheads", self.overheads, preset.overheads(self.predicted_bytes)),
+                                ("device_process_limit_bytes", self.device_process_limit_bytes,
+                                 preset.process_limit_bytes())):
+            if have != want:
+                raise ConfigError(f"plan.budget.{key}: {show(have)} disagrees with device {self.device} at "
+                                  f"{self.predicted_bytes} predicted bytes; allowed here: {show(want)}")
+        if sum(self.breakdown.values()) != self.predicted_bytes:
+            raise ConfigError(f"plan.predicted.total_bytes: {self.predicted_bytes} disagrees with "
+                              f"plan.predicted.breakdown, which adds up to {sum(self.breakdown.values())}")
+        if self.predicted_bytes > self.tensor_budget_bytes:
+            raise ConfigError(f"plan.predicted.total_bytes: {self.predicted_bytes} exceeds "
+                              f"plan.budget.tensor_budget_bytes {self.tensor_budget_bytes}: the chosen "
+                              "configuration does not fit its own budget")
+        for i, c in enumerate(self.runners_up):
+            if c.fits != (c.predicted_bytes <= self.tensor_budget_bytes):
+                raise ConfigError(f"plan.runners_up[{i}].fits: {str(c.fits).lower()} disagrees with its "
+                                  f"predicted_bytes {c.predicted_bytes} against plan.budget.tensor_budget_bytes "
+                                  f"{self.tensor_budget_bytes}")
+        self._check_request()
+        try:
+            check_options(mode=self.chosen.mode, accounting="runtime", resolution=self.resolution, batch_size=1)
+        except ConfigError as exc:
+            raise ConfigError(f"plan.resolution: {exc}") from None
+
+    def _check_request(self) -> None:
+        """The chosen configuration is what ``request`` asked: its mode, every lever the request
+        fixed, a fixed batch (or one up to max_batch_size), pruning only the blocks it allows."""
+        r, c = self.request, self.chosen
+        batch = r["batch_size"]
+        if batch != "auto" and batch < 1:
+            raise ConfigError(f"plan.request.batch_size: {batch} is not allowed; allowed: an integer >= 1 or 'auto'")
+        fixed = {"mode": r.get("mode", MODE), "batch_size": None if batch == "auto" else batch,
+                 "precision": r["precision"], "pool": r["pool"], "frozen_weights": r["frozen_weights"],
+                 "stream": r.get("stream"), "fused": r.get("fused"), "step_in_backward": r.get("step_in_backward")}
+        for key, want in fixed.items():
+            have = getattr(c, key)
+            if want is not None and have != want:
+                raise ConfigError(f"plan.finetune.{key}: {show(have)} disagrees with plan.request.{key} "
+                                  f"{show(want)}; allowed: the value requested")
+        if batch == "auto" and c.batch_size > r["max_batch_size"]:
+            raise ConfigError(f"plan.finetune.batch_size: {c.batch_size} exceeds plan.request.max_batch_size "
+                              f"{r['max_batch_size']}")
+        if r["blocks"] is not None and not set(c.blocks) <= set(r["blocks"]):
+            raise ConfigError(f"plan.prune.blocks: {c.blocks} prunes blocks plan.request.blocks {r['blocks']} "
+                              "does not allow")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -340,20 +593,21 @@ class PlanImpossible(BudgetError):
         self.config = config
 
 
-def _check_keys(data, allowed: set[str], where: str) -> None:
+def _check_keys(data, allowed: set[str], where: str, required: set[str] = frozenset()) -> None:
+    """Refuse a section that is no mapping, a key it does not have (with a close match) and a
+    missing ``required`` key; ``_section`` checks the values."""
     import difflib
 
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping")
+        raise ConfigError(f"{where} is {show(data)}; allowed: a mapping of keys to values")
     for key in data:
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+            close = difflib.get_close_matches(str(key), sorted(allowed), n=1) if len(str(key)) < 100 else []
             hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(sorted(allowed))}"
-            raise ConfigError(f"{where}: unknown key {key!r}{hint}")
-    missing = allowed - set(data) - {"why", "verify", "runners_up", "search", "notes", "objective",
-                                     "device_process_limit_bytes"}
+            raise ConfigError(f"{where}: unknown key {show(key)}{hint}")
+    missing = sorted(set(required) - set(data))
     if missing:
-        raise ConfigError(f"{where}: missing {', '.join(sorted(missing))}")
+        raise ConfigError(f"{where}: missing required value {missing[0]}")
 
 
 def _check_storage(pool, precision, frozen_weights, where: str) -> None:
