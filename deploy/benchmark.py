@@ -20,8 +20,21 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from classify import (  # noqa: E402
-    DeployError, OneLineParser, check_count, check_logits, count_arg, load_sidecar, open_model, run_main,
+    DeployError, OneLineParser, check_count, check_logits, check_sha256, check_threads, count_arg, load_sidecar,
+    open_model, run_main,
 )
+
+
+def available_bytes() -> int | None:
+    """Memory the kernel says is available to new allocations (Linux /proc/meminfo), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def benchmark(model_path: str | Path, batches: list[int], iters: int = 50, warmup: int = 10,
@@ -39,18 +52,27 @@ def benchmark(model_path: str | Path, batches: list[int], iters: int = 50, warmu
         check_count("batch", batch)
     check_count("iters", iters)
     check_count("warmup", warmup, minimum=0)
-    if threads is not None:
-        check_count("threads", threads)
+    check_threads(threads)
     meta = load_sidecar(model_path)
     if meta["artifact"] == "tensorrt-engine" and max(batches) > meta["batch"]["max"]:
         raise DeployError(f"batch {max(batches)} is larger than engine {model_path}'s largest, "
                           f"{meta['batch']['max']} (its sidecar's batch.max); build it with a larger --batch")
-    model = open_model(model_path, meta, threads=threads)
     _, c, h, w = meta["input"]["shape"]
+    free = available_bytes()
+    need = max(batches) * c * h * w * 4  # the input alone; the activations need several times more
+    if free is not None and need > free:
+        raise DeployError(f"batch {max(batches)} needs {need / 2**30:.1f} GiB for its input alone, more than the "
+                          f"{free / 2**30:.1f} GiB of memory available here; choose a smaller --batch")
+    model = open_model(model_path, meta, threads=threads)
+    check_sha256(model_path, meta)
     rng = np.random.default_rng(0)
     rows = []
     for batch in batches:
-        x = rng.standard_normal((batch, c, h, w), dtype=np.float32)
+        try:
+            x = rng.standard_normal((batch, c, h, w), dtype=np.float32)
+        except MemoryError:
+            raise DeployError(f"batch {batch} does not fit in memory here ({batch * c * h * w * 4 / 2**30:.1f} GiB "
+                              "for its input alone); choose a smaller --batch") from None
         times = []
         for i in range(warmup + iters):
             start = time.perf_counter()

@@ -15,6 +15,7 @@ ends in one line on stderr, ``classify.py: error: ...``, and exit code 2, as ``e
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -50,6 +51,9 @@ class OneLineParser(argparse.ArgumentParser):
 def count_arg(minimum: int):
     """An argparse type: an integer >= ``minimum``."""
     def parse(text: str) -> int:
+        if len(text.strip().lstrip("+-").lstrip("0")) > 18:  # past int64: no runtime takes it
+            raise argparse.ArgumentTypeError(f"{_short(text)} is too large; allowed: an integer >= {minimum} "
+                                             "of at most 18 digits")
         try:
             value = int(text)
         except ValueError:
@@ -63,6 +67,26 @@ def count_arg(minimum: int):
 def check_count(name: str, value, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise DeployError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads) -> None:
+    """``threads`` is None (the runtime's choice) or 1 .. the usable CPUs: onnxruntime starts
+    every thread asked for, and millions of them hang the process instead of failing."""
+    if threads is None:
+        return
+    check_count("threads", threads)
+    cpus = usable_cpus()
+    if threads > cpus:
+        raise DeployError(f"threads {threads} is more than the {cpus} CPUs this process can use; "
+                          f"allowed: 1 to {cpus}")
 
 
 def first_line(text: str, limit: int = 160) -> str:
@@ -223,7 +247,56 @@ def load_sidecar(model_path: str | Path) -> dict:
         where = f"line {exc.lineno} column {exc.colno}"
         raise DeployError(f"sidecar {path} is not valid JSON ({exc.msg}: {where}); damaged or cut short? "
                           "export the model again") from None
-    return check_sidecar(meta, path)
+    return check_artifact(model_path, check_sidecar(meta, path))
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+
+
+def check_artifact(model_path: Path, meta: dict) -> dict:
+    """The artifact kind the sidecar names agrees with the model file's name, and its ``sha256``
+    (when it records one) is 64 hex digits; ``check_sha256`` compares it with the file."""
+    sidecar = f"{model_path}.json"
+    kind, suffix = meta["artifact"], model_path.suffix.lower()
+    if (kind == "onnx" and suffix in ENGINE_SUFFIXES) or (kind == "tensorrt-engine" and suffix == ".onnx"):
+        raise DeployError(f"sidecar {sidecar} describes a {kind} artifact but model {model_path} is named as "
+                          f"{'an ONNX model' if suffix == '.onnx' else 'a TensorRT engine'}: the model and sidecar "
+                          "do not belong together")
+    want = meta.get("sha256")
+    if want is not None and not (isinstance(want, str) and len(want) == 64
+                                 and all(c in "0123456789abcdefABCDEF" for c in want)):
+        raise DeployError(f"sidecar {sidecar}: sha256 must be the 64 hex digits of the model file's SHA-256, "
+                          f"got {_short(want)}")
+    return meta
+
+
+def check_sha256(model_path: str | Path, meta: dict) -> None:
+    """The model file is the one its sidecar describes: its SHA-256 is the sidecar's ``sha256``
+    (edgetl export records it; a sidecar without one, from an older edgetl or made by hand, is
+    taken as it is). Checked after the model loaded and ran, so a damaged file is named by
+    what is wrong with it; before anything is printed."""
+    want, sidecar = meta.get("sha256"), f"{model_path}.json"
+    if want is None:
+        return
+    kind = meta["artifact"]
+    try:
+        got = file_sha256(model_path)
+    except OSError as exc:
+        raise DeployError(f"model file {model_path} cannot be read: {exc.strerror or exc}") from None
+    if got != want.lower():
+        hint = (f"; for an engine built by trtexec, delete \"sha256\" from the sidecar copied from the ONNX one"
+                if kind == "tensorrt-engine" else "")
+        raise DeployError(f"model {model_path} is not the file its sidecar {sidecar} describes (SHA-256 "
+                          f"{got[:12]}..., the sidecar says {want[:12]}...): replaced after export, or the sidecar "
+                          f"of another export; export again{hint}")
 
 
 def _pil():
@@ -474,8 +547,7 @@ def classify(model_path: str | Path, images: list[str | Path], top_k: int = 1, b
     """
     check_count("top-k", top_k)
     check_count("batch", batch)
-    if threads is not None:
-        check_count("threads", threads)
+    check_threads(threads)
     meta = load_sidecar(model_path)
     labels = meta["labels"]
     if top_k > len(labels):
@@ -492,6 +564,7 @@ def classify(model_path: str | Path, images: list[str | Path], top_k: int = 1, b
             order = np.argsort(-p)[:top_k]
             results.append({"image": str(path),
                             "top": [{"label": labels[i], "index": int(i), "prob": float(p[i])} for i in order]})
+    check_sha256(model_path, meta)
     return results
 
 

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, positive_int, writable_file
-from edgetl.export import FORMATS, export_run
+from edgetl.cli._common import HelpFormatter, positive_int
+from edgetl.export import DEFAULT_MAX_BATCH, FORMATS, export_run
 
 
 def add_parser(sub) -> None:
@@ -18,19 +18,25 @@ def add_parser(sub) -> None:
             "Fold BatchNorm into the convs, export the run's model to ONNX with a dynamic batch "
             "axis, check it with onnx.checker and compare onnxruntime to PyTorch at batch 1 and 8. "
             "--format engine then builds a TensorRT engine (needs TensorRT and an NVIDIA GPU: run "
-            "it on the Jetson). Labels and preprocessing go to a sidecar JSON beside each file."
+            "it on the Jetson). Labels and preprocessing go to a sidecar JSON beside each file. "
+            "Every flag and output path is checked before any work; the files appear whole or not at all."
         ),
         formatter_class=HelpFormatter,
     )
     p.add_argument("--run", dest="run_dir", required=True, metavar="DIR", help="a fine-tuning run folder (model.json + best.pt/last.pt)")
     p.add_argument("--format", default="onnx", help=f"one of: {', '.join(FORMATS)}")
     p.add_argument("--fp16", action="store_true", help="allow FP16 kernels in the TensorRT engine")
-    p.add_argument("--batch", type=positive_int, default=8, help="largest batch of the engine's optimization profile")
-    p.add_argument("--opset", type=positive_int, default=None, help="ONNX opset (default: the exporter's)")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help=f"largest batch of the engine's optimization profile (--format engine only; "
+                        f"default {DEFAULT_MAX_BATCH})")
+    p.add_argument("--opset", type=positive_int, default=None,
+                   help="ONNX opset (default: the exporter's); one outside what the installed exporter and "
+                        "onnxruntime support is refused, never replaced by another")
     p.add_argument("--legacy-exporter", action="store_true",
                    help="use torch's legacy TorchScript exporter (opset <= 20) instead of the dynamo one")
-    p.add_argument("-o", "--output", type=writable_file, metavar="PATH",
-                   help="output file (default: RUN/export/model.onnx or model.engine)")
+    p.add_argument("-o", "--output", type=Path, metavar="PATH",
+                   help="output file (default: RUN/export/model.onnx or model.engine); new, or an earlier "
+                        "export, never a file of the run or one edgetl did not make")
     p.set_defaults(run=run)
 
 
@@ -54,8 +60,9 @@ def run(args) -> int:
     print(f"parity   onnxruntime vs PyTorch max abs diff {parity} ({result.parity_images})")
     print(f"sidecar  {result.onnx_sidecar}")
     if result.engine_path is not None:
+        batch = args.batch or DEFAULT_MAX_BATCH
         print(f"engine   {result.engine_path}  ({_size(result.engine_bytes)}, "
-              f"{'fp16' if args.fp16 else 'fp32'}, batch 1..{args.batch}, {result.engine_seconds:.1f} s)")
+              f"{'fp16' if args.fp16 else 'fp32'}, batch 1..{batch}, {result.engine_seconds:.1f} s)")
         print(f"sidecar  {result.engine_sidecar}")
     target = result.engine_path or result.onnx_path
     deploy = Path(__file__).resolve().parents[2] / "deploy" / "classify.py"

@@ -7,19 +7,27 @@ graph holds convs, ReLU6/ReLU, pools, adds, resizes and the classifier only. Met
 JSON beside each artifact (``model.onnx.json``, ``model.engine.json``); the engine file
 holds the serialized engine bytes and nothing else, so ``trtexec --loadEngine`` reads it.
 
+Every output is checked before any work (``sidecar.check_outputs``: never a file the
+export reads, nor one edgetl did not make or made for another purpose), and an artifact and
+its sidecar are written under temporary names and renamed into place together, so a failed
+or killed export leaves no half of one (``sidecar.StagedFiles``).
+
 Rooms: this package's ``__init__`` (the run folder's model, inference form, ONNX export and
-its parity check, ``export_run``), ``engine`` (the TensorRT build), ``sidecar`` (the
-metadata format both artifacts share).
+its parity check, the opsets an export can be asked for, ``export_run``), ``engine`` (the
+TensorRT build), ``sidecar`` (the artifact files: metadata format both artifacts share, where
+an export may write, writing a pair).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +36,9 @@ from torch import nn
 
 from edgetl.data import IMAGENET_MEAN, IMAGENET_STD
 from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError
-from edgetl.export.engine import DEFAULT_WORKSPACE_BYTES, _import_tensorrt, build_engine
-from edgetl.export.sidecar import SIDECAR_FORMAT
-from edgetl.io import atomic_text_json, read_json
+from edgetl.export.engine import DEFAULT_WORKSPACE_BYTES, _import_tensorrt, _stage_engine, build_engine
+from edgetl.export.sidecar import SIDECAR_FORMAT, StagedFiles, check_outputs, file_sha256, sidecar_path
+from edgetl.io import atomic_text_json, read_json, write_error
 from edgetl.models.backbone import BackboneSpec, EdgeNet
 
 log = logging.getLogger(__name__)
@@ -42,8 +50,7 @@ CHECKPOINT_FILES = ("model.pt", "best.pt", "last.pt")
 FORMATS = ("onnx", "engine")
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
-# The legacy TorchScript-based exporter stops at opset 20 (torch 2.14 docs).
-LEGACY_MAX_OPSET = 20
+DEFAULT_MAX_BATCH = 8
 # Test-time resize of the reference recipe: shorter side to resolution / 0.875, centre crop.
 CROP_RATIO = 0.875
 PARITY_BATCHES = (1, 8)
@@ -298,6 +305,9 @@ def onnx_parity(
         onnx_path: the exported model.
         net: the PyTorch network (eval mode) it came from.
         images: preprocessed images, at least ``max(batches)`` of them.
+
+    Raises:
+        CapabilityError: onnxruntime cannot load or run the model.
     """
     _, ort = _onnx_modules()
     if images.shape[0] < max(batches):
@@ -306,7 +316,11 @@ def onnx_parity(
     # Small model, shared machines: one thread is enough and keeps the result deterministic.
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's errors derive from Exception only
+        raise CapabilityError(f"onnxruntime {ort.__version__} cannot load the exported model for the parity "
+                              f"check: {_first_line(exc)}") from None
     input_name = session.get_inputs()[0].name
     images = images.detach().to("cpu", torch.float32)
     diffs = {}
@@ -321,14 +335,117 @@ def onnx_parity(
     return diffs
 
 
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    line = next((s.strip() for s in str(exc).splitlines() if s.strip()), type(exc).__name__)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_max_opset() -> int:
+    """The highest ONNX opset the installed onnxruntime loads (the parity check and
+    deploy/classify.py run the model there), probed with a one-node model per opset,
+    from the highest the installed onnx package defines down."""
+    onnx, ort = _onnx_modules()
+    from onnx import TensorProto, helper
+
+    value = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in ("x", "y")]
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", value[:1], value[1:])
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # a refused probe is expected: no error lines on stderr
+    for version in range(onnx.defs.onnx_opset_version(), 0, -1):
+        opsets = [helper.make_opsetid("", version)]
+        try:
+            model = helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except Exception:  # onnxruntime's errors derive from Exception only
+            continue
+        return version
+    return 0
+
+
+def opset_range(dynamo: bool) -> tuple[int, int, str]:
+    """The opsets an export can be asked for, ``(lowest, highest, why)``, read from the
+    installed torch exporter, onnx and onnxruntime (none is assumed).
+
+    The dynamo exporter implements opset ``TORCHLIB_OPSET`` (18) and converts the graph to
+    another: down-conversion fails on this network's ReduceMean (axes became an input in 18),
+    after which torch keeps 18 and only logs it. The legacy exporter's range is torch's own.
+    Above, the opset must be one onnxruntime loads, for the parity check and deploy.
+    """
+    import onnx
+    from torch.onnx import _constants as torch_onnx
+
+    runtime = runtime_max_opset()
+    if dynamo:
+        try:
+            from torch.onnx._internal.exporter._constants import TORCHLIB_OPSET as low
+        except ImportError:  # another torch layout: the written model's opset is still checked
+            low = torch_onnx.ONNX_MIN_OPSET
+        high = min(onnx.defs.onnx_opset_version(), runtime)
+        why = (f"torch {torch.__version__}'s dynamo exporter implements opset {low} and up; "
+               f"onnx {onnx.__version__} defines up to {onnx.defs.onnx_opset_version()}")
+    else:
+        low = torch_onnx.ONNX_MIN_OPSET
+        legacy_max = getattr(torch_onnx, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", torch_onnx.ONNX_MAX_OPSET)
+        high = min(legacy_max, runtime)
+        why = f"torch {torch.__version__}'s legacy exporter supports {low} to {legacy_max}"
+    return low, high, f"{why}; onnxruntime {_onnx_modules()[1].__version__} loads up to {runtime}"
+
+
+def check_opset(opset: int | None, dynamo: bool) -> None:
+    """Refuse, before any work, an opset the exporter cannot write or onnxruntime cannot load.
+
+    Raises:
+        ConfigError: ``opset`` is not an integer in ``opset_range(dynamo)``.
+    """
+    if opset is None:
+        return
+    exporter = "dynamo" if dynamo else "legacy"
+    low, high, why = opset_range(dynamo)
+    if not isinstance(opset, int) or isinstance(opset, bool) or not low <= opset <= high:
+        other = ""
+        if dynamo and isinstance(opset, int) and opset_range(False)[0] <= opset < low:
+            other = " (--legacy-exporter writes lower opsets)"
+        raise ConfigError(f"ONNX opset {opset!r} is not available with the {exporter} exporter; allowed: "
+                          f"{low} <= opset <= {high}{other} ({why})")
+
+
+def written_opset(model) -> int:
+    """The default-domain opset an ONNX model imports (-1 if none)."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), -1)
+
+
 def _export_graph(net, x, path: Path, *, opset, dynamic_batch: bool, dynamo: bool) -> None:
+    """Export with torch; an exporter that cannot do it is one CapabilityError line (the
+    traceback goes to the log at debug level), a write that fails a ResourceError."""
+    exporter = "dynamo" if dynamo else "legacy"
+    try:
+        # torch's warnings (tracer, opset < 11 resize) go to the log: the parity check measures what they warn of
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run_exporter(net, x, path, opset=opset, dynamic_batch=dynamic_batch, dynamo=dynamo)
+        for w in caught:
+            log.info("torch's %s exporter: %s", exporter, _first_line(w.message))
+    except EdgetlError:
+        raise
+    except Exception as exc:
+        log.debug("torch's %s exporter failed", exporter, exc_info=True)
+        cause = exc if isinstance(exc, OSError) else exc.__context__ or exc.__cause__
+        if isinstance(cause, OSError) and cause.errno is not None:
+            raise write_error(path, cause) from None
+        at = f" at opset {opset}" if opset is not None else ""
+        raise CapabilityError(f"torch {torch.__version__}'s {exporter} exporter cannot export this network{at}: "
+                              f"{_first_line(exc)}") from None
+
+
+def _run_exporter(net, x, path: Path, *, opset, dynamic_batch: bool, dynamo: bool) -> None:
     if dynamo:
         try:
             import onnxscript  # noqa: F401  (the dynamo exporter needs it)
         except ImportError:
             raise CapabilityError(
                 "torch's default (dynamo) ONNX exporter needs 'onnxscript': pip install onnxscript, "
-                f"or use the legacy exporter (dynamo=False, opset <= {LEGACY_MAX_OPSET})"
+                "or use the legacy exporter (dynamo=False)"
             ) from None
         dynamic_shapes = {"image": {0: torch.export.Dim("batch", min=1, max=4096)}} if dynamic_batch else None
         program = torch.onnx.export(
@@ -344,8 +461,6 @@ def _export_graph(net, x, path: Path, *, opset, dynamic_batch: bool, dynamo: boo
         )
         program.save(str(path), external_data=False)
     else:
-        if opset is not None and opset > LEGACY_MAX_OPSET:
-            raise ConfigError(f"the legacy exporter (dynamo=False) supports opset <= {LEGACY_MAX_OPSET}, got {opset}")
         dynamic_axes = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}} if dynamic_batch else None
         torch.onnx.export(
             net,
@@ -376,15 +491,16 @@ def export_onnx(
     """Export an (already merged, eval-mode) network to ONNX, check it, and measure parity.
 
     Writes ``path`` and the sidecar ``path + ".json"`` (labels, preprocessing, input and
-    output names and shapes, opset, parity figures, and ``source``: run folder,
-    checkpoint, recipe hash). The ONNX file is written to a temporary name first and
-    renamed once ``onnx.checker`` accepts it.
+    output names and shapes, opset, parity figures, the file's SHA-256, and ``source``: run
+    folder, checkpoint, recipe hash). Both are written under temporary names and renamed into
+    place once ``onnx.checker`` accepts the model and the parity check ran, so a failed export
+    leaves neither (and an earlier export at ``path`` as it was).
 
     Args:
         net: the network to export (use ``merge_for_inference`` first).
-        path: output ``.onnx`` file.
+        path: output ``.onnx`` file: new, or an earlier edgetl export (``sidecar.check_outputs``).
         resolution: square input size in pixels.
-        opset: ONNX opset; None takes the exporter's default.
+        opset: ONNX opset (``opset_range``); None takes the exporter's default.
         dynamic_batch: give the input and output a symbolic batch axis.
         dynamo: torch's default exporter (needs onnxscript); False is the legacy one.
         images: preprocessed images (N >= 8, 3, resolution, resolution) for the parity
@@ -394,11 +510,30 @@ def export_onnx(
         source: provenance to record (run folder, checkpoint, recipe hash, ...).
 
     Raises:
-        CapabilityError: onnx / onnxruntime / onnxscript missing.
+        ConfigError: a bad argument, an opset out of range, or a path it may not write.
+        CapabilityError: onnx / onnxruntime / onnxscript missing, or the exporter cannot write
+            the network at the opset asked (never another opset instead).
+        ResourceError: the output folder cannot be written.
         EdgetlError: the exported graph fails the checker or gives a wrong shape.
     """
-    onnx, _ = _onnx_modules()
     path = Path(path)
+    check_opset(opset, dynamo)
+    check_outputs([path], reads={})
+    with StagedFiles() as stage:
+        result, _ = _stage_onnx(net, path, stage, resolution=resolution, opset=opset, dynamic_batch=dynamic_batch,
+                                dynamo=dynamo, images=images, preprocessing=preprocessing, labels=labels,
+                                source=source)
+        stage.commit()
+    return result
+
+
+def _stage_onnx(net: nn.Module, path: Path, stage: StagedFiles, *, resolution: int, opset: int | None,
+                dynamic_batch: bool, dynamo: bool, images: torch.Tensor | None,
+                preprocessing: Preprocessing | None, labels: list[str] | None,
+                source: dict | None) -> tuple[ExportResult, dict]:
+    """``export_onnx``'s work, its files staged in ``stage`` (sidecar first, then the model):
+    the result (final paths) and the sidecar's content."""
+    onnx, _ = _onnx_modules()
     preprocessing = preprocessing or Preprocessing(resolution=resolution)
     if preprocessing.resolution != resolution:
         raise ConfigError(f"resolution {resolution} != preprocessing.resolution {preprocessing.resolution}")
@@ -416,35 +551,37 @@ def export_onnx(
     net = net.eval()
     device = next(net.parameters()).device
     x = images[:2].to(device, torch.float32)  # batch 2: a batch of 1 would be specialised away
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    start = time.perf_counter()
-    try:
-        _export_graph(net, x, tmp, opset=opset, dynamic_batch=dynamic_batch, dynamo=dynamo)
-        model = onnx.load(str(tmp))
-        try:
-            onnx.checker.check_model(model, full_check=True)
-        except onnx.checker.ValidationError as exc:
-            raise EdgetlError(f"exported ONNX graph fails onnx.checker: {str(exc).splitlines()[0]}") from None
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    seconds = time.perf_counter() - start
-    used_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), -1)
-    batches = PARITY_BATCHES if dynamic_batch else (x.shape[0],)
-    parity = onnx_parity(path, net, images, batches)
-    log.info("exported %s (opset %d) in %.1f s; parity %s", path, used_opset, seconds, parity)
-
     num_outputs = int(net(x[:1]).shape[-1])
     if labels is not None and len(labels) != num_outputs:
         raise ConfigError(f"{len(labels)} labels for {num_outputs} outputs")
+
+    sidecar = sidecar_path(path)
+    tmp_sidecar = stage.tmp(sidecar)  # renamed before the model: a new model never stands without it
+    tmp = stage.tmp(path)
+    start = time.perf_counter()
+    _export_graph(net, x, tmp, opset=opset, dynamic_batch=dynamic_batch, dynamo=dynamo)
+    model = onnx.load(str(tmp))
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise EdgetlError(f"exported ONNX graph fails onnx.checker: {str(exc).splitlines()[0]}") from None
+    seconds = time.perf_counter() - start
+    used_opset = written_opset(model)
+    if opset is not None and used_opset != opset:
+        low, high, _ = opset_range(dynamo)
+        raise CapabilityError(f"torch's {'dynamo' if dynamo else 'legacy'} exporter wrote opset {used_opset} when "
+                              f"opset {opset} was asked; refusing another opset than asked (allowed here: "
+                              f"{low} <= opset <= {high})")
+    batches = PARITY_BATCHES if dynamic_batch else (x.shape[0],)
+    parity = onnx_parity(tmp, net, images, batches)
+    log.info("exported %s (opset %d) in %.1f s; parity %s", path, used_opset, seconds, parity)
+
     batch_dim = "batch" if dynamic_batch else int(x.shape[0])
-    sidecar = Path(str(path) + ".json")
-    atomic_text_json(sidecar, {
+    meta = {
         "format": SIDECAR_FORMAT,
         "artifact": "onnx",
         "file": path.name,
+        "sha256": file_sha256(tmp),
         "input": {"name": INPUT_NAME, "shape": [batch_dim, 3, resolution, resolution], "dtype": "float32"},
         "output": {"name": OUTPUT_NAME, "shape": [batch_dim, num_outputs], "dtype": "float32", "kind": "logits"},
         "labels": list(labels) if labels is not None else [str(i) for i in range(num_outputs)],
@@ -456,12 +593,14 @@ def export_onnx(
         "parity": {"max_abs_diff": {str(b): d for b, d in parity.items()}, "images": image_source,
                    "reference": "PyTorch eval mode vs onnxruntime CPUExecutionProvider"},
         "source": source or {},
-    })
-    return ExportResult(
-        onnx_path=path, onnx_sidecar=sidecar, onnx_bytes=path.stat().st_size, opset=used_opset,
+    }
+    atomic_text_json(tmp_sidecar, meta)
+    result = ExportResult(
+        onnx_path=path, onnx_sidecar=sidecar, onnx_bytes=tmp.stat().st_size, opset=used_opset,
         exporter="dynamo" if dynamo else "legacy", export_seconds=seconds,
         parity_max_abs_diff=parity, parity_images=image_source,
     )
+    return result, meta
 
 
 def export_run(
@@ -470,7 +609,7 @@ def export_run(
     format: str = "onnx",
     output: str | Path | None = None,
     fp16: bool = False,
-    max_batch: int = 8,
+    max_batch: int | None = None,
     opset: int | None = None,
     dynamo: bool = True,
     images: torch.Tensor | None = None,
@@ -478,19 +617,39 @@ def export_run(
 ) -> ExportResult:
     """Export a run folder's model: ONNX always, then a TensorRT engine for ``format="engine"``.
 
+    Every argument and output path is checked before any work; the files (ONNX and its
+    sidecar, and the engine and its sidecar) are renamed into place only once all of them
+    are complete, so a refused, failed or interrupted export leaves nothing it made (no file,
+    no folder) and an earlier export at the same paths as it was.
+
     Args:
         run_dir: a fine-tuning run folder (see ``load_run_model`` for its contract).
         format: "onnx" or "engine".
         output: the ONNX path (``format="onnx"``) or the engine path (``"engine"``; the
             ONNX file goes beside it). Default: ``RUN/export/model.onnx`` / ``model.engine``.
-        fp16, max_batch, workspace_bytes: engine build settings (``build_engine``).
+            Never a file the export reads (the run's model.json and checkpoints) nor an
+            existing file other than an earlier export (``sidecar.check_outputs``).
+        fp16, max_batch, workspace_bytes: engine build settings (``build_engine``; max_batch
+            defaults to 8 and applies to engines only).
         opset, dynamo: ONNX exporter settings (``export_onnx``).
         images: preprocessed images for the parity check (None: seeded random).
+
+    Raises:
+        ConfigError: a bad argument or output path. ResourceError: an unwritable output folder.
+        CapabilityError, DataError, EdgetlError: as ``load_run_model``, ``export_onnx`` and
+            ``build_engine`` say.
     """
     if format not in FORMATS:
         raise ConfigError(f"unknown export format {format!r}; allowed: {', '.join(FORMATS)}")
     if fp16 and format != "engine":
         raise ConfigError("fp16 applies to TensorRT engines only; use format='engine'")
+    if max_batch is not None and format != "engine":
+        raise ConfigError(f"a largest batch ({max_batch}) applies to TensorRT engines only (format='engine'); "
+                          "the ONNX model takes any batch size")
+    max_batch = DEFAULT_MAX_BATCH if max_batch is None else max_batch
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    check_opset(opset, dynamo)
     if format == "engine":
         _import_tensorrt()  # fail before the (slow) ONNX export, not after
     run = load_run_model(run_dir)
@@ -498,16 +657,23 @@ def export_run(
     onnx_path = out if format == "onnx" else out.with_suffix(".onnx")
     if format == "engine" and onnx_path == out:
         raise ConfigError(f"engine path {out} must not end in .onnx")
+    reads = {run.run_dir / RUN_MODEL_FILE: f"the run's {RUN_MODEL_FILE}"}
+    reads.update({run.run_dir / name: f"the run's checkpoint {name}" for name in CHECKPOINT_FILES
+                  if (run.run_dir / name).exists()})
+    check_outputs([onnx_path, out] if format == "engine" else [onnx_path], reads)
     net = merge_for_inference(run.net)
-    result = export_onnx(
-        net, onnx_path, resolution=run.preprocessing.resolution, opset=opset, dynamo=dynamo,
-        images=images, preprocessing=run.preprocessing, labels=run.labels,
-        source={"run": str(run.run_dir.resolve()), "checkpoint": run.checkpoint.name, "mode": run.mode,
-                "backbone": run.spec.to_dict(), "recipe_hash": run.recipe_hash},
-    )
-    if format == "engine":
-        start = time.perf_counter()
-        meta = build_engine(onnx_path, out, fp16=fp16, max_batch=max_batch, workspace_bytes=workspace_bytes)
-        result.engine_path, result.engine_sidecar = out, Path(str(out) + ".json")
-        result.engine_bytes, result.engine_seconds = meta["engine_bytes"], time.perf_counter() - start
+    with StagedFiles() as stage:
+        result, onnx_meta = _stage_onnx(
+            net, onnx_path, stage, resolution=run.preprocessing.resolution, opset=opset, dynamic_batch=True,
+            dynamo=dynamo, images=images, preprocessing=run.preprocessing, labels=run.labels,
+            source={"run": str(run.run_dir.resolve()), "checkpoint": run.checkpoint.name, "mode": run.mode,
+                    "backbone": run.spec.to_dict(), "recipe_hash": run.recipe_hash},
+        )
+        if format == "engine":
+            start = time.perf_counter()
+            meta = _stage_engine(stage.tmps[onnx_path], onnx_path, onnx_meta, out, stage, fp16=fp16,
+                                 max_batch=max_batch, workspace_bytes=workspace_bytes)
+            result.engine_path, result.engine_sidecar = out, sidecar_path(out)
+            result.engine_bytes, result.engine_seconds = meta["engine_bytes"], time.perf_counter() - start
+        stage.commit()
     return result

@@ -6,14 +6,14 @@ without them ``build_engine`` raises a CapabilityError that says where to build 
 
 from __future__ import annotations
 
-import json
+import hashlib
 import time
 from pathlib import Path
 
 import torch
 
-from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError
-from edgetl.export.sidecar import SIDECAR_FORMAT, file_sha256
+from edgetl.errors import CapabilityError, ConfigError, EdgetlError
+from edgetl.export.sidecar import SIDECAR_FORMAT, file_sha256, sidecar_path
 from edgetl.io import atomic_text_json, atomic_write_bytes
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
@@ -42,13 +42,16 @@ def build_engine(
     """Build a serialized TensorRT 10 engine from an ONNX file with a dynamic batch axis.
 
     The engine file holds only the serialized engine; its metadata (TensorRT version,
-    precision, batch range, input shape, GPU, ONNX sha256, and the ONNX sidecar's labels
-    and preprocessing) goes to ``engine_path + ".json"``. An engine only runs on the GPU
-    model and TensorRT version it was built with: build it on the target device.
+    precision, batch range, input shape, GPU, the engine's and the ONNX file's SHA-256, and
+    the ONNX sidecar's labels and preprocessing) goes to ``engine_path + ".json"``. Both are
+    written under temporary names and renamed into place together. An engine only runs on
+    the GPU model and TensorRT version it was built with: build it on the target device.
 
     Args:
-        onnx_path: an ONNX file from ``export_onnx`` (its sidecar is read when present).
-        engine_path: output engine file.
+        onnx_path: an ONNX file from ``export_onnx``, with its sidecar beside it (an ONNX file
+            without one is refused: its labels and preprocessing would be unknown).
+        engine_path: output engine file: new, or an earlier edgetl engine
+            (``sidecar.check_outputs``).
         fp16: allow FP16 kernels.
         max_batch: largest batch the optimization profile accepts (also its optimum).
         workspace_bytes: builder workspace memory pool limit.
@@ -58,13 +61,34 @@ def build_engine(
 
     Raises:
         CapabilityError: no tensorrt package, no usable GPU, or fp16 without fast fp16.
+        DataError: the ONNX file or its sidecar is missing, damaged or of another export.
+        ConfigError: a bad setting or an output path it may not write.
         EdgetlError: the ONNX parser or the builder fails.
     """
+    from edgetl.export.sidecar import StagedFiles, check_outputs, read_sidecar
+
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
-    if max_batch < 1:
-        raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-    if not onnx_path.is_file():
-        raise DataError(f"ONNX file {onnx_path} does not exist")
+    _check_max_batch(max_batch)
+    onnx_meta = read_sidecar(onnx_path, "onnx")
+    check_outputs([engine_path], reads={onnx_path: "the ONNX file", sidecar_path(onnx_path): "the ONNX sidecar"})
+    with StagedFiles() as stage:
+        meta = _stage_engine(onnx_path, onnx_path, onnx_meta, engine_path, stage, fp16=fp16, max_batch=max_batch,
+                             workspace_bytes=workspace_bytes)
+        stage.commit()
+    return meta
+
+
+def _check_max_batch(max_batch) -> None:
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+
+
+def _stage_engine(onnx_file: Path, onnx_path: Path, onnx_meta: dict, engine_path: Path, stage, *, fp16: bool,
+                  max_batch: int, workspace_bytes: int) -> dict:
+    """``build_engine``'s work from ``onnx_file`` (the ONNX model, perhaps still under its
+    temporary name; ``onnx_path`` is its final path), its files staged in ``stage``
+    (sidecar first, then the engine); returns the sidecar's content."""
+    _check_max_batch(max_batch)
     trt = _import_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
     try:
@@ -81,7 +105,7 @@ def build_engine(
         )
     network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    if not parser.parse_from_file(str(onnx_file)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EdgetlError(f"TensorRT cannot parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
@@ -104,13 +128,7 @@ def build_engine(
     if serialized is None:
         raise EdgetlError("TensorRT failed to build the engine (see the TensorRT log above)")
     data = bytes(serialized)
-    engine_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(engine_path, data)
 
-    onnx_meta = {}
-    onnx_sidecar = Path(str(onnx_path) + ".json")
-    if onnx_sidecar.is_file():
-        onnx_meta = json.loads(onnx_sidecar.read_text())
     gpu = None
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(0)
@@ -118,6 +136,7 @@ def build_engine(
         "format": SIDECAR_FORMAT,
         "artifact": "tensorrt-engine",
         "file": engine_path.name,
+        "sha256": hashlib.sha256(data).hexdigest(),
         "tensorrt": trt.__version__,
         "precision": "fp16" if fp16 else "fp32",
         "batch": {"min": 1, "opt": max_batch, "max": max_batch},
@@ -126,10 +145,13 @@ def build_engine(
         "output": onnx_meta.get("output", {"name": network.get_output(0).name}),
         "labels": onnx_meta.get("labels"),
         "preprocessing": onnx_meta.get("preprocessing"),
-        "source": {**onnx_meta.get("source", {}), "onnx": onnx_path.name, "onnx_sha256": file_sha256(onnx_path)},
+        "source": {**onnx_meta.get("source", {}), "onnx": onnx_path.name, "onnx_sha256": file_sha256(onnx_file)},
         "gpu": gpu,
         "build_seconds": seconds,
         "engine_bytes": len(data),
     }
-    atomic_text_json(Path(str(engine_path) + ".json"), meta)
+    tmp_sidecar = stage.tmp(sidecar_path(engine_path))
+    tmp = stage.tmp(engine_path)
+    atomic_write_bytes(tmp, data)
+    atomic_text_json(tmp_sidecar, meta)
     return meta
