@@ -14,6 +14,7 @@ from edgetl.cli._common import (
     fmt_side_pools,
     positive_int,
     print_table,
+    torch_device,
 )
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MemoryReport
@@ -80,7 +81,7 @@ def add_parser(sub) -> None:
                         "is complete and free the gradient (same weights; not with DDP, foreach or fp16 scaling)")
     p.add_argument("--set", dest="overrides", action="append", type=override, default=[],
                    metavar="KEY=VALUE", help="any recipe value, e.g. --set optim.lr_side=1e-3")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
     p.add_argument("--resume", action="store_true", help="continue the run in -o from its last checkpoint")
     p.add_argument("--no-measure", dest="measure", action="store_false",
                    help="skip the one-step memory measurement before training (CPU)")

@@ -28,7 +28,7 @@ def _number_list(kind, text: str, what: str):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a comma-separated list of {what}, e.g. "
-            + ("0.3,0.78,0.46,0.46" if kind is float else "1,2,3,4")
+            + (",".join(map(str, PAPER_RATIOS.values())) if kind is float else ",".join(map(str, PAPER_RATIOS)))
         ) from None
 
 
