@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -210,6 +211,23 @@ def model_is_the_sidecar(d):
                                                           f"pass the model file {d / 'm.onnx'}"]
 
 
+@case()
+def model_replaced_after_export(d):
+    """Issue #41: another valid model of the same shape (one weight changed) beside the sidecar of
+    the first: it loads and runs, and is refused by the sidecar's SHA-256 before any output."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(d / "m.onnx"))
+    weight = next(t for t in reversed(model.graph.initializer) if numpy_helper.to_array(t).ndim == 2)
+    array = numpy_helper.to_array(weight).copy()
+    array[0, 0] += 0.5
+    weight.CopyFrom(numpy_helper.from_array(array, weight.name))
+    onnx.save(model, str(d / "m.onnx"))
+    return ["--model", d / "m.onnx", d / "ok.png"], [f"model {d / 'm.onnx'} is not the file its sidecar",
+                                                     "SHA-256", "export again"]
+
+
 # --- the sidecar ----------------------------------------------------------------------------
 
 @case()
@@ -305,6 +323,19 @@ def sidecar_resolution_not_the_models(d):
 def sidecar_input_shape_disagrees(d):
     edit_sidecar(d, lambda m: m["input"].update(shape=["batch", 3, 32, 32]))
     return ["--model", d / "m.onnx", d / "ok.png"], [str(d / "m.onnx.json"), "input.shape", "[\"batch\", 3, 32, 32]"]
+
+
+@case()
+def sidecar_sha256_malformed(d):
+    edit_sidecar(d, lambda m: m.update(sha256="abc"))
+    return ["--model", d / "m.onnx", d / "ok.png"], [str(d / "m.onnx.json"), "sha256 must be the 64 hex digits"]
+
+
+@case()
+def sidecar_of_an_engine_beside_an_onnx(d):
+    edit_sidecar(d, lambda m: m.update(artifact="tensorrt-engine", batch={"min": 1, "opt": 8, "max": 8}))
+    return ["--model", d / "m.onnx", d / "ok.png"], [str(d / "m.onnx.json"), "describes a tensorrt-engine artifact",
+                                                     "named as an ONNX model", "do not belong together"]
 
 
 # --- a TensorRT engine ----------------------------------------------------------------------
@@ -442,6 +473,18 @@ def threads_zero(d):
 
 
 @case()
+def threads_above_cpus(d):
+    cpus = len(os.sched_getaffinity(0))
+    return ["--model", d / "m.onnx", "--threads", str(cpus + 1), d / "ok.png"], [
+        f"threads {cpus + 1} is more than the {cpus} CPUs", f"allowed: 1 to {cpus}"]
+
+
+@case()
+def threads_past_int64(d):
+    return ["--model", d / "m.onnx", "--threads", "9" * 20, d / "ok.png"], ["--threads", "is too large"]
+
+
+@case()
 def no_images(d):
     return ["--model", d / "m.onnx"], ["images"]
 
@@ -471,6 +514,24 @@ def bench_batch_negative(d):
 @case("benchmark")
 def bench_threads_zero(d):
     return ["--model", d / "m.onnx", "--threads", "0"], ["--threads", "must be >= 1, got 0"]
+
+
+@case("benchmark")
+def bench_threads_above_cpus(d):
+    """A hundred million threads hung onnxruntime's session creation (issue #41)."""
+    return ["--model", d / "m.onnx", "--threads", "100000000"], ["threads 100000000 is more than the", "CPUs"]
+
+
+@case("benchmark")
+def bench_batch_beyond_memory(d):
+    return ["--model", d / "m.onnx", "--batch", "100000000000"], [
+        "batch 100000000000 needs", "GiB for its input alone", "memory available"], BLOCK_TORCH
+
+
+@case("benchmark")
+def bench_model_replaced_after_export(d):
+    model_replaced_after_export(d)
+    return ["--model", d / "m.onnx", "--iters", "1"], [f"model {d / 'm.onnx'} is not the file its sidecar"]
 
 
 @case("benchmark")

@@ -13,8 +13,8 @@ its sidecar are written under temporary names and renamed into place together, s
 or killed export leaves no half of one (``sidecar.StagedFiles``).
 
 Rooms: this package's ``__init__`` (the run folder's model, inference form, ONNX export and
-its parity check, the opsets an export can be asked for, ``export_run``), ``engine`` (the
-TensorRT build), ``sidecar`` (the artifact files: metadata format both artifacts share, where
+its parity check, ``export_run``), ``exporter`` (torch's exporters: the opsets each can be
+asked for, the call), ``engine`` (the TensorRT build), ``sidecar`` (the artifact files: metadata format both artifacts share, where
 an export may write, writing a pair).
 """
 
@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +34,13 @@ from torch import nn
 
 from edgetl.data import IMAGENET_MEAN, IMAGENET_STD
 from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError
+from edgetl.export.exporter import (
+    INPUT_NAME, OUTPUT_NAME, _export_graph, _first_line, _onnx_modules, check_opset, opset_range, runtime_max_opset,
+    written_opset,
+)
 from edgetl.export.engine import DEFAULT_WORKSPACE_BYTES, _import_tensorrt, _stage_engine, build_engine
 from edgetl.export.sidecar import SIDECAR_FORMAT, StagedFiles, check_outputs, file_sha256, sidecar_path
-from edgetl.io import atomic_text_json, read_json, write_error
+from edgetl.io import atomic_text_json, read_json
 from edgetl.models.backbone import BackboneSpec, EdgeNet
 
 log = logging.getLogger(__name__)
@@ -48,8 +50,6 @@ RUN_MODEL_FILE = "model.json"
 # (best.pt / last.pt hold the lean training layout when the run used the lean runtime).
 CHECKPOINT_FILES = ("model.pt", "best.pt", "last.pt")
 FORMATS = ("onnx", "engine")
-INPUT_NAME = "image"
-OUTPUT_NAME = "logits"
 DEFAULT_MAX_BATCH = 8
 # Test-time resize of the reference recipe: shorter side to resolution / 0.875, centre crop.
 CROP_RATIO = 0.875
@@ -271,18 +271,6 @@ def merge_for_inference(net: EdgeNet) -> EdgeNet:
     return merged
 
 
-def _onnx_modules():
-    try:
-        import onnx
-        import onnxruntime
-    except ImportError as exc:
-        raise CapabilityError(
-            f"ONNX export needs the 'onnx' and 'onnxruntime' packages ({exc.name} is missing); "
-            "install edgetl with the export extra: pip install 'edgetl[export]'"
-        ) from None
-    return onnx, onnxruntime
-
-
 def example_images(preprocessing: Preprocessing, count: int = max(PARITY_BATCHES), seed: int = 0) -> torch.Tensor:
     """Seeded random images (uniform pixels), normalised as the preprocessing says.
 
@@ -333,146 +321,6 @@ def onnx_parity(
                 raise EdgetlError(f"ONNX output shape {got.shape} != PyTorch {expected.shape} at batch {batch}")
             diffs[batch] = float(abs(got - expected).max())
     return diffs
-
-
-def _first_line(exc: BaseException, limit: int = 200) -> str:
-    line = next((s.strip() for s in str(exc).splitlines() if s.strip()), type(exc).__name__)
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-@functools.lru_cache(maxsize=None)
-def runtime_max_opset() -> int:
-    """The highest ONNX opset the installed onnxruntime loads (the parity check and
-    deploy/classify.py run the model there), probed with a one-node model per opset,
-    from the highest the installed onnx package defines down."""
-    onnx, ort = _onnx_modules()
-    from onnx import TensorProto, helper
-
-    value = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in ("x", "y")]
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", value[:1], value[1:])
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # a refused probe is expected: no error lines on stderr
-    for version in range(onnx.defs.onnx_opset_version(), 0, -1):
-        opsets = [helper.make_opsetid("", version)]
-        try:
-            model = helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
-            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        except Exception:  # onnxruntime's errors derive from Exception only
-            continue
-        return version
-    return 0
-
-
-def opset_range(dynamo: bool) -> tuple[int, int, str]:
-    """The opsets an export can be asked for, ``(lowest, highest, why)``, read from the
-    installed torch exporter, onnx and onnxruntime (none is assumed).
-
-    The dynamo exporter implements opset ``TORCHLIB_OPSET`` (18) and converts the graph to
-    another: down-conversion fails on this network's ReduceMean (axes became an input in 18),
-    after which torch keeps 18 and only logs it. The legacy exporter's range is torch's own.
-    Above, the opset must be one onnxruntime loads, for the parity check and deploy.
-    """
-    import onnx
-    from torch.onnx import _constants as torch_onnx
-
-    runtime = runtime_max_opset()
-    if dynamo:
-        try:
-            from torch.onnx._internal.exporter._constants import TORCHLIB_OPSET as low
-        except ImportError:  # another torch layout: the written model's opset is still checked
-            low = torch_onnx.ONNX_MIN_OPSET
-        high = min(onnx.defs.onnx_opset_version(), runtime)
-        why = (f"torch {torch.__version__}'s dynamo exporter implements opset {low} and up; "
-               f"onnx {onnx.__version__} defines up to {onnx.defs.onnx_opset_version()}")
-    else:
-        low = torch_onnx.ONNX_MIN_OPSET
-        legacy_max = getattr(torch_onnx, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", torch_onnx.ONNX_MAX_OPSET)
-        high = min(legacy_max, runtime)
-        why = f"torch {torch.__version__}'s legacy exporter supports {low} to {legacy_max}"
-    return low, high, f"{why}; onnxruntime {_onnx_modules()[1].__version__} loads up to {runtime}"
-
-
-def check_opset(opset: int | None, dynamo: bool) -> None:
-    """Refuse, before any work, an opset the exporter cannot write or onnxruntime cannot load.
-
-    Raises:
-        ConfigError: ``opset`` is not an integer in ``opset_range(dynamo)``.
-    """
-    if opset is None:
-        return
-    exporter = "dynamo" if dynamo else "legacy"
-    low, high, why = opset_range(dynamo)
-    if not isinstance(opset, int) or isinstance(opset, bool) or not low <= opset <= high:
-        other = ""
-        if dynamo and isinstance(opset, int) and opset_range(False)[0] <= opset < low:
-            other = " (--legacy-exporter writes lower opsets)"
-        raise ConfigError(f"ONNX opset {opset!r} is not available with the {exporter} exporter; allowed: "
-                          f"{low} <= opset <= {high}{other} ({why})")
-
-
-def written_opset(model) -> int:
-    """The default-domain opset an ONNX model imports (-1 if none)."""
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), -1)
-
-
-def _export_graph(net, x, path: Path, *, opset, dynamic_batch: bool, dynamo: bool) -> None:
-    """Export with torch; an exporter that cannot do it is one CapabilityError line (the
-    traceback goes to the log at debug level), a write that fails a ResourceError."""
-    exporter = "dynamo" if dynamo else "legacy"
-    try:
-        # torch's warnings (tracer, opset < 11 resize) go to the log: the parity check measures what they warn of
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _run_exporter(net, x, path, opset=opset, dynamic_batch=dynamic_batch, dynamo=dynamo)
-        for w in caught:
-            log.info("torch's %s exporter: %s", exporter, _first_line(w.message))
-    except EdgetlError:
-        raise
-    except Exception as exc:
-        log.debug("torch's %s exporter failed", exporter, exc_info=True)
-        cause = exc if isinstance(exc, OSError) else exc.__context__ or exc.__cause__
-        if isinstance(cause, OSError) and cause.errno is not None:
-            raise write_error(path, cause) from None
-        at = f" at opset {opset}" if opset is not None else ""
-        raise CapabilityError(f"torch {torch.__version__}'s {exporter} exporter cannot export this network{at}: "
-                              f"{_first_line(exc)}") from None
-
-
-def _run_exporter(net, x, path: Path, *, opset, dynamic_batch: bool, dynamo: bool) -> None:
-    if dynamo:
-        try:
-            import onnxscript  # noqa: F401  (the dynamo exporter needs it)
-        except ImportError:
-            raise CapabilityError(
-                "torch's default (dynamo) ONNX exporter needs 'onnxscript': pip install onnxscript, "
-                "or use the legacy exporter (dynamo=False)"
-            ) from None
-        dynamic_shapes = {"image": {0: torch.export.Dim("batch", min=1, max=4096)}} if dynamic_batch else None
-        program = torch.onnx.export(
-            net,
-            (x,),
-            dynamo=True,
-            input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
-            opset_version=opset,
-            dynamic_shapes=dynamic_shapes,
-            external_data=False,
-            verbose=False,
-        )
-        program.save(str(path), external_data=False)
-    else:
-        dynamic_axes = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}} if dynamic_batch else None
-        torch.onnx.export(
-            net,
-            (x,),
-            str(path),
-            dynamo=False,
-            input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
-            opset_version=opset or 17,
-            dynamic_axes=dynamic_axes,
-            do_constant_folding=True,
-        )
 
 
 def export_onnx(
@@ -650,8 +498,6 @@ def export_run(
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
         raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     check_opset(opset, dynamo)
-    if format == "engine":
-        _import_tensorrt()  # fail before the (slow) ONNX export, not after
     run = load_run_model(run_dir)
     out = Path(output) if output is not None else Path(run_dir) / "export" / f"model.{format}"
     onnx_path = out if format == "onnx" else out.with_suffix(".onnx")
@@ -661,6 +507,8 @@ def export_run(
     reads.update({run.run_dir / name: f"the run's checkpoint {name}" for name in CHECKPOINT_FILES
                   if (run.run_dir / name).exists()})
     check_outputs([onnx_path, out] if format == "engine" else [onnx_path], reads)
+    if format == "engine":
+        _import_tensorrt()  # fail before the (slow) ONNX export, not after
     net = merge_for_inference(run.net)
     with StagedFiles() as stage:
         result, onnx_meta = _stage_onnx(

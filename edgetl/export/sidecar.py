@@ -206,7 +206,6 @@ def check_outputs(artifacts: list[Path], reads: dict[Path, str]) -> None:
         ResourceError: a folder this user cannot write.
     """
     for artifact in artifacts:
-        refuse_json_name(artifact)
         for path in (artifact, sidecar_path(artifact)):
             check_output_folder(path.parent, "export folder")
             shown = path if path == artifact else f"{path} (the sidecar of {artifact.name})"
@@ -228,3 +227,4 @@ def check_outputs(artifacts: list[Path], reads: dict[Path, str]) -> None:
                                   f"{path.parent / MANIFEST}); choose another output path")
             raise ConfigError(f"output {shown} exists and is not an edgetl export: edgetl never overwrites files it "
                               f"did not create; choose another path or move it")
+        refuse_json_name(artifact)
