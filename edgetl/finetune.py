@@ -200,6 +200,7 @@ def finetune(
     on_epoch: Callable[[dict], None] | None = None,
     on_preflight: Callable[[MemoryReport, int | None], None] | None = None,
     on_images: Callable[[ImageCheck], None] | None = None,
+    planned: tuple[str, int] | None = None,
 ) -> FinetuneResult:
     """Fine-tune per ``recipe`` into ``out_dir`` (resumable), within ``budget_bytes``.
 
@@ -214,6 +215,8 @@ def finetune(
         on_step, on_epoch: progress callbacks of edgetl.train.fit.
         on_preflight: called with the prediction and the measured peak before training.
         on_images: called with what the check of every image file found, before training.
+        planned: (the plan's name, the class count it was planned for): data with another
+            count is refused before anything is written (the classifier's memory differs).
     """
     from edgetl.data import check_images, datasets_from_recipe, loaders_from_recipe
     from edgetl.train import (check_run_folder, fit, is_main_process, saved_file_bytes, seed_everything,
@@ -224,6 +227,9 @@ def finetune(
     check_run_folder(out_dir, resume)
     options = lean_options(recipe)
     splits = datasets_from_recipe(recipe, check=False)
+    if planned is not None and planned[1] != splits.num_classes:
+        raise ConfigError(f"{planned[0]} was planned for {planned[1]} classes; the data has {splits.num_classes}: "
+                          f"plan again with --num-classes {splits.num_classes}")
     seed_everything(recipe.train.seed)
     net = build_model(recipe, splits.num_classes, device="cpu")
     predicted = preflight(net, recipe, budget_bytes)

@@ -18,7 +18,7 @@ from edgetl.errors import ConfigError
 from edgetl.memory.paper import paper_blocks, param_bytes, sensitive
 from edgetl.memory.report import MB, MemoryReport
 from edgetl.memory.trace import trace_network
-from edgetl.models.backbone import BackboneSpec, EdgeNet, backbone_spec
+from edgetl.models.backbone import BackboneSpec, EdgeNet, input_spec
 from edgetl.models.side import TRAIN_MODES, build_network
 from edgetl.options import LeanOptions
 
@@ -47,17 +47,14 @@ def check_options(*, mode: str, accounting: str, resolution: int, batch_size: in
 
 
 def resolve_spec(
-    *, checkpoint: str | Path | None = None, num_classes: int = 1000, width: float = 1.0
+    *, checkpoint: str | Path | None = None, num_classes: int = 1000, width: float | None = None
 ) -> BackboneSpec:
-    """The backbone spec from a backbone folder or weights name, or a stock MobileNetV2 of ``width``.
+    """The backbone spec from a backbone folder or weights name, or a stock MobileNetV2 of ``width``
+    (default 1.0; refused beside a folder, which has its own: ``input_spec``).
 
     ``num_classes`` always wins: fine-tuning replaces the classifier.
     """
-    if checkpoint is not None:
-        spec = backbone_spec(checkpoint)  # a folder, or a weights name: the architecture only
-        spec.num_classes = num_classes
-        return spec
-    return BackboneSpec(width=width, num_classes=num_classes)
+    return input_spec(checkpoint, width=width, num_classes=num_classes)
 
 
 def paper_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
@@ -94,7 +91,7 @@ def profile(
     resolution: int = 224,
     batch_size: int = 8,
     num_classes: int = 1000,
-    width: float = 1.0,
+    width: float | None = None,
     frozen_bits: int = 8,
     checkpoint: str | Path | None = None,
     measure: bool = False,
@@ -113,7 +110,7 @@ def profile(
         resolution: input side in pixels.
         batch_size: images per training step.
         num_classes: classifier outputs.
-        width: MobileNetV2 width multiplier (ignored with ``checkpoint``).
+        width: MobileNetV2 width multiplier (default 1.0; refused beside a backbone folder).
         frozen_bits: storage of frozen weights in paper accounting.
         checkpoint: a backbone folder (pruned or retrained) whose spec to profile.
         measure: also run real training steps and record the measured peak.

@@ -264,7 +264,7 @@ def test_prune_and_finetune_take_the_plan(tmp_path, sweep, capsys):
                                           *extra])
 
     args = finetune_args("--backbone", str(pruned), "--pool", "2")
-    recipe = recipe_from_args(args)
+    recipe, _ = recipe_from_args(args)
     c = result.chosen
     assert (recipe.model.pool, recipe.model.precision, recipe.model.frozen_weights) == (2, c.precision,
                                                                                          c.frozen_weights)

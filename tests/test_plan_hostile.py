@@ -162,6 +162,8 @@ EDITS = {
     "ratio keeps another count": (_set(("prune", "ratios", 0), 0.1), "ratio"),
     "kept past channels": (_both(_set(("prune", "kept", 2), 60), _set(("prune", "ratios", 1), 0.0)), "kept"),
     "channels not the backbone's": (_set(("prune", "channels", 1), 17), "channels"),
+    # found by the generated edits below: no 6-digit ratio names a kept count of 2**40 channels
+    "channels past any network": (_set(("prune", "channels", 1), 2**40), "channels"),
     "a block only in kept": (_set(("prune", "kept", 9), 100), "kept"),
     "a block twice": (lambda d: d["prune"]["blocks"].append(1), "blocks"),
     "block 18": (_set(("prune", "blocks", 0), 18), "blocks"),
@@ -283,6 +285,25 @@ def test_plan_refuses_flags_it_would_ignore(tmp_path, capsys, folder_05, extra, 
     line = refused(*run_cli(capsys, ["plan", "--budget", "20MB", "--resolution", str(RES), *extra, "-o", str(out)]))
     assert needle in line, line
     assert not out.exists() and tree_digest(folder_05) == before
+
+
+def test_profile_refuses_a_width_beside_a_backbone_folder_as_plan_does(capsys, folder_05):
+    line = refused(*run_cli(capsys, ["profile", "--checkpoint", str(folder_05), "--width", "0.35"]))
+    assert line == (f"width 0.35 is for the default backbone; the backbone folder {folder_05} has its own "
+                    "width (0.5): leave the width out")
+    assert main(["profile", "--checkpoint", str(folder_05), "--resolution", str(RES)]) == 0  # its own width
+    assert "peak activation memory per image" in capsys.readouterr().out
+
+
+def test_prune_takes_the_plans_resolution_and_refuses_another(plans, tmp_path, capsys):
+    out = tmp_path / "pruned"
+    argv = ["prune", "--plan", str(plans["pruning"]), "--importance", "weight-l2", "--width", "0.35", "-o", str(out)]
+    line = refused(*run_cli(capsys, [*argv, "--resolution", str(RES + 32)]))
+    assert line == (f"{plans['pruning']} was planned at {RES} px; --resolution is {RES + 32}: leave --resolution "
+                    f"out, or plan again with --resolution {RES + 32}")
+    assert not out.exists()
+    assert main(argv) == 0  # without --resolution: the plan's (its memory table says at what size)
+    assert f" | {RES} px | temporary memory per image" in capsys.readouterr().out
 
 
 def test_plan_with_a_backbone_folder_takes_its_width(tmp_path, capsys, folder_05):
@@ -422,3 +443,18 @@ def test_generated_hand_edits_are_refused_naming_the_key_or_read_exactly(plans, 
     assert kind != "add" or path[:-1] == ("predicted", "breakdown"), (path, "an unknown key was accepted")
     # read exactly: every value as written (an int written for a float is read as that float)
     assert same(plan, naive_plan(edited)), path
+
+
+def test_finetune_refuses_a_plan_for_another_class_count_before_writing(plans, tmp_path, capsys):
+    """The plan's class count is the data's: read with the data, refused before the run folder."""
+    from tests.conftest import make_color_folder
+
+    data = make_color_folder(tmp_path / "colors", 4, 2, size=24)  # 3 classes
+    planned = load_plan(plans["unpruned"]).spec.num_classes
+    assert planned != 3
+    out = tmp_path / "run"
+    argv = finetune_argv(plans["unpruned"], out)
+    argv[argv.index("--data") + 1] = str(data)
+    line = refused(*run_cli(capsys, argv))
+    assert line == f"{plans['unpruned']} was planned for {planned} classes; the data has 3: plan again with --num-classes 3"
+    assert not out.exists()

@@ -133,7 +133,7 @@ def test_finetune_takes_the_levers_from_the_plan(both, tmp_path):
     def recipe(*extra):
         return recipe_from_args(build_parser(only="finetune").parse_args(
             ["finetune", "--recipe", "fashion_mnist", "--plan", str(path), "--set", f"data.resolution={RES}",
-             "-o", str(tmp_path / "run"), *extra]))
+             "-o", str(tmp_path / "run"), *extra]))[0]
 
     optim = recipe().optim
     assert (optim.fused, optim.step_in_backward, optim.foreach) == (True, True, False)

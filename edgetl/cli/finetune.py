@@ -89,10 +89,8 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def apply_plan(args) -> None:
-    """Fill flags the user did not give from ``--plan``; refuse, naming both sides, a plan made
-    for another backbone (width or hidden channels) than the one the run trains."""
-    from edgetl.models.backbone import backbone_spec
+def apply_plan(args):
+    """Fill flags the user did not give from ``--plan``; the plan, for ``check_planned``."""
     from edgetl.plan import load_plan
 
     plan = load_plan(args.plan)
@@ -104,28 +102,38 @@ def apply_plan(args) -> None:
                         ("fused", c.fused or None), ("step_in_backward", c.step_in_backward or None)):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    # the backbone the run trains is the recipe's that these flags resolve (--backbone, --weights,
-    # --set model.backbone or model.width, the recipe's own; none: MobileNetV2 at model.width)
-    m = recipe_from_args(argparse.Namespace(**{**vars(args), "plan": None})).model
+    return plan
+
+
+def check_planned(plan, recipe, where) -> None:
+    """Refuse, naming both sides, a plan made for another network than the one the recipe
+    trains: its width, hidden channels and resolution (the class count is the data's, checked
+    by ``finetune`` once the data is read)."""
+    from edgetl.models.backbone import backbone_spec
+
+    m = recipe.model  # the backbone as the flags resolve it (--backbone, --weights, --set, the recipe)
     have = backbone_spec(m.backbone, width=None if m.backbone and Path(m.backbone).is_dir() else m.width)
     name = m.backbone or "MobileNetV2 (model.width)"
     want = plan.spec
     if have.width != want.width:
         again = f"--backbone {m.backbone}" if m.backbone else f"--width {have.width:g}"
-        raise ConfigError(f"{args.plan} was planned for MobileNetV2 width {want.width:g}; the backbone {name} is "
+        raise ConfigError(f"{where} was planned for MobileNetV2 width {want.width:g}; the backbone {name} is "
                           f"width {have.width:g}: plan again with {again}, or give a width-{want.width:g} backbone")
     if have.hidden != want.hidden:
-        hint = f"edgetl prune --plan {args.plan} -o pruned, then --backbone pruned" if c.kept else "the unpruned backbone"
-        raise ConfigError(f"{args.plan} plans hidden channels {want.hidden or 'unpruned'}; the backbone {name} has "
+        hint = f"edgetl prune --plan {where} -o pruned, then --backbone pruned" if plan.chosen.kept else \
+            "the unpruned backbone"
+        raise ConfigError(f"{where} plans hidden channels {want.hidden or 'unpruned'}; the backbone {name} has "
                           f"{have.hidden or 'unpruned'}: use {hint}")
-    args.plan_resolution = plan.resolution
+    if recipe.data.resolution != plan.resolution:
+        raise ConfigError(f"{where} was planned at {plan.resolution} px; the recipe trains at "
+                          f"{recipe.data.resolution} px: plan again with --resolution {recipe.data.resolution}")
 
 
 def recipe_from_args(args):
+    """The recipe the flags resolve, and the plan it was checked against (None without --plan)."""
     from edgetl.recipe import load_recipe
 
-    if getattr(args, "plan", None) is not None:
-        apply_plan(args)
+    plan = apply_plan(args) if getattr(args, "plan", None) is not None else None
     overrides = dict(args.overrides)
     flags = {"model.backbone": args.backbone if args.weights is None else args.weights, "data.root": args.data,
              "train.batch_size": args.batch_size, "train.epochs": args.epochs,
@@ -134,11 +142,9 @@ def recipe_from_args(args):
              **{f"model.{name}": getattr(args, name) for name in LeanOptions.names()}}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     recipe = load_recipe(args.recipe, overrides=overrides)
-    planned = getattr(args, "plan_resolution", None)
-    if planned is not None and recipe.data.resolution != planned:
-        raise ConfigError(f"{args.plan} was planned at {planned} px; the recipe trains at "
-                          f"{recipe.data.resolution} px: plan again with --resolution {recipe.data.resolution}")
-    return recipe
+    if plan is not None:
+        check_planned(plan, recipe, args.plan)
+    return recipe, plan
 
 
 def print_preflight(report: MemoryReport, measured: int | None, budget: int | None) -> None:
@@ -166,7 +172,7 @@ def run(args) -> int:
         raise ConfigError(f"run folder {args.out} is not empty; use --resume or choose another -o")
     if args.resume and not args.out.is_dir():
         raise ConfigError(f"nothing to resume: run folder {args.out} does not exist")
-    recipe = recipe_from_args(args)
+    recipe, plan = recipe_from_args(args)
     bar = None
     state = {"t0": None, "images": 0, "acc": "-", "measured": None}
 
@@ -205,6 +211,7 @@ def run(args) -> int:
     try:
         result = finetune(recipe=recipe, out_dir=args.out, budget_bytes=args.budget, resume=args.resume,
                           device=args.device, measure=args.measure, on_step=on_step,
+                          planned=None if plan is None else (args.plan, plan.spec.num_classes),
                           on_epoch=on_epoch, on_preflight=on_preflight, on_images=on_images)
     finally:
         if bar is not None:

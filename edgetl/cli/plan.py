@@ -8,7 +8,7 @@ from pathlib import Path
 
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import (
-    HelpFormatter, budget_type, fmt_mb, positive_float, positive_int, print_table, writable_file,
+    HelpFormatter, budget_type, fmt_mb, output_file, positive_float, positive_int, print_table,
 )
 from edgetl.errors import ConfigError
 
@@ -81,10 +81,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-ratio", type=float, default=MAX_RATIO, help="most any block may be pruned")
     p.add_argument("--verify", action="store_true",
                    help="build the planned network (random weights) and measure real training steps")
-    p.add_argument("-o", "--output", type=writable_file, metavar="PLAN",
+    p.add_argument("-o", "--output", type=output_file("plan"), metavar="PLAN",
                    help="save the plan as YAML here (what prune --plan and finetune --plan read); "
                         "without -o or --json nothing is written")
-    p.add_argument("--json", type=writable_file, metavar="PATH", help="also save the plan as JSON")
+    p.add_argument("--json", type=output_file("plan"), metavar="PATH", help="also save the plan as JSON")
     p.set_defaults(run=run)
 
 

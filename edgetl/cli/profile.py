@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resolution", type=positive_int, default=224, help="input size in pixels")
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--num-classes", type=positive_int, default=1000)
-    p.add_argument("--width", type=positive_float, default=1.0, help="MobileNetV2 width multiplier")
+    p.add_argument("--width", type=positive_float, help="MobileNetV2 width multiplier (default 1.0; a backbone folder has its own)")
     p.add_argument("--frozen-bits", type=int, choices=FROZEN_BITS, default=8,
                    help="storage of frozen weights (paper accounting)")
     lean = p.add_argument_group("runtime accounting / --measure: the runtime that trains")

@@ -79,7 +79,8 @@ def add_parser(sub) -> None:
                    help="calibration images for activation-l2: an ImageFolder or fashion-mnist")
     p.add_argument("--calib-batches", type=positive_int, default=8, help="batches of 8 images")
     p.add_argument("--round-to", type=positive_int, default=1, help="round kept channels down to a multiple")
-    p.add_argument("--resolution", type=positive_int, default=224, help="input size in pixels")
+    p.add_argument("--resolution", type=positive_int,
+                   help="input size in pixels (default: the plan's with --plan, else 224)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output backbone folder")
     p.set_defaults(run=run)
 
@@ -130,6 +131,9 @@ def print_auto(plan, paper_comparable: bool) -> None:
     print()
 
 
+DEFAULT_RESOLUTION = 224  # the papers' input size
+
+
 def run(args) -> int:
     out = Path(args.output)
     if out.exists():
@@ -140,7 +144,11 @@ def run(args) -> int:
     if args.plan is not None:
         if args.auto:
             raise ConfigError("--plan supplies the ratios; not with --auto")
-        plan_blocks, plan_ratios = _from_plan(args.plan, net.spec)
+        plan_blocks, plan_ratios, planned = _from_plan(args.plan, net.spec)
+        if args.resolution is not None and args.resolution != planned:
+            raise ConfigError(f"{args.plan} was planned at {planned} px; --resolution is {args.resolution}: "
+                              f"leave --resolution out, or plan again with --resolution {args.resolution}")
+        args.resolution = planned
         if args.blocks is None and args.ratios is None:
             args.blocks, args.ratios = plan_blocks, plan_ratios
         elif args.ratios is None:  # --blocks given: keep the plan's ratio for those it names
@@ -148,6 +156,8 @@ def run(args) -> int:
             args.ratios = [ratio_of.get(b, 0.0) for b in args.blocks]
         elif args.blocks is None:
             args.blocks = plan_blocks
+    if args.resolution is None:
+        args.resolution = DEFAULT_RESOLUTION
     blocks = args.blocks if args.blocks is not None else default_blocks(net.spec, resolution=args.resolution)
     if not blocks:
         raise ConfigError(f"no sensitive block to prune at {args.resolution} px; name some with --blocks")
@@ -180,8 +190,8 @@ def run(args) -> int:
     return 0
 
 
-def _from_plan(path, spec) -> tuple[list[int], list[float]]:
-    """Blocks and ratios of a plan, after checking it was made for this input backbone (its
+def _from_plan(path, spec) -> tuple[list[int], list[float], int]:
+    """Blocks, ratios and resolution of a plan, after checking it was made for this input backbone (its
     width and hidden channels), naming both sides."""
     from edgetl.models.backbone import BackboneSpec
     from edgetl.plan import load_plan
@@ -197,4 +207,4 @@ def _from_plan(path, spec) -> tuple[list[int], list[float]]:
     if not plan.chosen.kept:
         raise ConfigError(f"{path} prunes nothing: fine-tune the input backbone directly "
                           f"(edgetl finetune --plan {path})")
-    return plan.chosen.blocks, plan.chosen.ratios
+    return plan.chosen.blocks, plan.chosen.ratios, plan.resolution

@@ -69,22 +69,14 @@ def _resolve_spec(backbone, width: float | None, num_classes: int) -> BackboneSp
     """The input backbone's spec. ``width`` describes the default MobileNetV2 (or
     mobilenet_v2:random, a weights file): beside a backbone folder, which has its own, it is
     refused as retrain and prune refuse it, and so is a width a spec or weights name lacks."""
-    from edgetl.models.backbone import backbone_spec
+    from edgetl.models.backbone import input_spec
 
-    if backbone is None:
-        spec = BackboneSpec(width=1.0 if width is None else width)
-    elif isinstance(backbone, BackboneSpec):
-        spec = backbone
-    else:
-        # a folder, or a weights name: only the architecture matters here (nothing is loaded)
-        folder = Path(backbone).is_dir()
-        spec = backbone_spec(backbone, width=None if folder else width)
-        if folder and width is not None:
-            raise ConfigError(f"width {width:g} is for the default backbone; the backbone folder {backbone} has "
-                              f"its own width ({spec.width:g}): leave the width out")
-    if width is not None and spec.width != width:
-        raise ConfigError(f"width {width:g} disagrees with the backbone's width {spec.width:g}; leave the width out")
-    return dataclasses.replace(spec, num_classes=num_classes, hidden=dict(spec.hidden))
+    if isinstance(backbone, BackboneSpec):
+        if width is not None and backbone.width != width:
+            raise ConfigError(f"width {width:g} disagrees with the backbone's width {backbone.width:g}; "
+                              "leave the width out")
+        return dataclasses.replace(backbone, num_classes=num_classes, hidden=dict(backbone.hidden))
+    return input_spec(backbone, width=width, num_classes=num_classes)
 
 
 def _check_budget(budget_bytes, device_preset, budget_scope: str, batch_size, max_batch_size) -> DevicePreset:

@@ -29,6 +29,7 @@ OPTIMIZER = "adam"  # the plan's step: edgetl.step.Step.plain(OPTIMIZER) (plan_s
 HALF_DTYPES = ("fp16", "bf16")  # "half" activations, preferred first (half_precision)
 BUDGET_SCOPES = ("tensors", "process")
 MAX_RATIO = 0.9
+MAX_CHANNELS = 100_000  # hidden channels of one block a plan may name (MobileNetV2 1.0 has at most 960)
 MAX_BATCH_SIZE = 256
 VERIFY_TOLERANCE = 0.05
 OBJECTIVE = ("fit the budget removing as few hidden channels as possible, then prefer a smaller "
@@ -348,6 +349,9 @@ def _check_pruning(blocks: list[int], ratios: list[float], channels: dict[int, i
         raise ConfigError(f"{where}.ratios: {len(ratios)} ratios for {len(blocks)} blocks {show(blocks)}; "
                           "allowed: one ratio per block")
     for b, r in zip(blocks, ratios):
+        if not 1 <= channels[b] <= MAX_CHANNELS:  # past it no 6-digit ratio names every kept count
+            raise ConfigError(f"{where}.channels: block {b} has {show(channels[b])} channels; "
+                              f"allowed: 1..{MAX_CHANNELS}")
         if not 1 <= kept[b] <= channels[b]:
             raise ConfigError(f"{where}.kept: block {b} keeps {kept[b]} of {channels[b]} channels; "
                               f"allowed: 1..{channels[b]}")
