@@ -21,7 +21,7 @@ import pytest
 
 from edgetl.errors import DataError, ResourceError
 from edgetl.export import build_engine, opset_range, runtime_max_opset, written_opset
-from edgetl.export.sidecar import StagedFiles
+from edgetl.io import StagedFiles
 from tests.conftest import make_color_folder
 from tests.test_divergence_and_data import tree_digest
 from tests.test_failures import backbone, error_line, exit_code, finetune_argv  # noqa: F401 (a fixture)

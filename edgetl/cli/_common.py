@@ -108,7 +108,8 @@ def writable_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
     parent = path.parent
     if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text}: folder {parent} does not exist")
+        there = "is a file, not a folder" if parent.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {parent} {there}")
     if not os.access(parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: folder {parent} is not writable")
     return path

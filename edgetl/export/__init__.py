@@ -39,8 +39,8 @@ from edgetl.export.exporter import (
     written_opset,
 )
 from edgetl.export.engine import DEFAULT_WORKSPACE_BYTES, _import_tensorrt, _stage_engine, build_engine
-from edgetl.export.sidecar import SIDECAR_FORMAT, StagedFiles, check_outputs, file_sha256, sidecar_path
-from edgetl.io import atomic_text_json, read_json
+from edgetl.export.sidecar import SIDECAR_FORMAT, check_outputs, file_sha256, sidecar_path
+from edgetl.io import StagedFiles, atomic_text_json, load_state, load_torch_file, read_json
 from edgetl.models.backbone import BackboneSpec, EdgeNet
 
 log = logging.getLogger(__name__)
@@ -197,19 +197,12 @@ def load_run_model(run_dir: str | Path, device: torch.device | str = "cpu") -> R
     checkpoint = next((run_dir / name for name in CHECKPOINT_FILES if (run_dir / name).is_file()), None)
     if checkpoint is None:
         raise DataError(f"{run_dir} has no checkpoint: expected {' or '.join(CHECKPOINT_FILES)}")
-    try:
-        ckpt = torch.load(checkpoint, map_location=device, weights_only=True)
-    except Exception as exc:  # torch raises many types for a damaged or unsafe file
-        raise DataError(f"{checkpoint} is corrupted or not a plain checkpoint: {str(exc).splitlines()[0]}") from None
+    ckpt = load_torch_file(checkpoint, "a plain checkpoint", map_location=device)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
         raise DataError(f"{checkpoint} has no 'model' state_dict entry")
 
     net = build_network(spec, mode=info["mode"], device=device)
-    try:
-        net.load_state_dict(ckpt["model"])
-    except RuntimeError as exc:
-        detail = " ".join(str(exc).split())[:300]
-        raise DataError(f"{checkpoint} does not match {RUN_MODEL_FILE}: {detail}") from None
+    load_state(net, ckpt["model"], checkpoint, f"the network {RUN_MODEL_FILE} describes")
     net.eval()
     return RunModel(net, spec, info["mode"], labels, info["recipe"], preprocessing, run_dir, checkpoint)
 

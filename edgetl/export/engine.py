@@ -65,7 +65,8 @@ def build_engine(
         ConfigError: a bad setting or an output path it may not write.
         EdgetlError: the ONNX parser or the builder fails.
     """
-    from edgetl.export.sidecar import StagedFiles, check_outputs, read_sidecar
+    from edgetl.export.sidecar import check_outputs, read_sidecar
+    from edgetl.io import StagedFiles
 
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     _check_max_batch(max_batch)

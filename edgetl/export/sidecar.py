@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 
 from edgetl.errors import ConfigError, DataError
-from edgetl.io import _tmp_or_error, _umask, write_error
 from edgetl.runfolder import LOCK, MANIFEST, Manifest, check_output_folder
 
 SIDECAR_FORMAT = "edgetl-export/1"
@@ -94,77 +93,6 @@ def is_edgetl_sidecar(path: Path, artifact: Path) -> bool:
         return False
     return (isinstance(meta, dict) and meta.get("format") == SIDECAR_FORMAT
             and meta.get("artifact") in ARTIFACTS and meta.get("file") == artifact.name)
-
-
-class StagedFiles:
-    """Output files written under temporary names beside their final paths, renamed into place
-    only when every one of them is complete (``commit``); ``discard`` removes the temporary
-    files and the folders made for them. Used as a context manager: an exception (or
-    Ctrl-C) inside the block discards.
-
-    ``commit`` renames in the order the files were staged: stage a sidecar before its
-    artifact, so a reader never finds a new artifact without a sidecar; a new sidecar beside
-    an old artifact (a re-export killed between the two renames, microseconds) is refused by
-    its SHA-256.
-    """
-
-    def __init__(self) -> None:
-        self.tmps: dict[Path, Path] = {}  # final path -> temporary file
-        self.made: list[Path] = []  # folders this made, outermost first
-
-    def __enter__(self) -> "StagedFiles":
-        return self
-
-    def __exit__(self, kind, exc, tb) -> None:
-        if kind is not None:
-            self.discard()
-
-    def folder(self, folder: Path) -> None:
-        """Make ``folder`` and its missing parents (removed again by ``discard``)."""
-        missing = []
-        probe = folder
-        while not probe.exists() and probe != probe.parent:
-            missing.append(probe)
-            probe = probe.parent
-        for path in reversed(missing):
-            try:
-                path.mkdir()
-            except FileExistsError:
-                continue
-            except OSError as exc:
-                raise write_error(path, exc) from None
-            self.made.append(path)
-
-    def tmp(self, final: Path) -> Path:
-        """A new empty temporary file beside ``final`` (its folder is made first)."""
-        self.folder(final.parent)
-        tmp = _tmp_or_error(final)
-        self.tmps[final] = tmp
-        return tmp
-
-    def commit(self) -> None:
-        """Rename every staged file into place, in the order they were staged."""
-        mode = 0o666 & ~_umask()
-        try:
-            for final, tmp in list(self.tmps.items()):
-                tmp.chmod(mode)  # mkstemp makes 0600 files; an exporter writing into one keeps it
-                os.replace(tmp, final)
-                del self.tmps[final]
-        except OSError as exc:
-            self.discard()
-            raise write_error(final, exc) from None
-        self.made = []
-
-    def discard(self) -> None:
-        for tmp in self.tmps.values():
-            tmp.unlink(missing_ok=True)
-        self.tmps = {}
-        for folder in reversed(self.made):
-            try:
-                folder.rmdir()  # only if empty: never a file that appeared there meanwhile
-            except OSError:
-                break
-        self.made = []
 
 
 def refuse_json_name(path: Path) -> None:
