@@ -107,7 +107,7 @@ def test_unwritable_json_path_fails_before_work(tmp_path, capsys):
     blocker.write_text("x")
     assert exit_code(["profile", "--json", str(blocker / "r.json")]) == 2
     out, err = capsys.readouterr()
-    assert "does not exist" in err and out == ""
+    assert "is a file, not a folder" in err and out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-folder"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -53,6 +54,15 @@ def test_largest_fitting_of_any_monotone_totals_is_brute_force(steps, budget, gu
     truth = max((i for i in range(1, hi) if totals[i] <= budget), default=0)
     got = largest_fitting(lambda i: totals[i], budget, 0, hi, guess)
     assert got == truth
+
+
+@pytest.mark.parametrize("flat, budget, upper, answer", [(406, 406, 31, 29), (433, 434, 33, 31)])
+def test_a_flat_stretch_just_under_the_budget_does_not_stall_the_secants(flat, budget, upper, answer):
+    """Found by the property above: f(b) = max(flat, 14 b) is flat up to about the budget; the
+    chord from the flat side landed one batch up each step (17 totals, a bisection needs 7)."""
+    total = Counted(lambda b: max(flat, 14 * b))
+    got, _ = largest_batch(total, budget, upper)
+    assert got == answer and len(total.calls) <= 10
 
 
 def test_nothing_fits_and_the_ends():

@@ -79,7 +79,7 @@ def largest_batch(total_at: Callable[[int], int], budget: int, upper: int,
         lo, hi = bounds()
         if lo < probe < hi:
             total(probe)
-    last_hi, kept = None, 0
+    last_hi, kept, crept = None, 0, 0
     for _ in range(_SECANT_STEPS):
         lo, hi = bounds()
         if hi - lo <= 1:
@@ -99,7 +99,10 @@ def largest_batch(total_at: Callable[[int], int], budget: int, upper: int,
             t1, t2 = seen[x1], seen[x2]
         flat = t2 <= t1  # no growth seen yet: try the top of the range
         guess = hi - 1 if flat else min(max(int(x1 + (budget - t1) * (x2 - x1) // (t2 - t1)), lo + 1), hi - 1)
-        if guess in seen:
+        crept = crept + 1 if guess == lo + 1 else 0
+        if guess in seen or crept > 1:
+            # chords landing on the smallest step twice creep up two batches a step (a total
+            # flat up to just under the budget): bisect
             break
         if total(guess) <= budget and guess + 1 < hi:
             total(guess + 1)
