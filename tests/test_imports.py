@@ -86,3 +86,14 @@ def test_no_module_under_edgetl_is_over_about_600_lines():
     assert len(sizes) > 40  # the walk found the package
     big = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
     assert not big, big
+
+
+def test_the_models_do_not_import_the_accounting():
+    """Issue #42 item 5: the layers and the accounting that measures them share the cost types
+    and the meta-op memo, which sit below both (edgetl.cost, edgetl.metaop); models/ imports
+    nothing of memory/ (memory/ reads models/)."""
+    graph = import_graph()
+    models = {name: deps for name, deps in graph.items() if name.startswith("edgetl.models")}
+    assert "edgetl.cost" in graph["edgetl.models.lean.frozen"]  # the walk sees these imports
+    wrong = {name: sorted(d for d in deps if d.startswith("edgetl.memory")) for name, deps in models.items()}
+    assert not {name: deps for name, deps in wrong.items() if deps}, wrong

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetl.memory.cost import repeated
+from edgetl.cost import repeated
 from edgetl.memory.leaf import leaf_parameters, measure, measured_cost, signature
 from edgetl.memory.meter import StorageMeter
 from edgetl.models.lean import ImagePool, InputNorm, LeanAvgPool2d, LeanGlobalAvgPool, PooledConv2d

@@ -1,4 +1,4 @@
-"""``edgetl.memory.metaop``: an op on meta tensors taken from memory gives what torch's own
+"""``edgetl.metaop``: an op on meta tensors taken from memory gives what torch's own
 meta kernel gives, and a measurement made with it is the measurement made without it."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgetl.memory import metaop
+from edgetl import metaop
 from edgetl.memory.leaf import leaf_parameters, measure, signature
 from edgetl.memory.meter import StorageMeter
-from edgetl.memory.metaop import MetaMemo, meta_call
+from edgetl.metaop import MetaMemo, meta_call
 from tests.test_leaf import LEAVES
 
 aten = torch.ops.aten

@@ -165,7 +165,7 @@ def test_op_tensors_are_what_pytree_finds():
     from hypothesis import strategies as st
     from torch.utils._pytree import tree_leaves
 
-    from edgetl.memory.metaop import tensors_in
+    from edgetl.metaop import tensors_in
 
     pool = [torch.zeros(i + 1) for i in range(4)]
     leaves = st.one_of(st.sampled_from(pool), st.integers(), st.floats(allow_nan=False), st.none(),

@@ -8,7 +8,7 @@ from edgetl.cli import main
 from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.paper import sensitive
 from edgetl.memory.report import MB
-from edgetl.memory.cost import LayerCost
+from edgetl.cost import LayerCost
 from edgetl.memory.flow import trace_flow
 from edgetl.memory.leaf import function_cost
 from edgetl.memory.rules import layer_cost, stock_cost

@@ -32,7 +32,7 @@ once on meta inputs under the meter, per input flags included, since a function 
 tensors may keep some of its inputs and pass grad_output on to others.
 
 A loop over the samples of a batch (or chunks of a weight) runs only its first passes
-while it is measured, when the layer loops through ``edgetl.memory.cost.repeated``: the
+while it is measured, when the layer loops through ``edgetl.cost.repeated``: the
 leaf is measured with 2 passes of each such loop, so a search's batch of hundreds is
 measured as fast as a batch of two. The first time a leaf's loops are cut for an input
 layout (its key, the input's shape but the batch, dtype and flags) it is measured again
@@ -52,7 +52,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from edgetl.errors import CapabilityError
-from edgetl.memory.cost import FunctionCost, LayerCost, Passes
+from edgetl.cost import FunctionCost, LayerCost, Passes
 from edgetl.memory.trace import meta_tensors
 
 # nn.Module bookkeeping that does not change what a call allocates (hooks are the meter's,

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from edgetl.errors import ConfigError
-from edgetl.memory.metaop import meta_call, tensors_in
+from edgetl.metaop import meta_call, tensors_in
 from edgetl.step import Step, ddp_wrap, resolve_step, set_train_mode, training_step
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from edgetl.errors import CapabilityError
-from edgetl.memory.cost import LayerCost, numel as _numel
+from edgetl.cost import LayerCost, numel as _numel
 from edgetl.memory.leaf import measured_cost
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from edgetl.errors import ConfigError
-from edgetl.memory.cost import LayerCost
+from edgetl.cost import LayerCost
 from edgetl.memory.flow import Flow, Op, Value, trace_flow
 from edgetl.memory.paper import sensitive
 from edgetl.memory.report import BlockMemory, MemoryReport

@@ -157,7 +157,7 @@ def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: St
     """The streamed segments worth recomputing, and the simulation with them: those whose
     backward runs and whose saved bytes exceed the input they would keep instead (a uint8
     image is kept anyway), taken together when that lowers the predicted peak."""
-    from edgetl.memory.cost import numel
+    from edgetl.cost import numel
     from edgetl.models.stream import StreamedSegment
 
     again = []

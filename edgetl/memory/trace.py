@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from edgetl.memory.metaop import MetaMemo
+from edgetl.metaop import MetaMemo
 from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
 from edgetl.models.stream import mark_shapes_only
 

@@ -63,7 +63,7 @@ from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.errors import ConfigError
 from edgetl.options import COMPRESSORS
-from edgetl.memory.cost import dtype_bytes as _dtype_bytes, repeated
+from edgetl.cost import dtype_bytes as _dtype_bytes, repeated
 
 WAVELET_LEVELS = 3  # Vu et al. use a 3-level decomposition in all experiments
 DCT_BLOCK = 8  # JPEG's block (Vu et al. use 16; ``DCTCompressor(block=16)``)

@@ -24,7 +24,7 @@ per-sample masked gradients, upsampled pooled inputs) are measured by running it
 twin under the storage meter (``edgetl.memory.leaf``), keyed by everything that can change
 what it allocates (its settings, tensors' shapes and dtypes, the input). A leaf's state must
 therefore be plain values, tensors, modules or plain objects. Its loops over samples or
-chunks run through ``edgetl.memory.cost.repeated``, so measuring a batch of hundreds takes
+chunks run through ``edgetl.cost.repeated``, so measuring a batch of hundreds takes
 as long as a batch of two. tests/test_leaf.py checks each leaf's measurement against the
 layer run for real. tests/test_lean_runtime.py and tests/test_moments.py check the whole step,
 and each leaf's moments, against the meter on a real step to the byte.

@@ -10,7 +10,7 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input
 
 from edgetl.errors import ConfigError
-from edgetl.memory.cost import dtype_bytes as _dtype_bytes, numel as _numel, repeated
+from edgetl.cost import dtype_bytes as _dtype_bytes, numel as _numel, repeated
 from edgetl.models.lean.masks import (
     _fold_bits_,
     pack_mask_,

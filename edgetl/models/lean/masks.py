@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from edgetl.memory.cost import numel as _numel
+from edgetl.cost import numel as _numel
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch.autograd import Function
 
 from edgetl.errors import ConfigError
 from edgetl.imagenet import IMAGENET_MEAN, IMAGENET_STD
-from edgetl.memory.cost import repeated
+from edgetl.cost import repeated
 
 
 class _AvgPoolFn(Function):
