@@ -117,7 +117,7 @@ def default_blocks(spec: BackboneSpec, *, resolution: int) -> list[int]:
     A sensitive stem (block 0) maps to block 1: they share the stem's output channels.
     """
     report = memory_report(spec, resolution=resolution)
-    blocks = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(prunable_blocks()))
+    blocks = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(prunable_blocks(spec.arch)))
     log.info("sensitive blocks %s -> prunable blocks %s", report.sensitive_blocks, blocks)
     return blocks
 

@@ -1,9 +1,10 @@
-"""Backbone adapter: a BackboneSpec in, a torchvision MobileNetV2 (optionally pruned) out.
+"""Backbone adapter: a BackboneSpec in, the network of its architecture (optionally pruned) out.
 
-Block i is ``features[i]`` of torchvision's ``mobilenet_v2``: 0 is the stem, 1..17 the
-inverted residual blocks, 18 the last 1x1 conv. The head (global pool, dropout, linear)
-is reported as block 19. A pruned network is rebuilt from its spec: the hidden
-(expanded) channel count of each pruned block; residual widths never change.
+What an architecture is, is its entry in ``edgetl.models.archs``: block i is ``features[i]``
+of the built network (MobileNetV2: 0 the stem, 1..17 the inverted residual blocks, 18 the
+last 1x1 conv); the head (global pool, dropout, linear) is reported as block
+``len(features)``. A pruned network is rebuilt from its spec: the hidden channel count of
+each pruned block; residual widths never change.
 """
 
 from __future__ import annotations
@@ -15,20 +16,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torchvision.models import mobilenet_v2
-
-from torchvision.models.mobilenetv2 import InvertedResidual
 
 from edgetl.errors import ConfigError, DataError
 from edgetl.io import load_state, load_torch_file
+import edgetl.models.archs as archs
 
-HEAD_BLOCK = 19
-# The FMEC 2023 paper's pruning of MobileNetV2 1.0 at 224 px: block -> ratio of hidden channels
-# removed (DESIGN 5; keeps 22/21/77/77). The one place they are written: prune, bench, demo and
-# the figure scripts read them here.
-PAPER_RATIOS = {1: 0.3, 2: 0.78, 3: 0.46, 4: 0.46}
-NUM_FEATURE_BLOCKS = 19
-ARCHS = ("mobilenet_v2",)
+HEAD_BLOCK = 19  # MobileNetV2's head block (len(features)); the accounting's block numbering
+# The FMEC 2023 paper's pruning ratios, written once in the MobileNetV2 entry: prune, bench,
+# demo and the figure scripts read them here.
+PAPER_RATIOS = archs.MOBILENET_V2.paper_ratios
+ARCHS = archs.registered()
 
 
 @dataclass
@@ -36,8 +33,9 @@ class BackboneSpec:
     """Everything needed to rebuild a backbone: architecture, width, classes, hidden channels.
 
     Attributes:
-        arch: only "mobilenet_v2" for now.
-        width: torchvision's width multiplier.
+        arch: a registered architecture (``edgetl.models.archs``; a spec without one is
+            MobileNetV2, as every backbone folder edgetl wrote so far says).
+        width: torchvision's width multiplier (1.0 where the architecture has none).
         num_classes: outputs of the new linear classifier.
         hidden: block index -> hidden (expanded) channel count, for pruned blocks only.
         dropout: dropout before the classifier.
@@ -50,18 +48,18 @@ class BackboneSpec:
     dropout: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ConfigError(f"unknown backbone arch {self.arch!r}; allowed: {', '.join(ARCHS)}")
+        arch = archs.get(self.arch)
         if not self.width > 0:
             raise ConfigError(f"width must be > 0, got {self.width}")
+        if self.width != 1.0 and not arch.width_multiplier:
+            raise ConfigError(f"{arch.title} has no width multiplier; allowed width: 1.0, got {self.width}")
         if int(self.num_classes) < 1:
             raise ConfigError(f"num_classes must be >= 1, got {self.num_classes}")
         self.hidden = {int(k): int(v) for k, v in self.hidden.items()}
         for block, channels in self.hidden.items():
-            if block not in prunable_blocks():
-                raise ConfigError(
-                    f"block {block} has no hidden channels to set; allowed blocks: 1..17"
-                )
+            if block not in arch.prunable:
+                raise ConfigError(f"block {block} has no hidden channels to set; allowed blocks: "
+                                  f"{arch.prunable.start}..{arch.prunable.stop - 1}")
             if channels < 1:
                 raise ConfigError(f"block {block}: hidden channels must be >= 1, got {channels}")
 
@@ -81,9 +79,9 @@ class BackboneSpec:
         return cls(**data)
 
 
-def prunable_blocks() -> range:
-    """Blocks whose hidden channels can be pruned: 1 (the stem's output) to 17."""
-    return range(1, 18)
+def prunable_blocks(arch: str = "mobilenet_v2") -> range:
+    """Blocks whose hidden channels can be pruned (MobileNetV2: 1, the stem's output, to 17)."""
+    return archs.get(arch).prunable
 
 
 class EdgeNet(nn.Module):
@@ -151,54 +149,9 @@ class EdgeNet(nn.Module):
 
 def hidden_channels(net: EdgeNet | nn.Module, block: int) -> int:
     """Hidden (expanded) channel count of a block of a built network."""
-    features = net.features
-    if block == 1:
-        return features[0][0].out_channels
-    if block in prunable_blocks():
-        return features[block].conv[0][0].out_channels
-    raise ConfigError(f"block {block} has no hidden channels; allowed blocks: 1..17")
-
-
-def _conv_like(conv: nn.Conv2d, in_channels: int, out_channels: int, groups: int) -> nn.Conv2d:
-    return nn.Conv2d(
-        in_channels,
-        out_channels,
-        conv.kernel_size,
-        stride=conv.stride,
-        padding=conv.padding,
-        dilation=conv.dilation,
-        groups=groups,
-        bias=conv.bias is not None,
-        device=conv.weight.device,
-        dtype=conv.weight.dtype,
-    )
-
-
-def _bn_like(bn: nn.BatchNorm2d, channels: int) -> nn.BatchNorm2d:
-    return nn.BatchNorm2d(
-        channels, eps=bn.eps, momentum=bn.momentum, device=bn.weight.device, dtype=bn.weight.dtype
-    )
-
-
-def _set_hidden(features: nn.Sequential, block: int, channels: int) -> None:
-    """Rebuild the layers that carry block ``block``'s hidden channels with ``channels``."""
-    if block == 1:
-        stem, first = features[0], features[1]
-        stem[0] = _conv_like(stem[0], stem[0].in_channels, channels, 1)
-        stem[1] = _bn_like(stem[1], channels)
-        dw, project = first.conv[0], first.conv[1]
-    else:
-        blk: InvertedResidual = features[block]
-        expand = blk.conv[0]
-        expand[0] = _conv_like(expand[0], expand[0].in_channels, channels, 1)
-        expand[1] = _bn_like(expand[1], channels)
-        dw, project = blk.conv[1], blk.conv[2]
-    dw[0] = _conv_like(dw[0], channels, channels, channels)
-    dw[1] = _bn_like(dw[1], channels)
-    if block == 1:
-        features[1].conv[1] = _conv_like(project, channels, project.out_channels, 1)
-    else:
-        features[block].conv[2] = _conv_like(project, channels, project.out_channels, 1)
+    arch = archs.get(net.spec.arch if isinstance(net, EdgeNet) else "mobilenet_v2")
+    arch.check_block(block)
+    return arch.hidden_conv(net.features, block).out_channels
 
 
 def build_backbone(spec: BackboneSpec, device: torch.device | str | None = None) -> EdgeNet:
@@ -208,11 +161,12 @@ def build_backbone(spec: BackboneSpec, device: torch.device | str | None = None)
         spec: architecture, width, classes and hidden channel counts.
         device: where to allocate; "meta" builds shapes only (used by the profiler).
     """
+    arch = archs.get(spec.arch)
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        tv = mobilenet_v2(width_mult=spec.width, num_classes=spec.num_classes, dropout=spec.dropout)
+        features, classifier = arch.build(spec)
         for block, channels in sorted(spec.hidden.items()):
-            _set_hidden(tv.features, block, channels)
-    return EdgeNet(tv.features, tv.classifier, spec)
+            arch.set_hidden(features, block, channels)
+    return EdgeNet(features, classifier, spec)
 
 
 def block_strides(net: EdgeNet) -> list[int]:

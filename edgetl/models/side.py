@@ -15,12 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgetl.errors import ConfigError
+import edgetl.models.archs as archs
 from edgetl.models.backbone import EdgeNet, block_out_channels, block_strides
 from edgetl.options import MODES, LeanOptions
 from edgetl.units import round_up
 
-TAPS = (2, 4, 7, 11, 14, 17)
+TAPS = archs.MOBILENET_V2.taps  # MobileNetV2's; a network's own are its architecture's (taps_of)
 IMAGE_POOL = 4
+
+
+def taps_of(net: EdgeNet) -> tuple[int, ...]:
+    """The blocks a Rep-Net side network adds to on ``net``: its architecture's taps."""
+    return archs.get(net.spec.arch).taps
 
 
 class Resize(nn.Module):
@@ -74,12 +80,13 @@ class SideNetwork(nn.Module):
         self.blocks = nn.ModuleList(blocks)
 
 
-def build_side_network(net: EdgeNet, taps: tuple[int, ...] = TAPS) -> SideNetwork:
+def build_side_network(net: EdgeNet, taps: tuple[int, ...] | None = None) -> SideNetwork:
     """Build a Rep-Net side network sized for ``net`` (any width, pruned or not).
 
     The conv kernel is 5, or 3 where the tap block's input is at stride 32 (7x7 at
     224 px): with that, MobileNetV2 1.0 has about 380 k side parameters (DESIGN 3).
     """
+    taps = taps_of(net) if taps is None else taps
     outs = block_out_channels(net)
     strides = block_strides(net)
     device = next(net.parameters()).device
@@ -112,7 +119,7 @@ def _side_map_sides(strides: list[int], resolution: int, taps: tuple[int, ...]) 
     return sides
 
 
-def min_resolution(net: EdgeNet, batch_size: int = 2, taps: tuple[int, ...] = TAPS) -> int:
+def min_resolution(net: EdgeNet, batch_size: int = 2, taps: tuple[int, ...] | None = None) -> int:
     """Smallest input side (pixels) at which the side network can train a batch of ``batch_size``.
 
     Every side module pools its input 2x2, so each needs an input of at least 2x2; its BN
@@ -122,6 +129,7 @@ def min_resolution(net: EdgeNet, batch_size: int = 2, taps: tuple[int, ...] = TA
     """
     from edgetl.models.backbone import build_backbone
 
+    taps = taps_of(net) if taps is None else taps
     # from the spec: a lean network's layers are not nn.Conv2d, but its strides are the stock ones
     strides = block_strides(build_backbone(net.spec, device="meta"))
     need = 1 if batch_size >= 2 else 2
@@ -133,7 +141,7 @@ def min_resolution(net: EdgeNet, batch_size: int = 2, taps: tuple[int, ...] = TA
 
 def check_resolution(net: EdgeNet, resolution: int, batch_size: int, where: str = "data.resolution") -> None:
     """Raise a one-line ConfigError if the side network cannot train at ``resolution``."""
-    low = min_resolution(net, batch_size, getattr(net.side, "taps", TAPS))
+    low = min_resolution(net, batch_size, getattr(net.side, "taps", None))
     if resolution < low:
         at = " at batch size 1 (the smallest side map gives BatchNorm one value per channel)" if batch_size < 2 else ""
         raise ConfigError(
@@ -183,7 +191,7 @@ def build_network(
     With ``lean`` the frozen backbone and the side network are converted to the lean
     runtime layers (edgetl.models.lean); without it they are stock torch modules.
     """
-    from edgetl.memory.metaop import MetaMemo
+    from edgetl.metaop import MetaMemo
     from edgetl.models.backbone import build_backbone
 
     # on meta (a network the accounting measures), torch's meta kernels run once per layout

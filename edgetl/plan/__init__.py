@@ -241,7 +241,7 @@ def plan(
     def impossible(total: int, cfg: PlanConfig) -> PlanImpossible:
         return _impossible(total, cfg, budget_bytes, tensor_budget, budget_scope, preset, auto, resolution)
 
-    search = _Search(ev, ladder, {b: hidden_channels(meta, b) for b in prunable_blocks()},
+    search = _Search(ev, ladder, {b: hidden_channels(meta, b) for b in prunable_blocks(base.arch)},
                      1 if auto else batch_size, mode, tensor_budget, impossible)
     chosen, chosen_pos = search.walk(auto=auto, max_batch_size=max_batch_size, blocks=blocks,
                                      max_ratio=max_ratio)

@@ -505,7 +505,7 @@ class Plan:
             raise ConfigError(f"plan.backbone.num_classes: {base.num_classes} disagrees with plan.num_classes "
                               f"{self.num_classes}; allowed: the same class count")
         meta = build_backbone(base, device="meta")
-        hidden = {b: hidden_channels(meta, b) for b in prunable_blocks()}
+        hidden = {b: hidden_channels(meta, b) for b in prunable_blocks(base.arch)}
         self.chosen.check_channels(hidden, "plan")
         for i, c in enumerate(self.runners_up):
             c.config.check_channels(hidden, f"plan.runners_up[{i}].config")

@@ -184,7 +184,7 @@ class _Search:
         shape = dataclasses.replace(saving, frozen_weights="fp32")
         report = self.ev.report({}, shape, 1)
         if blocks is None:
-            cand = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(prunable_blocks()))
+            cand = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(self.chan))
         else:
             cand = sorted(blocks)
         floor = {u: max(1, int(self.chan[u] * (1 - max_ratio))) for u in cand}
