@@ -33,6 +33,8 @@ Blocks (NAME: source):
 * ``step-ops``: ``benchmarks/step_ops_224.json`` (``scripts/step_ops.py --json``)
 * ``plan-verify``: ``benchmarks/plan_verify_224.json`` (``scripts/plan_figures.py``: ``edgetl plan
   --verify`` at each budget)
+* ``busy-cores``: ``benchmarks/busy_cores_*.json`` (``scripts/busy_cores.py``: a step under each
+  OpenMP wait policy, alone and beside busy processes)
 * ``tested-on``: ``benchmarks/jetson_check_summary.json`` through ``scripts/tested_on.py``; a
   one-line placeholder while that file is not committed
 """
@@ -433,6 +435,40 @@ def render_step_ops() -> str:
                   rows, ["---", "---", "---:", "---:", "---:", "---:", "---:"])
 
 
+def render_busy_cores() -> str:
+    """A step's time under each OpenMP policy, alone and beside busy processes (``scripts/busy_cores.py``):
+    per policy and method, the median step of each round, alone / busy, and the worst busy round's
+    slowdown against torch's default alone."""
+    out = []
+    for path in sorted(BENCH.glob("busy_cores_*.json")):
+        data = json.loads(path.read_text())
+        rows = data["rows"]
+        methods = list(rows[0]["median_step_s"])
+        policies = list(dict.fromkeys(r["policy"] for r in rows))
+
+        def steps(policy: str, busy: bool, m: str) -> list[float]:
+            return [r["median_step_s"][m] for r in rows if r["policy"] == policy and bool(r["busy_processes"]) == busy]
+
+        lines = []
+        for policy in policies:
+            cells = [policy]
+            for m in methods:
+                alone, busy = steps(policy, False, m), steps(policy, True, m)
+                base = min(steps("default", False, m))
+                cells += [" / ".join(f"{s * 1000:.0f}" for s in alone), " / ".join(f"{s * 1000:.0f}" for s in busy),
+                          f"{max(busy) / base:.1f}x"]
+            lines.append(cells)
+        headers = [f"OpenMP ({data['resolution']} px, width {data['width']:g}, batch {data['batch_size']})"]
+        for m in methods:
+            headers += [f"{m} alone, ms", f"{m} busy, ms", f"{m} worst busy / default alone"]
+        out.append(_table(headers, lines, ["---"] + ["---:"] * (len(headers) - 1)))
+        rounds = max(r["round"] for r in rows)
+        out.append(f"\n`{data['command']}` on {data['cpu']}, {data['cores']} cores: the median of {data['steps']} "
+                   f"steps after {data['warmup']} warm-up, {rounds} round{'s' * (rounds > 1)} (one figure a round); "
+                   f"busy: {rows[-1]['busy_processes']} Python busy loops beside it.\n")
+    return "\n".join(out) if out else "No result of scripts/busy_cores.py is committed yet.\n"
+
+
 def render_tested_on() -> str:
     summary = BENCH / "jetson_check_summary.json"
     if not (summary.is_file() and (SCRIPTS / "tested_on.py").is_file()):
@@ -461,6 +497,7 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "demo": (render_demo, "benchmarks/demo_report.json (edgetl demo's report.json)"),
     "step-ops": (render_step_ops, "benchmarks/step_ops_224.json (scripts/step_ops.py --json)"),
     "plan-verify": (render_plan_verify, "benchmarks/plan_verify_224.json (scripts/plan_figures.py)"),
+    "busy-cores": (render_busy_cores, "benchmarks/busy_cores_*.json (scripts/busy_cores.py)"),
     "tested-on": (render_tested_on, "benchmarks/{jetson,host}_check_summary.json (scripts/tested_on.py)"),
 }
 

@@ -237,6 +237,17 @@ def test_the_caption_names_the_cpu(result):
     assert f"cpu ({torch.get_num_threads()} thread" in caption(unnamed)
 
 
+def test_the_caption_names_the_openmp_wait_policy(result):
+    """Read from this process's environment (independently of the bench): the make targets and
+    the edgetl program set PASSIVE, which times differently from spinning threads."""
+    import os
+
+    assert result.omp_wait_policy == os.environ.get("OMP_WAIT_POLICY", "unset")
+    assert f", OpenMP wait policy {result.omp_wait_policy}, torch " in caption(result)
+    older = dataclasses.replace(result, omp_wait_policy=None)  # a table saved before the bench recorded it
+    assert ", OpenMP wait policy" not in caption(older) and f"thread{'s' * (result.threads != 1)}, torch " in caption(older)
+
+
 def test_pruned_hidden_is_the_papers():
     assert pruned_hidden(1.0, 102) == {1: 22, 2: 21, 3: 77, 4: 77}
 

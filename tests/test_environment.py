@@ -43,7 +43,7 @@ def one_line(err: str) -> str:
 
 
 def edgetl(*argv: str, **kwargs) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     return subprocess.run([sys.executable, "-m", "edgetl", *argv], cwd=ROOT, env=env, **kwargs)
 
 
@@ -232,20 +232,24 @@ def test_json_with_a_byte_order_mark_and_crlf_reads_as_without(tmp_path):
 
 PROBE = ("import os, sys; from edgetl.cli import entry; sys.argv = ['edgetl', '--version']\n"
          "try:\n    entry()\nexcept SystemExit:\n    pass\n"
-         "import torch; print(os.environ.get('OMP_WAIT_POLICY'))")
+         "import torch; print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
+OPENMP = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
 
 
-def _probe(code: str, **env) -> str:
-    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+def _probe(code: str, **env) -> list[str]:
+    base = {k: v for k, v in os.environ.items() if k not in OPENMP}
     return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          check=True, cwd=ROOT).stdout.split()[-1]
+                          check=True, cwd=ROOT).stdout.split()[-2:]  # after the version line
 
 
-def test_the_program_waits_passively_and_the_library_import_sets_nothing():
-    assert _probe(PROBE) == "PASSIVE"
-    assert _probe(PROBE, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's choice is kept
-    library = "import os, edgetl, edgetl.cli, edgetl.step, edgetl.finetune; print(os.environ.get('OMP_WAIT_POLICY'))"
-    assert _probe(library) == "None"
+def test_the_program_waits_passively_leaves_a_core_and_the_library_import_sets_nothing():
+    cores = len(os.sched_getaffinity(0))
+    # torch's own count of its threads, read after the program set the policy before loading it
+    assert _probe(PROBE) == ["PASSIVE", str(max(1, cores - 1))]
+    assert _probe(PROBE, OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="2") == ["ACTIVE", "2"]  # the user's are kept
+    library = ("import os, edgetl, edgetl.cli, edgetl.step, edgetl.finetune; "
+               "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('OMP_NUM_THREADS'))")
+    assert _probe(library) == ["None", "None"]
 
 
 # --- outputs replace only edgetl's own files of the same kind (issue #41 item 2) -----------------

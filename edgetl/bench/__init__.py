@@ -192,6 +192,7 @@ def bench(
         budget_bytes=budget_bytes, steps=steps, warmup=warmup, optimizer="adam", device=str(device),
         threads=torch.get_num_threads(), torch_version=torch.__version__, reference=REFERENCE,
         command=command, cpu=cpu_name() if device.type == "cpu" else None,
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset") if device.type == "cpu" else None,
     )
     if workers > 1 and device.type != "cpu":
         raise ConfigError(f"workers {workers} is not allowed on {device}: its rows are measured one at a time; give 1")

@@ -66,6 +66,10 @@ class BenchResult:
     rows: list[BenchRow] = field(default_factory=list)
     command: str | None = None
     cpu: str | None = None  # the processor, on CPU (``edgetl.bench.cpu_name``)
+    # OpenMP's wait policy when timed on CPU ("PASSIVE", "ACTIVE", "unset"; None: not recorded,
+    # files from before it was): idle threads that spin make every op cheaper alone and a shared
+    # machine's steps 10-200x slower (benchmarks/busy_cores.json)
+    omp_wait_policy: str | None = None
 
     def row(self, method: str) -> BenchRow:
         for r in self.rows:
@@ -189,7 +193,9 @@ def caption(result: BenchResult) -> str:
     return (f"MobileNetV2 {result.width:g}, {result.resolution} px, batch {result.batch_size}, "
             f"{result.num_classes} classes, Adam, {result.device} ("
             f"{result.cpu + '; ' if result.cpu else ''}{result.threads} thread"
-            f"{'s' if result.threads != 1 else ''}, torch {result.torch_version}); throughput: median of "
+            f"{'s' if result.threads != 1 else ''}"
+            f"{', OpenMP wait policy ' + result.omp_wait_policy if result.omp_wait_policy else ''}"
+            f", torch {result.torch_version}); throughput: median of "
             f"{result.steps} interleaved steps after {result.warmup} warm-up; MB = 10^6 bytes")
 
 

@@ -74,23 +74,30 @@ def fail(message: str) -> int:
     return EXIT_USAGE
 
 
-# OpenMP threads that spin-wait between parallel regions make a step 10-30x slower when another
-# process shares the cores (issue #43: a Jetson runs its camera pipeline beside the training; a
-# 2-core host runs the tests beside it); passive waiting costs nothing measurable alone
-# (benchmarks/busy_cores.json). OpenMP reads the variable once, when torch loads, so only the
-# program's entry may set it, never the library's import; a value the user set is kept.
-THREAD_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
+def thread_policy(cores: int) -> dict[str, str]:
+    """The OpenMP settings of the edgetl program on a machine with ``cores`` usable cores.
+
+    torch's OpenMP threads spin while they wait: when another process shares the cores (a
+    Jetson's camera pipeline, a second test worker) a spinning thread holds the core its
+    partner needs and a step can take 10-200x longer, in some runs and not others (issue #43;
+    benchmarks/busy_cores_*.json, docs/bench.md). So threads wait passively, and one core is
+    left to the rest of the machine: on 2 cores that is one thread, which measured fastest
+    alone at 64 px and shared at both sizes. OpenMP reads these once, when torch loads.
+    """
+    return {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(max(1, cores - 1))}
 
 
 def entry() -> int:
     """The ``edgetl`` program (console script and ``python -m edgetl``): the threading policy,
-    set before torch loads, then ``main``."""
+    set before torch loads (never at the library's import; a value the user set is kept),
+    then ``main``."""
     try:
         os.getcwd()
     except FileNotFoundError:  # torch's libraries fail to load there, with a fatal error of their own
         return fail("the working folder no longer exists (deleted or unmounted); cd to a folder that exists")
     if "torch" not in sys.modules:
-        for name, value in THREAD_WAIT_POLICY.items():
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        for name, value in thread_policy(cores).items():
             os.environ.setdefault(name, value)
     return main()
 
