@@ -8,6 +8,7 @@ end in one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OutputError as exc:
         # nothing more can be shown there; the interpreter's own flush at exit must not fail again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a stream without a descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         return fail(str(exc))
     except OSError as exc:  # the environment: a full or read-only destination, a vanished file
         where = f" {exc.filename}" if exc.filename else ""
