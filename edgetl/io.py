@@ -5,7 +5,9 @@ ResourceError naming the file, about what it needed and what is free there; the
 temporary file is removed and an earlier version of the file stays as it was.
 
 User YAML files (recipes, plans) are read through ``read_yaml``, which bounds what a file
-can cost (size, nesting, no aliases) and refuses a bad one in one ConfigError line.
+can cost (size, nesting, no aliases) and refuses a bad one in one ConfigError line; torch
+files (weights, checkpoints) through ``load_torch_file`` and ``load_state``, which say in one
+DataError line what is wrong with a damaged or mismatched one.
 """
 
 from __future__ import annotations
@@ -234,9 +236,9 @@ def atomic_torch_save(obj, path: str | Path) -> None:
 class StagedFiles:
     """Output files written under temporary names beside their final paths, renamed into place
     only when every one of them is complete (``commit``); ``discard`` removes the temporary
-    files and the folders made for them. Several files of one artifact (a model and its sidecar) are complete or absent together
-    (issue #41). Used as a context manager: an exception (or
-    Ctrl-C) inside the block discards.
+    files and the folders made for them. So the files of one artifact (a model and its
+    sidecar) appear together or not at all (issue #41). Used as a context manager: an
+    exception (or Ctrl-C) inside the block discards.
 
     ``commit`` renames in the order the files were staged: stage a sidecar before its
     artifact, so a reader never finds a new artifact without a sidecar; a new sidecar beside
