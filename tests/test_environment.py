@@ -314,3 +314,18 @@ def test_a_working_folder_that_was_deleted_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert one_line(proc.stderr) == ("edgetl: error: the working folder no longer exists (deleted or unmounted); "
                                      "cd to a folder that exists")
+
+
+@pytest.mark.parametrize("argv", [
+    ["prune", "--ratios", "0.3", "--blocks", "2", "-o", ""],
+    ["retrain", "--backbone", "mobilenet_v2", "-o", ""],
+    ["finetune", "--recipe", "imagefolder", "-o", ""],
+    ["demo", "-o", " "],
+    ["export", "--run", "RUN", "-o", ""],
+], ids=["prune", "retrain", "finetune", "demo", "export"])
+def test_an_empty_output_path_is_refused_by_every_command(argv, capsys, tmp_path, monkeypatch):
+    """Path("") is the working folder: an output there would land among the user's files."""
+    monkeypatch.chdir(tmp_path)
+    assert exit_code(argv) == 2
+    assert one_line(capsys.readouterr().err).endswith("an empty path; allowed: a path (see --help)")
+    assert list(tmp_path.iterdir()) == []

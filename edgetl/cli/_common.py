@@ -99,6 +99,14 @@ def keep_type(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def given_path(text: str) -> Path:
+    """An output path as typed (a run, backbone or demo folder, an export): an empty one is
+    refused, as ``Path("")`` is the working folder, which the output would then land in."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; allowed: a path")
+    return Path(text)
+
+
 def writable_file(text: str) -> Path:
     """An output file path whose folder exists and is writable (checked before any work)."""
     if not text:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, fmt_mb, print_table, torch_device
+from edgetl.cli._common import HelpFormatter, fmt_mb, given_path, print_table, torch_device
 
 STAGE_TITLES = {
     "pretrain": "pretrain the backbone on the source task (classes 0-4)",
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="small scale (about a minute; used by the tests)")
     p.add_argument("--data", metavar="PATH", help="Fashion-MNIST folder (default: the Debian package's)")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
-    p.add_argument("-o", "--out", type=Path, default=Path("runs/demo"), metavar="DIR", help="demo folder")
+    p.add_argument("-o", "--out", type=given_path, default=Path("runs/demo"), metavar="DIR", help="demo folder")
     p.set_defaults(run=run)
 
 

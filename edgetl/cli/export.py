@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, positive_int
+from edgetl.cli._common import HelpFormatter, given_path, positive_int
 from edgetl.export import DEFAULT_MAX_BATCH, FORMATS, export_run
 
 
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                         "onnxruntime support is refused, never replaced by another")
     p.add_argument("--legacy-exporter", action="store_true",
                    help="use torch's legacy TorchScript exporter (opset <= 20) instead of the dynamo one")
-    p.add_argument("-o", "--output", type=Path, metavar="PATH",
+    p.add_argument("-o", "--output", type=given_path, metavar="PATH",
                    help="output file (default: RUN/export/model.onnx or model.engine); new, or an earlier "
                         "export, never a file of the run or one edgetl did not make")
     p.set_defaults(run=run)

@@ -12,6 +12,7 @@ from edgetl.cli._common import (
     budget_type,
     fmt_mb,
     fmt_side_pools,
+    given_path,
     positive_int,
     print_table,
     torch_device,
@@ -85,7 +86,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in -o from its last checkpoint")
     p.add_argument("--no-measure", dest="measure", action="store_false",
                    help="skip the one-step memory measurement before training (CPU)")
-    p.add_argument("-o", "--out", required=True, type=Path, metavar="RUN", help="run folder")
+    p.add_argument("-o", "--out", required=True, type=given_path, metavar="RUN", help="run folder")
     p.set_defaults(run=run)
 
 

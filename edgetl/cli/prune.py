@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, fmt_mb, positive_float, positive_int, print_table
+from edgetl.cli._common import HelpFormatter, fmt_mb, given_path, positive_float, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.prune import (
     IMPORTANCES,
@@ -81,7 +81,7 @@ def add_parser(sub) -> None:
     p.add_argument("--round-to", type=positive_int, default=1, help="round kept channels down to a multiple")
     p.add_argument("--resolution", type=positive_int,
                    help="input size in pixels (default: the plan's with --plan, else 224)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output backbone folder")
+    p.add_argument("-o", "--output", required=True, type=given_path, metavar="OUT", help="output backbone folder")
     p.set_defaults(run=run)
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import fmt_image_check, positive_float, positive_int, print_table
+from edgetl.cli._common import fmt_image_check, given_path, positive_float, positive_int, print_table
 from edgetl.errors import ConfigError
 from edgetl.recipe import apply_overrides, load_recipe, parse_override
 
@@ -83,7 +83,7 @@ def add_parser(sub) -> None:
     p.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
                    help="auto: fp16 autocast + GradScaler on CUDA, fp32 on CPU (sets model.precision)")
     p.add_argument("--resume", action="store_true", help="continue the run in -o from its last.pt")
-    p.add_argument("-o", "--output", required=True, metavar="RUN", help="run folder")
+    p.add_argument("-o", "--output", required=True, type=given_path, metavar="RUN", help="run folder")
     p.set_defaults(run=run)
 
 
