@@ -17,22 +17,23 @@ resolution keeps it to minutes on a laptop CPU:
               buys, at no accuracy cost) and full fine-tuning of the same backbone
     export    ONNX, checked against PyTorch with onnxruntime (edgetl.export)
 
-Each stage records what it made in ``DIR/stages/NAME.json``; a rerun reuses finished
-stages (delete that file, or the folder, to redo one).
+The stages are a table (``STAGES``) of functions, each returning a typed result that the
+stages after it read. Each stage records its result in ``DIR/stages/NAME.json``; a rerun
+reuses finished stages (delete that file, or the folder, to redo one).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from edgetl.errors import ConfigError
-from edgetl.io import atomic_text_json
+from edgetl.io import atomic_text_json, read_json
 from edgetl.recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,85 @@ VARIANTS = {
 }
 
 
+# --- what each stage made: typed results, saved as DIR/stages/NAME.json (a rerun reads them back)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """pretrain, retrain: the backbone folder and its source-task top-1 (%)."""
+
+    backbone: str
+    source_acc1: float | None
+
+
+@dataclass(frozen=True)
+class Profiled:
+    paper_total_bytes: int
+    paper_peak_activation_bytes: int
+    sensitive_blocks: list[int]
+    runtime_total_bytes: int
+    measured_bytes: int | None
+    plot: str
+
+
+@dataclass(frozen=True)
+class Planned:
+    budget_bytes: int
+    predicted_bytes: int
+    plan: str
+    blocks: list[int]
+    ratios: list[float]
+    pool: int
+    describe: str
+
+
+@dataclass(frozen=True)
+class Pruned:
+    backbone: str
+    blocks: list[int]
+    ratios: list[float]
+    hidden: dict[str, int]
+
+
+@dataclass(frozen=True)
+class FineTuned:
+    run: str
+    mode: str
+    pool: int
+    stream: int
+    backbone: str
+    uint8_input: bool
+    recompute: bool
+    target_acc1: float | None
+    predicted_bytes: int
+    measured_bytes: int | None
+    runtime: str
+
+
+@dataclass(frozen=True)
+class Exported:
+    onnx: str
+    max_abs_diff: float
+    onnx_bytes: int
+    exporter: str
+
+
 @dataclass
 class DemoReport:
+    """Every stage's result by name, in pipeline order, and each stage's wall time (s)."""
+
     out_dir: Path
-    stages: dict[str, dict] = field(default_factory=dict)
+    stages: dict[str, Any] = field(default_factory=dict)
+    wall_s: dict[str, float] = field(default_factory=dict)
 
     @property
-    def variants(self) -> dict[str, dict]:
+    def variants(self) -> dict[str, FineTuned]:
         return {name: self.stages[stage] for name, stage in VARIANTS.items() if stage in self.stages}
+
+    def to_dict(self) -> dict[str, dict]:
+        """report.json: each stage's fields and its wall time."""
+        return {name: {**dataclasses.asdict(result), "wall_s": self.wall_s[name]}
+                for name, result in self.stages.items()}
 
 
 def _recipe(scale: DemoScale, classes: list[int], samples: int, epochs: int, **overrides) -> Recipe:
@@ -97,44 +169,180 @@ def _source_recipe(scale: DemoScale, epochs: int, backbone: str | None) -> Recip
     })
 
 
-class _Stages:
-    """Runs stages in order, each at most once per output folder."""
+@dataclass(frozen=True)
+class _Context:
+    """What every stage function reads: the scale, where to train, the data, progress, and the
+    results of the stages before it (by name)."""
 
-    def __init__(self, out_dir: Path, on_stage: Callable[[str, str, dict], None] | None):
-        from edgetl.runfolder import Manifest, check_output_folder
+    scale: DemoScale
+    device: str
+    data_root: str
+    on_step: Callable[[dict], None] | None
+    done: dict[str, Any]
 
-        check_output_folder(out_dir, "demo folder")
-        self.out_dir = out_dir
-        self.manifest = Manifest(out_dir)
-        self.marks = out_dir / "stages"
-        if not self.manifest.path.exists() and (self.marks / "pretrain.json").is_file():
-            self.manifest.legacy = True  # a demo folder from an edgetl that kept no record
-        if self.marks.exists() and not self.manifest.owns("stages"):
-            raise ConfigError(f"demo folder {out_dir} holds a 'stages' that edgetl did not make; choose an empty "
-                              f"or new folder (edgetl never overwrites or removes files it did not create)")
-        self.manifest.claim(["stages", "report.json"])
-        self.marks.mkdir(parents=True, exist_ok=True)
-        self.on_stage = on_stage or (lambda *a: None)
-        self.report = DemoReport(out_dir)
+    def source_recipe(self, epochs: int, backbone: str | None) -> Recipe:
+        return _with(_source_recipe(self.scale, epochs, backbone), {"data.root": self.data_root})
 
-    def run(self, name: str, fn: Callable[[Path], dict]) -> dict:
-        mark = self.marks / f"{name}.json"
-        if mark.is_file():
-            info = json.loads(mark.read_text())
-            self.on_stage(name, "reused", info)
-        else:
-            work = self.out_dir / name
-            self.manifest.claim([name])  # refuses a folder of the user's by that name
-            if work.exists():  # a stage of this demo killed part-way: start it again
-                shutil.rmtree(work)
-            self.on_stage(name, "start", {})
-            start = time.perf_counter()
-            info = fn(work)
-            info["wall_s"] = round(time.perf_counter() - start, 1)
-            atomic_text_json(mark, info)
-            self.on_stage(name, "done", info)
-        self.report.stages[name] = info
-        return info
+
+def _pretrain(ctx: _Context, work: Path) -> Trained:
+    from edgetl.retrain import retrain
+
+    result = retrain(recipe=ctx.source_recipe(ctx.scale.pretrain_epochs, None), out_dir=work, device=ctx.device,
+                     on_step=ctx.on_step)
+    return Trained(str(work), result.best_acc1)
+
+
+def _profile(ctx: _Context, work: Path) -> Profiled:
+    from edgetl.profile import plot_profile, profile
+
+    scale, pre = ctx.scale, ctx.done["pretrain"]
+    work.mkdir(parents=True)
+    common = dict(mode="repnet", resolution=scale.resolution, batch_size=scale.batch_size,
+                  num_classes=len(TARGET_CLASSES), checkpoint=pre.backbone)
+    paper = profile(accounting="paper", **common)
+    runtime = profile(accounting="runtime", measure=True, **common)
+    paper.save_json(work / "paper.json")
+    runtime.save_json(work / "runtime.json")
+    plot_profile(paper, work / "profile.png")
+    return Profiled(paper.total_bytes, paper.peak_activation_bytes, paper.sensitive_blocks, runtime.total_bytes,
+                    runtime.measured_peak_bytes, str(work / "profile.png"))
+
+
+def _plan(ctx: _Context, work: Path) -> Planned:
+    from edgetl.plan import PlanImpossible, plan
+
+    scale = ctx.scale
+    work.mkdir(parents=True)
+    # A budget the unpruned, unpooled network misses: the plan has to prune or pool (the
+    # paper's route: no streaming; the streamed route is a fine-tune variant below).
+    budget = int(ctx.done["profile"].runtime_total_bytes * scale.budget_fraction)
+    kw = dict(batch_size=scale.batch_size, resolution=scale.resolution, num_classes=len(TARGET_CLASSES),
+              backbone=ctx.done["pretrain"].backbone, precision="fp32", frozen_weights="fp32", stream=0)
+    try:
+        chosen = plan(budget_bytes=budget, **kw)
+    except PlanImpossible as exc:
+        budget = exc.min_budget_bytes
+        chosen = plan(budget_bytes=budget, **kw)
+    chosen.save(work / "plan.yaml")
+    config = chosen.chosen
+    return Planned(budget, chosen.predicted_bytes, str(work / "plan.yaml"), config.blocks, config.ratios,
+                   config.pool, config.describe())
+
+
+def _prune(ctx: _Context, work: Path) -> Pruned:
+    from edgetl.models.backbone import PAPER_RATIOS, load_backbone
+    from edgetl.prune import calibration_batches, prune, save_pruned
+
+    planned, scale = ctx.done["plan"], ctx.scale
+    blocks, ratios = planned.blocks, planned.ratios
+    if not blocks:  # the plan fitted without pruning: prune as the paper does
+        blocks, ratios = list(PAPER_RATIOS), list(PAPER_RATIOS.values())
+    net = load_backbone(ctx.done["pretrain"].backbone)
+    batches = calibration_batches("fashion-mnist", resolution=scale.resolution, batches=4)
+    result = prune(net=net, blocks=blocks, ratios=ratios, importance="activation-l2", calib_batches=batches,
+                   calibration="fashion-mnist", resolution=scale.resolution)
+    save_pruned(result, work)
+    return Pruned(str(work), blocks, ratios, {str(k): v for k, v in result.net.spec.hidden.items()})
+
+
+def _retrain(ctx: _Context, work: Path) -> Trained:
+    from edgetl.retrain import retrain
+
+    recipe = ctx.source_recipe(ctx.scale.retrain_epochs, ctx.done["prune"].backbone)
+    result = retrain(recipe=recipe, out_dir=work, device=ctx.device, on_step=ctx.on_step)
+    return Trained(str(work), result.best_acc1)
+
+
+def _finetune(backbone_stage: str, mode: str = "repnet", stream: int = 0):
+    """A fine-tuning stage on the target task: Rep-Net with the plan's pooling (streamed by
+    ``stream`` with the levers that stack on it at no accuracy cost), or full fine-tuning."""
+    def run(ctx: _Context, work: Path) -> FineTuned:
+        from edgetl.finetune import finetune
+
+        backbone = ctx.done[backbone_stage].backbone
+        pool = ctx.done["plan"].pool if mode == "repnet" else 1
+        overrides = {"model.backbone": backbone, "model.mode": mode, "model.pool": pool, "model.stream": stream}
+        if stream:
+            overrides.update({"model.uint8_input": True, "model.recompute": True})
+        if mode == "full":
+            overrides.update({"optim.lr_head": 1e-3, "optim.lr_side": None})
+        scale = ctx.scale
+        recipe = _with(_recipe(scale, TARGET_CLASSES, scale.target_samples, scale.finetune_epochs, **overrides),
+                       {"data.root": ctx.data_root})
+        result = finetune(recipe=recipe, out_dir=work, device=ctx.device, on_step=ctx.on_step)
+        return FineTuned(str(work), mode, pool, stream, backbone, bool(stream), bool(stream), result.best_acc1,
+                         result.predicted.total_bytes, result.measured_peak_bytes, result.predicted.runtime)
+    return run
+
+
+def _export(ctx: _Context, work: Path) -> Exported:
+    from edgetl.export import export_run
+    from edgetl.prune import calibration_batches
+
+    work.mkdir(parents=True)
+    images = calibration_batches("fashion-mnist", resolution=ctx.scale.resolution, batches=1, batch_size=8)[0]
+    result = export_run(Path(ctx.done["ft_pruned"].run), output=work / "model.onnx", images=images)
+    return Exported(str(result.onnx_path), result.max_abs_diff, result.onnx_bytes, result.exporter)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of the demo: its name (and folder), what it does, and the type of its result."""
+
+    name: str
+    title: str
+    run: Callable[[_Context, Path], Any]
+    result: type
+
+
+# The demo's stages in pipeline order; each reads the results of the stages before it.
+STAGES = (
+    Stage("pretrain", "pretrain the backbone on the source task (classes 0-4)", _pretrain, Trained),
+    Stage("profile", "profile Rep-Net memory (paper + runtime accounting, measured)", _profile, Profiled),
+    Stage("plan", "plan pruning / pooling for a budget scaled to the model", _plan, Planned),
+    Stage("prune", "prune the planned hidden channels (activation-L2)", _prune, Pruned),
+    Stage("retrain", "retrain the pruned backbone on the source task", _retrain, Trained),
+    Stage("ft_pruned", "fine-tune the side network on the target task (classes 5-9), pruned backbone",
+          _finetune("retrain"), FineTuned),
+    Stage("ft_repnet", "fine-tune the side network, unpruned backbone (comparison)", _finetune("pretrain"),
+          FineTuned),
+    Stage("ft_streamed", "the same, its frozen backbone streamed sample by sample (comparison)",
+          _finetune("pretrain", stream=1), FineTuned),
+    Stage("ft_full", "full fine-tune of the unpruned backbone (comparison)", _finetune("pretrain", mode="full"),
+          FineTuned),
+    Stage("export", "export ONNX and check it against PyTorch", _export, Exported),
+)
+
+
+def _claim_folder(out_dir: Path):
+    """The demo folder's record of what edgetl made there; a 'stages' folder of the user's is refused."""
+    from edgetl.runfolder import Manifest, check_output_folder
+
+    check_output_folder(out_dir, "demo folder")
+    manifest = Manifest(out_dir)
+    marks = out_dir / "stages"
+    if not manifest.path.exists() and (marks / "pretrain.json").is_file():
+        manifest.legacy = True  # a demo folder from an edgetl that kept no record
+    if marks.exists() and not manifest.owns("stages"):
+        raise ConfigError(f"demo folder {out_dir} holds a 'stages' that edgetl did not make; choose an empty "
+                          f"or new folder (edgetl never overwrites or removes files it did not create)")
+    manifest.claim(["stages", "report.json"])
+    marks.mkdir(parents=True, exist_ok=True)
+    return manifest
+
+
+def _read_mark(mark: Path, result: type):
+    """A finished stage's (result, wall time) from its mark; None where there is none, or
+    where an older edgetl wrote other fields (the stage then runs again)."""
+    if not mark.is_file():
+        return None
+    info = read_json(mark)
+    try:
+        wall_s = info.pop("wall_s")
+        return result(**info), wall_s
+    except (KeyError, TypeError, AttributeError):
+        log.warning("%s was written by another version of the demo; running the stage again", mark)
+        return None
 
 
 def run_demo(
@@ -153,129 +361,37 @@ def run_demo(
         quick: the small scale used by the test suite.
         data: Fashion-MNIST folder (default: the Debian package location).
         device: where to train.
-        on_stage: called with (stage, "start" | "done" | "reused", info).
+        on_stage: called with (stage, "start" | "done" | "reused", its report.json entry).
         on_step: progress callback of the training loop (all training stages).
     """
     from edgetl.data import find_fashion_mnist
 
-    scale = QUICK if quick else FULL
     out_dir = Path(out_dir)
     root = str(find_fashion_mnist(data))
-    stages = _Stages(out_dir, on_stage)
-    common = {"data.root": root}
-
-    def pretrain(work: Path) -> dict:
-        from edgetl.retrain import retrain
-
-        recipe = _with(_source_recipe(scale, scale.pretrain_epochs, None), common)
-        result = retrain(recipe=recipe, out_dir=work, device=device, on_step=on_step)
-        return {"backbone": str(work), "source_acc1": result.best_acc1}
-
-    pre = stages.run("pretrain", pretrain)
-
-    def profile_stage(work: Path) -> dict:
-        from edgetl.profile import plot_profile, profile
-
-        work.mkdir(parents=True)
-        paper = profile(mode="repnet", accounting="paper", resolution=scale.resolution, batch_size=scale.batch_size,
-                        num_classes=len(TARGET_CLASSES), checkpoint=pre["backbone"])
-        runtime = profile(mode="repnet", accounting="runtime", resolution=scale.resolution,
-                          batch_size=scale.batch_size, num_classes=len(TARGET_CLASSES), checkpoint=pre["backbone"],
-                          measure=True)
-        paper.save_json(work / "paper.json")
-        runtime.save_json(work / "runtime.json")
-        plot_profile(paper, work / "profile.png")
-        return {"paper_total_bytes": paper.total_bytes, "paper_peak_activation_bytes": paper.peak_activation_bytes,
-                "sensitive_blocks": paper.sensitive_blocks, "runtime_total_bytes": runtime.total_bytes,
-                "measured_bytes": runtime.measured_peak_bytes, "plot": str(work / "profile.png")}
-
-    prof = stages.run("profile", profile_stage)
-
-    def plan_stage(work: Path) -> dict:
-        from edgetl.plan import PlanImpossible, plan
-
-        work.mkdir(parents=True)
-        # A budget the unpruned, unpooled network misses: the plan has to prune or pool (the
-        # paper's route: no streaming; the streamed route is a fine-tune variant below).
-        budget = int(prof["runtime_total_bytes"] * scale.budget_fraction)
-        kw = dict(batch_size=scale.batch_size, resolution=scale.resolution, num_classes=len(TARGET_CLASSES),
-                  backbone=pre["backbone"], precision="fp32", frozen_weights="fp32", stream=0)
-        try:
-            chosen = plan(budget_bytes=budget, **kw)
-        except PlanImpossible as exc:
-            budget = exc.min_budget_bytes
-            chosen = plan(budget_bytes=budget, **kw)
-        chosen.save(work / "plan.yaml")
-        config = chosen.chosen
-        return {"budget_bytes": budget, "predicted_bytes": chosen.predicted_bytes, "plan": str(work / "plan.yaml"),
-                "blocks": config.blocks, "ratios": config.ratios, "pool": config.pool,
-                "describe": config.describe()}
-
-    planned = stages.run("plan", plan_stage)
-
-    def prune_stage(work: Path) -> dict:
-        from edgetl.models.backbone import PAPER_RATIOS, load_backbone
-        from edgetl.prune import calibration_batches, prune, save_pruned
-
-        blocks, ratios = planned["blocks"], planned["ratios"]
-        if not blocks:  # the plan fitted without pruning: prune as the paper does
-            blocks, ratios = list(PAPER_RATIOS), list(PAPER_RATIOS.values())
-        net = load_backbone(pre["backbone"])
-        batches = calibration_batches("fashion-mnist", resolution=scale.resolution, batches=4)
-        result = prune(net=net, blocks=blocks, ratios=ratios, importance="activation-l2", calib_batches=batches,
-                       calibration="fashion-mnist", resolution=scale.resolution)
-        save_pruned(result, work)
-        return {"backbone": str(work), "blocks": blocks, "ratios": ratios,
-                "hidden": {str(k): v for k, v in result.net.spec.hidden.items()}}
-
-    pruned = stages.run("prune", prune_stage)
-
-    def retrain_stage(work: Path) -> dict:
-        from edgetl.retrain import retrain
-
-        recipe = _with(_source_recipe(scale, scale.retrain_epochs, pruned["backbone"]), common)
-        result = retrain(recipe=recipe, out_dir=work, device=device, on_step=on_step)
-        return {"backbone": str(work), "source_acc1": result.best_acc1}
-
-    retrained = stages.run("retrain", retrain_stage)
-
-    def finetune_stage(backbone: str, mode: str, pool: int, stream: int = 0):
-        def run(work: Path) -> dict:
-            from edgetl.finetune import finetune
-
-            overrides = {"model.backbone": backbone, "model.mode": mode, "model.pool": pool,
-                         "model.stream": stream}
-            if stream:  # the levers that stack on streaming and cost no accuracy
-                overrides.update({"model.uint8_input": True, "model.recompute": True})
-            if mode == "full":
-                overrides.update({"optim.lr_head": 1e-3, "optim.lr_side": None})
-            recipe = _with(_recipe(scale, TARGET_CLASSES, scale.target_samples, scale.finetune_epochs,
-                                   **overrides), common)
-            result = finetune(recipe=recipe, out_dir=work, device=device, on_step=on_step)
-            return {"run": str(work), "mode": mode, "pool": pool, "stream": stream, "backbone": backbone,
-                    "uint8_input": bool(stream), "recompute": bool(stream),
-                    "target_acc1": result.best_acc1, "predicted_bytes": result.predicted.total_bytes,
-                    "measured_bytes": result.measured_peak_bytes, "runtime": result.predicted.runtime}
-        return run
-
-    stages.run("ft_pruned", finetune_stage(retrained["backbone"], "repnet", planned["pool"]))
-    stages.run("ft_repnet", finetune_stage(pre["backbone"], "repnet", planned["pool"]))
-    stages.run("ft_streamed", finetune_stage(pre["backbone"], "repnet", planned["pool"], stream=1))
-    stages.run("ft_full", finetune_stage(pre["backbone"], "full", 1))
-
-    def export_stage(work: Path) -> dict:
-        from edgetl.export import export_run
-        from edgetl.prune import calibration_batches
-
-        work.mkdir(parents=True)
-        images = calibration_batches("fashion-mnist", resolution=scale.resolution, batches=1, batch_size=8)[0]
-        result = export_run(out_dir / "ft_pruned", output=work / "model.onnx", images=images)
-        return {"onnx": str(result.onnx_path), "max_abs_diff": result.max_abs_diff,
-                "onnx_bytes": result.onnx_bytes, "exporter": result.exporter}
-
-    stages.run("export", export_stage)
-    atomic_text_json(out_dir / "report.json", {k: v for k, v in stages.report.stages.items()})
-    return stages.report
+    manifest = _claim_folder(out_dir)
+    on_stage = on_stage or (lambda *a: None)
+    report = DemoReport(out_dir)
+    ctx = _Context(QUICK if quick else FULL, device, root, on_step, report.stages)
+    for stage in STAGES:
+        mark = out_dir / "stages" / f"{stage.name}.json"
+        done = _read_mark(mark, stage.result)
+        if done is not None:
+            report.stages[stage.name], report.wall_s[stage.name] = done
+            on_stage(stage.name, "reused", report.to_dict()[stage.name])
+            continue
+        work = out_dir / stage.name
+        manifest.claim([stage.name])  # refuses a folder of the user's by that name
+        if work.exists():  # a stage of this demo killed part-way: start it again
+            shutil.rmtree(work)
+        on_stage(stage.name, "start", {})
+        start = time.perf_counter()
+        report.stages[stage.name] = stage.run(ctx, work)
+        report.wall_s[stage.name] = round(time.perf_counter() - start, 1)
+        info = report.to_dict()[stage.name]
+        atomic_text_json(mark, info)
+        on_stage(stage.name, "done", info)
+    atomic_text_json(out_dir / "report.json", report.to_dict())
+    return report
 
 
 def _with(recipe: Recipe, overrides: dict) -> Recipe:

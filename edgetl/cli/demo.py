@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, fmt_mb, given_path, print_table, torch_device
-
-STAGE_TITLES = {
-    "pretrain": "pretrain the backbone on the source task (classes 0-4)",
-    "profile": "profile Rep-Net memory (paper + runtime accounting, measured)",
-    "plan": "plan pruning / pooling for a budget scaled to the model",
-    "prune": "prune the planned hidden channels (activation-L2)",
-    "retrain": "retrain the pruned backbone on the source task",
-    "ft_pruned": "fine-tune the side network on the target task (classes 5-9), pruned backbone",
-    "ft_repnet": "fine-tune the side network, unpruned backbone (comparison)",
-    "ft_full": "full fine-tune of the unpruned backbone (comparison)",
-    "export": "export ONNX and check it against PyTorch",
-}
 
 
 def add_parser(sub) -> None:
@@ -43,7 +30,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from edgetl.demo import run_demo
+    from edgetl.demo import STAGES, run_demo
+
+    titles = {stage.name: stage.title for stage in STAGES}
 
     bar = None
 
@@ -52,7 +41,7 @@ def run(args) -> int:
         if bar is not None:
             bar.close()
             bar = None
-        title = STAGE_TITLES.get(name, name)
+        title = titles[name]
         if event == "start":
             print(f"== {name}: {title}", flush=True)
         elif event == "reused":
@@ -80,22 +69,22 @@ def run(args) -> int:
 def print_report(report) -> None:
     s = report.stages
     print()
-    print_table(["stage", "wall time s"], [[name, f"{info['wall_s']:.0f}"] for name, info in s.items()],
+    print_table(["stage", "wall time s"], [[name, f"{seconds:.0f}"] for name, seconds in report.wall_s.items()],
                 title="Stages")
     print()
     rows = []
-    for name, info in report.variants.items():
-        how = [f"k={info['pool']}"] + ([f"stream {info['stream']}"] if info.get("stream") else [])
-        how += [lever for lever, key in (("uint8 batch", "uint8_input"), ("recompute", "recompute")) if info.get(key)]
-        rows.append([name, ", ".join(how), f"{info['target_acc1']:.1f}",
-                     fmt_mb(info["predicted_bytes"]), fmt_mb(info["measured_bytes"]), info["runtime"]])
+    for name, run in report.variants.items():
+        how = [f"k={run.pool}"] + ([f"stream {run.stream}"] if run.stream else [])
+        how += [lever for lever, on in (("uint8 batch", run.uint8_input), ("recompute", run.recompute)) if on]
+        rows.append([name, ", ".join(how), f"{run.target_acc1:.1f}",
+                     fmt_mb(run.predicted_bytes), fmt_mb(run.measured_bytes), run.runtime])
     print_table(["fine-tuning on classes 5-9", "pool, streaming", "val top-1 %", "predicted MB", "measured MB", "runtime"],
                 rows, title="Target task (MB = 10^6 B; measured: one real training step, storage meter)")
     print()
     pre, ret, plan, prof, exp = s["pretrain"], s["retrain"], s["plan"], s["profile"], s["export"]
-    print(f"source task top-1: pretrained {pre['source_acc1']:.1f} %, pruned + retrained {ret['source_acc1']:.1f} %")
-    print(f"Rep-Net profile (paper accounting): total {fmt_mb(prof['paper_total_bytes'])} MB, "
-          f"sensitive blocks {prof['sensitive_blocks']}; plot {prof['plot']}")
-    print(f"plan for {fmt_mb(plan['budget_bytes'])} MB: {plan['describe']}")
-    print(f"ONNX {exp['onnx']} ({exp['onnx_bytes'] / 1e6:.2f} MB), max abs diff vs PyTorch {exp['max_abs_diff']:.1e}")
+    print(f"source task top-1: pretrained {pre.source_acc1:.1f} %, pruned + retrained {ret.source_acc1:.1f} %")
+    print(f"Rep-Net profile (paper accounting): total {fmt_mb(prof.paper_total_bytes)} MB, "
+          f"sensitive blocks {prof.sensitive_blocks}; plot {prof.plot}")
+    print(f"plan for {fmt_mb(plan.budget_bytes)} MB: {plan.describe}")
+    print(f"ONNX {exp.onnx} ({exp.onnx_bytes / 1e6:.2f} MB), max abs diff vs PyTorch {exp.max_abs_diff:.1e}")
     print(f"report saved to {report.out_dir / 'report.json'}")
