@@ -10,6 +10,7 @@ from edgetl.cli import COMMANDS
 from edgetl.cli._common import (
     HelpFormatter,
     budget_type,
+    fmt_image_check,
     fmt_mb,
     fmt_side_pools,
     given_path,
@@ -230,14 +231,6 @@ def run(args) -> int:
     print(f"saved to {args.out}")
     print(f"next: edgetl export --run {args.out}")
     return 0
-
-
-def fmt_image_check(check) -> str:
-    """"images: 72 files checked in 0.01 s (header and end of each)", plus what was left out."""
-    text = f"images: {check.checked} files checked in {check.seconds:.2f} s (header and end of each)"
-    if check.bad:
-        text += f"; {len(check.bad)} unreadable, left out (data.on_bad_image: skip)"
-    return text
 
 
 def _peak_text(device: str, measured: int | None) -> str:

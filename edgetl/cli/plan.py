@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import (
