@@ -373,25 +373,32 @@ def run_demo(
     report = DemoReport(out_dir)
     ctx = _Context(QUICK if quick else FULL, device, root, on_step, report.stages)
     for stage in STAGES:
-        mark = out_dir / "stages" / f"{stage.name}.json"
-        done = _read_mark(mark, stage.result)
-        if done is not None:
-            report.stages[stage.name], report.wall_s[stage.name] = done
-            on_stage(stage.name, "reused", report.to_dict()[stage.name])
-            continue
-        work = out_dir / stage.name
-        manifest.claim([stage.name])  # refuses a folder of the user's by that name
-        if work.exists():  # a stage of this demo killed part-way: start it again
-            shutil.rmtree(work)
-        on_stage(stage.name, "start", {})
-        start = time.perf_counter()
-        report.stages[stage.name] = stage.run(ctx, work)
-        report.wall_s[stage.name] = round(time.perf_counter() - start, 1)
-        info = report.to_dict()[stage.name]
-        atomic_text_json(mark, info)
-        on_stage(stage.name, "done", info)
+        _run_stage(stage, ctx, manifest, report, on_stage)
     atomic_text_json(out_dir / "report.json", report.to_dict())
     return report
+
+
+def _run_stage(stage: Stage, ctx: _Context, manifest, report: DemoReport,
+               on_stage: Callable[[str, str, dict], None]) -> None:
+    """Run ``stage`` into ``report`` (its result and wall time), or reuse its mark."""
+    out_dir = report.out_dir
+    mark = out_dir / "stages" / f"{stage.name}.json"
+    done = _read_mark(mark, stage.result)
+    if done is not None:
+        report.stages[stage.name], report.wall_s[stage.name] = done
+        on_stage(stage.name, "reused", report.to_dict()[stage.name])
+        return
+    work = out_dir / stage.name
+    manifest.claim([stage.name])  # refuses a folder of the user's by that name
+    if work.exists():  # a stage of this demo killed part-way: start it again
+        shutil.rmtree(work)
+    on_stage(stage.name, "start", {})
+    start = time.perf_counter()
+    report.stages[stage.name] = stage.run(ctx, work)
+    report.wall_s[stage.name] = round(time.perf_counter() - start, 1)
+    info = report.to_dict()[stage.name]
+    atomic_text_json(mark, info)
+    on_stage(stage.name, "done", info)
 
 
 def _with(recipe: Recipe, overrides: dict) -> Recipe:

@@ -80,16 +80,37 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys, backbone
 
 
 def test_the_demo_never_removes_a_folder_it_did_not_make(tmp_path):
-    from edgetl.demo import _Stages
+    import dataclasses
+
+    from edgetl.demo import DemoReport, Stage, _claim_folder, _run_stage
+
+    @dataclasses.dataclass(frozen=True)
+    class Made:
+        work: str
 
     out = tmp_path / "demo"
     (out / "pretrain").mkdir(parents=True)
     (out / "pretrain" / "thesis.tex").write_text("mine")
-    stages = _Stages(out, None)
-    ran = []
+    manifest, report, ran = _claim_folder(out), DemoReport(out), []
     with pytest.raises(ConfigError, match="pretrain exists and edgetl did not make it"):
-        stages.run("pretrain", lambda work: ran.append(work) or {})
+        _run_stage(Stage("pretrain", "t", lambda ctx, work: ran.append(work), Made), None, manifest, report,
+                   lambda *a: None)
     assert not ran and (out / "pretrain" / "thesis.tex").read_text() == "mine"
     # a stage folder of its own, left by a killed stage, is started again
-    stages.run("profile", lambda work: work.mkdir() or {})
+    def killed(ctx, work):
+        work.mkdir()
+        (work / "half.json").write_text("{")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run_stage(Stage("profile", "t", killed, Made), None, manifest, report, lambda *a: None)
+    assert (out / "profile" / "half.json").is_file()
+    _run_stage(Stage("profile", "t", lambda ctx, work: work.mkdir() or Made(str(work)), Made), None, manifest,
+               report, lambda *a: None)
     assert "profile" in Manifest(out).names and (out / MANIFEST).is_file()
+    assert not (out / "profile" / "half.json").exists() and report.stages["profile"] == Made(str(out / "profile"))
+    # a rerun reads the stage back from its mark
+    again = DemoReport(out)
+    _run_stage(Stage("profile", "t", lambda ctx, work: ran.append(work), Made), None, manifest, again,
+               lambda *a: None)
+    assert not ran and again.stages == report.stages and again.wall_s == report.wall_s
