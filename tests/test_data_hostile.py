@@ -25,7 +25,7 @@ from edgetl import data as D
 from edgetl.errors import DataError
 
 from tests.conftest import make_color_folder
-from tests.test_failures import error_line, exit_code, finetune_argv
+from tests.test_failures import backbone, error_line, exit_code, finetune_argv  # noqa: F401 - a fixture
 
 SKIP_HINT = "fix or remove it, or set data.on_bad_image: skip"
 CLASS_RULE = "must be a class folder (a folder or a symlink to one) or a file: fix or remove it"
@@ -391,18 +391,6 @@ def test_cub_tables_with_a_byte_order_mark_and_crlf_read_as_plain_ones(tmp_path)
 
 
 # --- through the CLI ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def backbone(tmp_path_factory) -> Path:
-    import torch
-
-    from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
-
-    folder = tmp_path_factory.mktemp("backbone")
-    torch.manual_seed(0)
-    save_backbone(folder, build_backbone(BackboneSpec(width=0.35, num_classes=3)).eval())
-    return folder
 
 
 @pytest.mark.parametrize("make, what, kind", [

@@ -18,21 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgetl.cli import main
 from edgetl.errors import DataError
 from edgetl.io import load_state, load_torch_file, read_json
 from edgetl.models.backbone import BackboneSpec, build_backbone, load_backbone, save_backbone
+from tests.test_failures import exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
 # a command that prints a few kB quickly and reads nothing: the paper accounting of a small network
 PRINTS = ["profile", "--width", "0.35", "--resolution", "64", "--batch-size", "2"]
-
-
-def exit_code(argv) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return exc.code
 
 
 def one_line(err: str) -> str:

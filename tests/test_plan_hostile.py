@@ -26,6 +26,7 @@ from edgetl.errors import ConfigError
 from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
 from edgetl.plan import OBJECTIVE, Candidate, Plan, PlanConfig, load_plan
 from tests.test_divergence_and_data import tree_digest
+from tests.test_recipe_files import run_cli
 
 RES = 64
 # tiny MobileNetV2 0.35 at 64 px, batch 4, the step's levers and precision fixed: the search
@@ -36,15 +37,6 @@ UNPRUNED = ["--budget", "6MB", "--resolution", str(RES), "--width", "0.35", "--b
             "--no-fused", "--no-step-in-backward", "--precision", "fp32"]
 FAST = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-
-def run_cli(capsys, argv: list[str]) -> tuple[int, str]:
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 def refused(code: int, err: str) -> str:

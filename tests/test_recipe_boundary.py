@@ -19,9 +19,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgetl.cli import main
 from edgetl.errors import ConfigError
 from edgetl.recipe import RECIPE_DIR, DataConfig, OptimConfig, Recipe, TrainConfig, apply_overrides, load_recipe
+from tests.test_recipe_files import run_cli
 
 I32 = 2**31 - 1
 FAST = settings(max_examples=25, deadline=None, database=None,
@@ -132,16 +132,6 @@ def wrong_type(r: Range):
 def invalid(key: str):
     r = RANGES[key]
     return st.one_of(NON_FINITE, below(r), above(r), wrong_type(r))
-
-
-def run_cli(capsys, argv: list[str]) -> tuple[int, str]:
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.err
 
 
 def assert_refused(code: int, err: str, key: str, out: Path) -> str:

@@ -415,15 +415,17 @@ def backbone_spec(ref: str | Path | None, *, width: float | None = None) -> Back
     return BackboneSpec(width=1.0 if width is None else width)
 
 
-def input_spec(ref: str | Path | None, *, width: float | None = None, num_classes: int) -> BackboneSpec:
-    """The spec of the backbone a command starts from, with the data's ``num_classes``.
+def input_spec(ref: BackboneSpec | str | Path | None, *, width: float | None = None,
+               num_classes: int) -> BackboneSpec:
+    """The spec of the backbone a command starts from (a spec, a folder, a weights name or
+    file; None: the default MobileNetV2), with the data's ``num_classes``.
 
     ``width`` describes the default MobileNetV2 (or mobilenet_v2:random, a weights file):
     beside a backbone folder, which has its own, it is refused (as retrain and prune refuse
-    it), and so is a width a weights name lacks; nothing is loaded.
+    it), and so is a width the spec or weights name lacks; nothing is loaded.
     """
-    folder = ref is not None and Path(ref).is_dir()
-    spec = backbone_spec(ref, width=None if folder else width)
+    folder = ref is not None and not isinstance(ref, BackboneSpec) and Path(ref).is_dir()
+    spec = ref if isinstance(ref, BackboneSpec) else backbone_spec(ref, width=None if folder else width)
     if folder and width is not None:
         raise ConfigError(f"width {width:g} is for the default backbone; the backbone folder {ref} has "
                           f"its own width ({spec.width:g}): leave the width out")

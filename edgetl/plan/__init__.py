@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from edgetl.errors import ConfigError
-from edgetl.models.backbone import BackboneSpec, build_backbone, hidden_channels, prunable_blocks
+from edgetl.models.backbone import BackboneSpec, build_backbone, hidden_channels, input_spec, prunable_blocks
 from edgetl.plan.devices import DEVICES, DevicePreset
 from edgetl.plan.document import (
     BUDGET_SCOPES, CONV_STORAGES, FROZEN_WEIGHTS, HALF_DTYPES, MAX_BATCH_SIZE, MAX_RATIO, MODE, OBJECTIVE,
@@ -63,20 +63,6 @@ __all__ = [
     "Candidate", "DevicePreset", "Plan", "PlanConfig", "PlanImpossible", "Storage", "half_precision",
     "load_plan", "plan", "plan_step", "ratio_for", "storage_ladder", "verify_plan",
 ]
-
-
-def _resolve_spec(backbone, width: float | None, num_classes: int) -> BackboneSpec:
-    """The input backbone's spec. ``width`` describes the default MobileNetV2 (or
-    mobilenet_v2:random, a weights file): beside a backbone folder, which has its own, it is
-    refused as retrain and prune refuse it, and so is a width a spec or weights name lacks."""
-    from edgetl.models.backbone import input_spec
-
-    if isinstance(backbone, BackboneSpec):
-        if width is not None and backbone.width != width:
-            raise ConfigError(f"width {width:g} disagrees with the backbone's width {backbone.width:g}; "
-                              "leave the width out")
-        return dataclasses.replace(backbone, num_classes=num_classes, hidden=dict(backbone.hidden))
-    return input_spec(backbone, width=width, num_classes=num_classes)
 
 
 def _check_budget(budget_bytes, device_preset, budget_scope: str, batch_size, max_batch_size) -> DevicePreset:
@@ -123,7 +109,7 @@ def _check_levers(*, precision, pool, frozen_weights, stream, max_ratio: float, 
 def _input_backbone(backbone, width: float, num_classes: int, blocks) -> tuple[BackboneSpec, object]:
     """The backbone to plan for, its spec and a meta network (to read its channels);
     refuses ``blocks`` pruning may not touch."""
-    base = _resolve_spec(backbone, width, num_classes)
+    base = input_spec(backbone, width=width, num_classes=num_classes)
     meta = build_backbone(base, device="meta")
     if blocks is not None:
         from edgetl.prune import check_plan
