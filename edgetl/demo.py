@@ -152,23 +152,6 @@ class DemoReport:
                 for name, result in self.stages.items()}
 
 
-def _recipe(scale: DemoScale, classes: list[int], samples: int, epochs: int, **overrides) -> Recipe:
-    values = {
-        "data.classes": classes, "data.max_samples": samples, "data.max_val_samples": scale.val_samples,
-        "data.resolution": scale.resolution, "train.epochs": epochs, "train.batch_size": scale.batch_size,
-        "train.checkpoint_every": 50, "train.workers": 0,
-    }
-    values.update(overrides)
-    return load_recipe("fashion_mnist", values)
-
-
-def _source_recipe(scale: DemoScale, epochs: int, backbone: str | None) -> Recipe:
-    return _recipe(scale, SOURCE_CLASSES, scale.pretrain_samples, epochs, **{
-        "model.mode": "full", "model.backbone": backbone, "model.width": scale.width,
-        "optim.lr_head": 3e-3, "optim.lr_side": None,
-    })
-
-
 @dataclass(frozen=True)
 class _Context:
     """What every stage function reads: the scale, where to train, the data, progress, and the
@@ -180,8 +163,24 @@ class _Context:
     on_step: Callable[[dict], None] | None
     done: dict[str, Any]
 
+    def recipe(self, classes: list[int], samples: int, epochs: int, **overrides) -> Recipe:
+        """The bundled fashion_mnist recipe at the demo's scale, on its data, with ``overrides``."""
+        scale = self.scale
+        values = {
+            "data.root": self.data_root, "data.classes": classes, "data.max_samples": samples,
+            "data.max_val_samples": scale.val_samples, "data.resolution": scale.resolution,
+            "train.epochs": epochs, "train.batch_size": scale.batch_size, "train.checkpoint_every": 50,
+            "train.workers": 0,
+        }
+        values.update(overrides)
+        return load_recipe("fashion_mnist", values)
+
     def source_recipe(self, epochs: int, backbone: str | None) -> Recipe:
-        return _with(_source_recipe(self.scale, epochs, backbone), {"data.root": self.data_root})
+        """Full training of the backbone on the source task (pretrain, retrain)."""
+        return self.recipe(SOURCE_CLASSES, self.scale.pretrain_samples, epochs, **{
+            "model.mode": "full", "model.backbone": backbone, "model.width": self.scale.width,
+            "optim.lr_head": 3e-3, "optim.lr_side": None,
+        })
 
 
 def _pretrain(ctx: _Context, work: Path) -> Trained:
@@ -266,9 +265,7 @@ def _finetune(backbone_stage: str, mode: str = "repnet", stream: int = 0):
             overrides.update({"model.uint8_input": True, "model.recompute": True})
         if mode == "full":
             overrides.update({"optim.lr_head": 1e-3, "optim.lr_side": None})
-        scale = ctx.scale
-        recipe = _with(_recipe(scale, TARGET_CLASSES, scale.target_samples, scale.finetune_epochs, **overrides),
-                       {"data.root": ctx.data_root})
+        recipe = ctx.recipe(TARGET_CLASSES, ctx.scale.target_samples, ctx.scale.finetune_epochs, **overrides)
         result = finetune(recipe=recipe, out_dir=work, device=ctx.device, on_step=ctx.on_step)
         return FineTuned(str(work), mode, pool, stream, backbone, bool(stream), bool(stream), result.best_acc1,
                          result.predicted.total_bytes, result.measured_peak_bytes, result.predicted.runtime)
@@ -400,8 +397,3 @@ def _run_stage(stage: Stage, ctx: _Context, manifest, report: DemoReport,
     atomic_text_json(mark, info)
     on_stage(stage.name, "done", info)
 
-
-def _with(recipe: Recipe, overrides: dict) -> Recipe:
-    from edgetl.recipe import apply_overrides
-
-    return apply_overrides(recipe, overrides)
