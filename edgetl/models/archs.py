@@ -40,6 +40,9 @@ class Architecture:
             block's hidden channels at ``channels`` (a pruned network rebuilt from its spec).
         taps: the blocks the Rep-Net side network adds to (module 0 reads the image).
         width_multiplier: whether ``BackboneSpec.width`` other than 1.0 is allowed.
+        has_skip: block -> whether it adds its input back (paper accounting's R term: the
+            TinyTL / Rep-Net profilers hold a residual block's input across it).
+        block_name: block number -> the name plots, tables and ``--blocks`` help show.
         paper_ratios: block -> pruning ratio a paper used on this architecture, if any.
     """
 
@@ -51,6 +54,8 @@ class Architecture:
     set_hidden: Callable[[nn.Sequential, int, int], None]
     taps: tuple[int, ...]
     width_multiplier: bool = True
+    has_skip: Callable[[nn.Module], bool] = lambda block: False
+    block_name: Callable[[int], str] = lambda block: f"features.{block}"
     paper_ratios: dict[int, float] = field(default_factory=dict)
 
     def check_block(self, block: int) -> None:
@@ -147,6 +152,7 @@ MOBILENET_V2 = register(Architecture(
     set_hidden=_mobilenet_v2_set_hidden,
     # Rep-Net's taps: the first block of each stage from the second on (DESIGN 3)
     taps=(2, 4, 7, 11, 14, 17),
+    has_skip=lambda block: bool(getattr(block, "use_res_connect", False)),
     # The FMEC 2023 paper's pruning of MobileNetV2 1.0 at 224 px: block -> ratio of hidden
     # channels removed (DESIGN 5; keeps 22/21/77/77)
     paper_ratios={1: 0.3, 2: 0.78, 3: 0.46, 4: 0.46},
