@@ -35,6 +35,8 @@ Blocks (NAME: source):
   --verify`` at each budget)
 * ``busy-cores``: ``benchmarks/busy_cores_*.json`` (``scripts/busy_cores.py``: a step under each
   OpenMP wait policy, alone and beside busy processes)
+* ``barley-table1``, ``barley-table1-totals``: ``benchmarks/barley_table1_resnet18.json``
+  (``scripts/barley_table1.py``: Barley & Fröning's Table 1 recomputed, the paper's cells beside)
 * ``tested-on``: ``benchmarks/jetson_check_summary.json`` through ``scripts/tested_on.py``; a
   one-line placeholder while that file is not committed
 """
@@ -469,6 +471,47 @@ def render_busy_cores() -> str:
     return "\n".join(out) if out else "No result of scripts/busy_cores.py is committed yet.\n"
 
 
+def _barley() -> dict:
+    return json.loads((BENCH / "barley_table1_resnet18.json").read_text())
+
+
+def render_barley_table1() -> str:
+    """Barley & Fröning's Table 1 row by row: edgetl's figures, the paper's, and why they differ
+    (``scripts/barley_table1.py``)."""
+    data = _barley()
+    cols = ("W", "X", "Z2", "Z4")
+    out = []
+    for r in data["rows"]:
+        paper = r["paper_mib"]
+        why = r["difference"] or ("same" + (f"; {r['note']}" if r["note"] else ""))
+        out.append([f"`{r['layer']}`", "×".join(map(str, r["input_shape"][1:])),
+                    *(f"{r['edgetl_mib'][c]:.2f}" for c in cols),
+                    " / ".join(f"{paper[c]:.2f}" for c in cols) if paper else "(no row)", why])
+    pool = data["pooling"]
+    return _table(["conv (torchvision name)", "input C×H×W", "W", "X", "Z 2×2", "Z 4×4",
+                   "paper: W / X / Z 2×2 / Z 4×4", "difference"], out,
+                  ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---"]) + (
+        f"\nMiB, batch {data['batch_size']}, {data['resolution']} px, {data['dtype']}; Z = `{pool['op']}` with "
+        f"ceil_mode={pool['ceil_mode']}. Written by `{data['command']}`.\n")
+
+
+def render_barley_table1_totals() -> str:
+    """The sums of Barley & Fröning's Table 1 against edgetl's over the same and over all convs."""
+    data = _barley()
+    paper = data["paper_sum"]
+    pct = paper["percent_printed"]
+    out = [[paper["label"] + " (as printed)", str(sum(r["paper_mib"] is not None for r in data["rows"])), f"{paper['mib']['W']:.2f}",
+            f"{paper['mib']['X']:.2f}", f"{paper['mib']['Z2']:.2f} ({pct['Z2']}%)",
+            f"{paper['mib']['Z4']:.2f} ({pct['Z4']}%)", paper["how"]]]
+    for t in data["totals"]:
+        m, share = t["mib"], t["percent_of_X"]
+        out.append([t["label"], str(t["rows"]), f"{m['W']:.2f}", f"{m['X']:.2f}",
+                    f"{m['Z2']:.2f} ({share['Z2'] - 100:.0f}%)", f"{m['Z4']:.2f} ({share['Z4'] - 100:.0f}%)",
+                    t["difference"] or "same as the paper's Sum row"])
+    return _table(["sum", "convs", "W", "X", "Z 2×2", "Z 4×4", "difference"], out,
+                  ["---", "---:", "---:", "---:", "---:", "---:", "---"])
+
+
 def render_tested_on() -> str:
     summary = BENCH / "jetson_check_summary.json"
     if not (summary.is_file() and (SCRIPTS / "tested_on.py").is_file()):
@@ -498,6 +541,9 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "step-ops": (render_step_ops, "benchmarks/step_ops_224.json (scripts/step_ops.py --json)"),
     "plan-verify": (render_plan_verify, "benchmarks/plan_verify_224.json (scripts/plan_figures.py)"),
     "busy-cores": (render_busy_cores, "benchmarks/busy_cores_*.json (scripts/busy_cores.py)"),
+    "barley-table1": (render_barley_table1, "benchmarks/barley_table1_resnet18.json (scripts/barley_table1.py)"),
+    "barley-table1-totals": (render_barley_table1_totals,
+                             "benchmarks/barley_table1_resnet18.json (scripts/barley_table1.py)"),
     "tested-on": (render_tested_on, "benchmarks/{jetson,host}_check_summary.json (scripts/tested_on.py)"),
 }
 
