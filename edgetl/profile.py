@@ -102,7 +102,7 @@ def profile(
     step_in_backward: bool = False,
     fused: bool = False,
 ) -> MemoryReport:
-    """Profile the activation memory of fine-tuning MobileNetV2 in ``mode``.
+    """Profile the activation memory of fine-tuning a backbone (default MobileNetV2) in ``mode``.
 
     Args:
         mode: which parameters train (see ``edgetl.models.side.TRAIN_MODES``).
@@ -110,7 +110,7 @@ def profile(
         resolution: input side in pixels.
         batch_size: images per training step.
         num_classes: classifier outputs.
-        width: MobileNetV2 width multiplier (default 1.0; refused beside a backbone folder).
+        width: the default MobileNetV2's width multiplier (default 1.0; refused beside a backbone folder).
         frozen_bits: storage of frozen weights in paper accounting.
         checkpoint: a backbone folder (pruned or retrained) whose spec to profile.
         measure: also run real training steps and record the measured peak.
@@ -206,9 +206,13 @@ def plot_profile(report: MemoryReport, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     from edgetl.io import PNG_SOFTWARE, atomic_write_bytes
+    import edgetl.models.archs as archs
 
     idx = list(range(len(report.blocks)))
     labels = [str(b.index) if b.name != "head" else "head" for b in report.blocks]
+    entry = archs.get(report.backbone.get("arch", "mobilenet_v2"))
+    if entry.block_name(0) != "features.0":  # names that say more than the number: "2 layer1.1"
+        labels = [f"{b.index}\n{entry.block_name(b.index)}" if b.name != "head" else "head" for b in report.blocks]
     tmp = [b.tmp_bytes / MB for b in report.blocks]
     cug = [b.cugrd_bytes / MB for b in report.blocks]
     peak = [b.peak_bytes / MB for b in report.blocks]
@@ -224,14 +228,17 @@ def plot_profile(report: MemoryReport, path: str | Path) -> None:
                 textcoords="offset points")
     ax.axhline(report.stored_bytes / MB, color="#337ab7", ls="--", lw=0.8)
     ax.set_xticks(idx, labels)
+    if any("\n" in label for label in labels):
+        ax.tick_params(axis="x", labelsize=7, labelrotation=90)
+    ax.set_ylim(0, max(tmp + cug + peak) * 1.3)  # room above the bars for the legend
     ax.set_xlabel("block (features[i]); shaded: sensitive")
     ax.set_ylabel("MB per image (10^6 B)")
     ax.set_title(
-        f"MobileNetV2 {report.mode}, {report.accounting} accounting, {report.resolution} px: "
+        f"{entry.title} {report.mode}, {report.accounting} accounting, {report.resolution} px: "
         f"peak {report.peak_activation_bytes / MB:.2f} MB/image, "
         f"total {report.total_bytes / MB:.1f} MB at batch {report.batch_size}"
     )
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata={"Software": PNG_SOFTWARE})  # edgetl may replace it later

@@ -25,6 +25,7 @@ from torch import nn
 
 from edgetl.data import IMAGENET_MEAN, IMAGENET_STD, class_folders
 from edgetl.errors import ConfigError, DataError
+import edgetl.models.archs as archs
 from edgetl.models.backbone import (
     PAPER_RATIOS,
     BackboneSpec,
@@ -33,7 +34,6 @@ from edgetl.models.backbone import (
     build_backbone,
     hidden_channels,
     load_backbone,
-    prunable_blocks,
 )
 
 log = logging.getLogger(__name__)
@@ -53,15 +53,17 @@ MEMORY_NUM_CLASSES = 102
 # ----------------------------------------------------------------------------- deciding
 
 
-def check_plan(blocks: list[int], ratios: list[float], round_to: int = 1) -> None:
+def check_plan(blocks: list[int], ratios: list[float], round_to: int = 1, arch: str = "mobilenet_v2") -> None:
     """Raise ConfigError naming the first bad block, ratio or count."""
-    allowed = prunable_blocks()
+    entry = archs.get(arch)
+    allowed = entry.prunable
     for b in blocks:
         if not isinstance(b, int) or b not in allowed:
-            raise ConfigError(
-                f"block {b} cannot be pruned; allowed: {allowed.start}..{allowed.stop - 1} "
-                "(block 0, the stem, is pruned through block 1)"
-            )
+            through = [p for p in allowed if b in entry.affects(p) and p != b]
+            why = (f"block {b} is pruned through block {through[0]}" if through else
+                   f"block {b} has no hidden channels" if isinstance(b, int) and 0 <= b else None)
+            raise ConfigError(f"block {b} cannot be pruned; allowed: {allowed.start}..{allowed.stop - 1} "
+                              f"({entry.title}{'; ' + why if why else ''})")
     if len(set(blocks)) != len(blocks):
         raise ConfigError(f"blocks {blocks} name a block twice")
     if len(ratios) != len(blocks):
@@ -101,24 +103,31 @@ def memory_report(spec: BackboneSpec, *, resolution: int, batch_size: int = MEMO
     return paper_report(net, mode=MEMORY_MODE, resolution=resolution, batch_size=batch_size)
 
 
-def affected_blocks(block: int) -> tuple[int, ...]:
+def affected_blocks(block: int, arch: str = "mobilenet_v2") -> tuple[int, ...]:
     """Blocks whose temporary memory changes when ``block``'s hidden channels change."""
-    return (0, 1) if block == 1 else (block,)
+    return archs.get(arch).affects(block)
 
 
-def block_tmp_bytes(report, block: int) -> int:
-    """Temporary memory of pruning unit ``block`` (block 1 includes the stem it shares channels with)."""
-    return max(report.block(i).tmp_bytes for i in affected_blocks(block))
+def block_tmp_bytes(report, block: int, arch: str = "mobilenet_v2") -> int:
+    """Temporary memory of pruning unit ``block`` (MobileNetV2's block 1 includes the stem it
+    shares channels with)."""
+    return max(report.block(i).tmp_bytes for i in affected_blocks(block, arch))
 
 
 def default_blocks(spec: BackboneSpec, *, resolution: int) -> list[int]:
     """The profile's sensitive blocks (Rep-Net, paper accounting) that can be pruned.
 
-    A sensitive stem (block 0) maps to block 1: they share the stem's output channels.
+    A sensitive block without hidden channels of its own maps to the prunable blocks whose
+    count changes it (MobileNetV2's stem: block 1, which shares the stem's output channels);
+    one no prunable block changes (ResNet's stem) is left to the lean levers, and logged.
     """
+    entry = archs.get(spec.arch)
     report = memory_report(spec, resolution=resolution)
-    blocks = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(prunable_blocks(spec.arch)))
+    blocks = sorted({p for b in report.sensitive_blocks for p in entry.prunable if b in entry.affects(p)})
+    left = [b for b in report.sensitive_blocks if not any(b in entry.affects(p) for p in entry.prunable)]
     log.info("sensitive blocks %s -> prunable blocks %s", report.sensitive_blocks, blocks)
+    if left:
+        log.warning("sensitive blocks %s of %s have no hidden channels to prune", left, entry.title)
     return blocks
 
 
@@ -163,7 +172,7 @@ def auto_ratios(spec: BackboneSpec, blocks: list[int], *, resolution: int,
     target is left alone; one that cannot reach it even with one channel is left alone
     with a warning.
     """
-    check_plan(blocks, [0.0] * len(blocks), round_to)
+    check_plan(blocks, [0.0] * len(blocks), round_to, spec.arch)
     base = memory_report(spec, resolution=resolution)
     if target_bytes is None:
         target_bytes, source = base.stored_bytes, "overall cumulative gradient memory (unpruned)"
@@ -177,9 +186,9 @@ def auto_ratios(spec: BackboneSpec, blocks: list[int], *, resolution: int,
     def tmp(kept: dict[int, int]) -> dict[int, int]:
         trial = dataclasses.replace(spec, hidden={**spec.hidden, **kept})
         report = memory_report(trial, resolution=resolution)
-        return {b: block_tmp_bytes(report, b) for b in kept}
+        return {b: block_tmp_bytes(report, b, spec.arch) for b in kept}
 
-    before = {b: block_tmp_bytes(base, b) for b in blocks}
+    before = {b: block_tmp_bytes(base, b, spec.arch) for b in blocks}
     todo = [b for b in blocks if before[b] > target_bytes]
     floor = tmp({b: 1 for b in todo}) if todo else {}
     todo = [b for b in todo if floor[b] <= target_bytes]
@@ -228,23 +237,23 @@ def load_input(*, checkpoint: str | Path | None = None, weights: str | Path | No
     """The network to prune, and a description of where it came from.
 
     Args:
-        checkpoint: a backbone folder (from ``save_backbone``) or a torchvision weights name
-            ("mobilenet_v2:IMAGENET1K_V1", "mobilenet_v2:random", ...; see
-            ``edgetl.models.backbone.open_backbone``).
-        weights: a torchvision MobileNetV2 state_dict file (``weights_only=True``), for the
-            default backbone.
+        checkpoint: a backbone folder (from ``save_backbone``), an architecture or a
+            torchvision weights name ("mobilenet_v2:IMAGENET1K_V1", "resnet18:random", ...;
+            see ``edgetl.models.backbone.open_backbone``).
+        weights: a torchvision state_dict file of a registered architecture
+            (``weights_only=True``, recognised by its keys).
         width: width multiplier of the default backbone (not with a folder).
         seed: random init seed of the default backbone.
 
     Without ``checkpoint`` and ``weights`` the input is MobileNetV2 with random weights.
     """
-    from edgetl.models.backbone import RANDOM_WEIGHTS, WEIGHTS_ARCH, is_weights_name, open_backbone
+    from edgetl.models.backbone import RANDOM_WEIGHTS, is_weights_name, open_backbone
 
     if checkpoint is not None and weights is not None:
         raise ConfigError("--weights is a state_dict for the default backbone; not with --checkpoint")
     if checkpoint is not None and width is not None and not is_weights_name(checkpoint):
         raise ConfigError("--weights and --width describe the default backbone; not with --checkpoint")
-    ref = checkpoint if checkpoint is not None else weights if weights is not None else f"{WEIGHTS_ARCH}:{RANDOM_WEIGHTS}"
+    ref = checkpoint if checkpoint is not None else weights if weights is not None else f"{archs.MOBILENET_V2.name}:{RANDOM_WEIGHTS}"
     if weights is not None and not Path(weights).is_file():
         raise DataError(f"weights file {weights} does not exist")
     net, found = open_backbone(ref, width=width, seed=seed)
@@ -334,13 +343,18 @@ def _image_folder(root: Path, need: int, resolution: int, seed: int) -> torch.Te
 
 
 def key_conv(net: EdgeNet, block: int) -> nn.Conv2d:
-    """The conv whose output channels are ``block``'s hidden channels (DESIGN 5)."""
-    return net.features[0][0] if block == 1 else net.features[block].conv[0][0]
+    """The (first) conv whose output channels are ``block``'s hidden channels (DESIGN 5)."""
+    return key_convs(net, block)[0]
 
 
-def hidden_activation_module(net: EdgeNet, block: int) -> nn.Module:
-    """The conv-BN-ReLU6 whose output is ``block``'s hidden activation."""
-    return net.features[0] if block == 1 else net.features[block].conv[0]
+def key_convs(net: EdgeNet, block: int) -> list[nn.Conv2d]:
+    """Every conv whose output channels are ``block``'s hidden channels: its entry's hidden
+    layers (MobileNetV2: the expand conv, or the stem's for block 1; a ResNet Bottleneck:
+    conv1 and conv2, pruned to one count)."""
+    return archs.get(net.spec.arch).hidden_convs(net.features, block)
+
+
+_ACTS = {None: lambda t: t, "relu": torch.relu, "relu6": lambda t: t.clamp(0, 6)}
 
 
 @torch.no_grad()
@@ -349,18 +363,28 @@ def activation_l2(net: EdgeNet, blocks: list[int], batches: Iterable) -> dict[in
 
     Runs only the feature blocks up to the last one asked for, in eval mode.
     """
+    return {b: scores[0] for b, scores in activation_l2_layers(net, blocks, batches).items()}
+
+
+@torch.no_grad()
+def activation_l2_layers(net: EdgeNet, blocks: list[int], batches: Iterable) -> dict[int, list[torch.Tensor]]:
+    """Per block, per hidden layer of its entry (``activation_l2``'s norm of each)."""
     device = next(net.parameters()).device
-    sums = {b: None for b in blocks}
+    entry = archs.get(net.spec.arch)
+    layers = {b: entry.hidden(b) for b in blocks}
+    sums = {(b, i): None for b in blocks for i in range(len(layers[b]))}
     handles = []
 
-    def hook(b):
+    def hook(key, act):
         def record(module, args, out):
-            sq = out.detach().double().pow(2).sum(dim=(0, 2, 3))
-            sums[b] = sq if sums[b] is None else sums[b] + sq
+            sq = _ACTS[act](out.detach().double()).pow(2).sum(dim=(0, 2, 3))
+            sums[key] = sq if sums[key] is None else sums[key] + sq
         return record
 
     for b in blocks:
-        handles.append(hidden_activation_module(net, b).register_forward_hook(hook(b)))
+        for i, hidden in enumerate(layers[b]):
+            module = net.features.get_submodule(hidden.activation)
+            handles.append(module.register_forward_hook(hook((b, i), hidden.act)))
     upto = net.features[: max(blocks) + 1]
     was_training = net.training
     net.eval()
@@ -379,7 +403,7 @@ def activation_l2(net: EdgeNet, blocks: list[int], batches: Iterable) -> dict[in
     if count == 0:
         raise DataError("calibration data gave no images")
     log.info("activation L2 over %d calibration images", count)
-    return {b: s.sqrt().float() for b, s in sums.items()}
+    return {b: [sums[b, i].sqrt().float() for i in range(len(layers[b]))] for b in blocks}
 
 
 def _activation_importance_class():
@@ -461,7 +485,7 @@ def summarize(net: EdgeNet, blocks: list[int], *, resolution: int) -> dict:
     macs, params = tp.utils.count_ops_and_params(
         net, torch.zeros(1, 3, resolution, resolution, device=device))
     report = memory_report(net.spec, resolution=resolution)
-    tmp_blocks = sorted({i for b in blocks for i in affected_blocks(b)})
+    tmp_blocks = sorted({i for b in blocks for i in affected_blocks(b, net.spec.arch)})
     return {
         "hidden": {str(b): hidden_channels(net, b) for b in blocks},
         "params": int(params),
@@ -501,7 +525,7 @@ def prune(*, net: EdgeNet, blocks: list[int], ratios: list[float],
     """
     import torch_pruning as tp
 
-    check_plan(blocks, ratios, round_to)
+    check_plan(blocks, ratios, round_to, net.spec.arch)
     if importance not in IMPORTANCES:
         raise ConfigError(f"unknown importance {importance!r}; allowed: {', '.join(IMPORTANCES)}")
     if importance == "activation-l2" and calib_batches is None:
@@ -516,15 +540,23 @@ def prune(*, net: EdgeNet, blocks: list[int], ratios: list[float],
                               f"({channels[b]} channels, round_to {round_to})")
 
     model = copy.deepcopy(net).eval()
-    widths = block_out_channels(model)[1:]  # block 0's output is block 1's hidden
+    # residual widths: every block's output but those that are another block's hidden
+    # channels (MobileNetV2's stem output is block 1's)
+    shared = {i for b in blocks for i in affected_blocks(b, net.spec.arch) if i != b}
+
+    def residual_widths() -> list[int]:
+        return [c for i, c in enumerate(block_out_channels(model, as_built=True)) if i not in shared]
+
+    widths = residual_widths()
     before = summarize(model, blocks, resolution=resolution)
     if importance == "activation-l2":
-        scores = activation_l2(model, blocks, calib_batches)
-        scorer = _activation_importance_class()({key_conv(model, b): scores[b] for b in blocks})
+        scores = activation_l2_layers(model, blocks, calib_batches)
+        scorer = _activation_importance_class()(
+            {conv: s for b in blocks for conv, s in zip(key_convs(model, b), scores[b])})
     else:
         scorer = tp.importance.MagnitudeImportance(p=2)
     device = next(model.parameters()).device
-    ratio_dict = {key_conv(model, b): r for b, r in zip(blocks, ratios) if kept[b] < channels[b]}
+    ratio_dict = {conv: r for b, r in zip(blocks, ratios) if kept[b] < channels[b] for conv in key_convs(model, b)}
     history: list = []
     if ratio_dict:
         pruner = tp.pruner.MetaPruner(
@@ -539,7 +571,9 @@ def prune(*, net: EdgeNet, blocks: list[int], ratios: list[float],
         history = [[str(name), bool(out), [int(i) for i in idxs]]
                    for name, out, idxs in pruner.pruning_history()]
     got = {b: hidden_channels(model, b) for b in blocks}
-    if got != kept or block_out_channels(model)[1:] != widths:
+    if any(conv.out_channels != got[b] for b in blocks for conv in key_convs(model, b)):
+        raise RuntimeError("torch-pruning left the hidden layers of one block at different widths (a bug in edgetl.prune)")
+    if got != kept or residual_widths() != widths:
         raise RuntimeError(f"torch-pruning kept {got}, expected {kept} (a bug in edgetl.prune)")
 
     # Rebuild from the spec, as every later stage will: the result is a plain EdgeNet.

@@ -42,7 +42,7 @@ def _tiny_set_hidden(features: nn.Sequential, block: int, channels: int) -> None
 
 TINY = archs.register(archs.Architecture(
     name="tiny_cna_test", title="TinyCNA", build=_tiny, prunable=range(1, 4),
-    hidden_conv=lambda features, block: features[block][0], set_hidden=_tiny_set_hidden, taps=(1, 3),
+    hidden=lambda block: (archs.Hidden(f"{block}.0", f"{block}"),), set_hidden=_tiny_set_hidden, taps=(1, 3),
 ))
 
 

@@ -47,7 +47,7 @@ def test_names_resolve_to_torchvisions_files_in_the_cache(tmp_path, monkeypatch)
     assert weights_file("mobilenet_v2:IMAGENET1K_V2").name == V2_FILE
     assert weights_file("mobilenet_v2:DEFAULT").name == V2_FILE  # torchvision's DEFAULT is V2
     assert DEFAULT_WEIGHTS == "mobilenet_v2:IMAGENET1K_V1"
-    assert set(weights_names()) == {"mobilenet_v2:IMAGENET1K_V1", "mobilenet_v2:IMAGENET1K_V2",
+    assert set(weights_names("mobilenet_v2")) == {"mobilenet_v2:IMAGENET1K_V1", "mobilenet_v2:IMAGENET1K_V2",
                                     "mobilenet_v2:DEFAULT", "mobilenet_v2:random"}
     with pytest.raises(ConfigError, match="unknown weights 'mobilenet_v2:IMAGENET9'.*mobilenet_v2:IMAGENET1K_V2"):
         open_backbone("mobilenet_v2:IMAGENET9")

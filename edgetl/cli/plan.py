@@ -73,7 +73,8 @@ def add_parser(sub) -> None:
     p.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=None,
                    help="fix the update inside backward (optim.step_in_backward) on or off; --no-step-in-backward "
                         "for a run under DDP (torchrun), which refuses it; default: searched")
-    p.add_argument("--backbone", metavar="DIR|NAME", help="backbone folder or weights name, e.g. mobilenet_v2:IMAGENET1K_V1 (default: MobileNetV2 --width)")
+    p.add_argument("--backbone", metavar="DIR|NAME", help="backbone folder, architecture or weights name, e.g. resnet18, mobilenet_v2:IMAGENET1K_V1 "
+                        "(default: MobileNetV2 --width)")
     p.add_argument("--width", type=positive_float,
                    help="width multiplier of the default backbone or mobilenet_v2:random (default 1.0; a backbone "
                         "folder has its own)")

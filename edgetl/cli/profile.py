@@ -1,4 +1,4 @@
-"""``edgetl profile``: per-block activation memory of fine-tuning MobileNetV2."""
+"""``edgetl profile``: per-block activation memory of fine-tuning a backbone."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
         "profile",
         help=COMMANDS["profile"],
         description=(
-            "Profile the activation memory of fine-tuning MobileNetV2. 'paper' accounting is the "
+            "Profile the activation memory of fine-tuning a backbone (MobileNetV2 unless --backbone "
+            "names another: resnet18, resnet34, resnet50, a folder). 'paper' accounting is the "
             "TinyTL/Rep-Net memory model the papers use; 'runtime' is what edgetl's runtime "
             "really holds. --measure runs real training steps and reports the measured peak. "
             "Per-block figures are for one image; totals for the batch. MB = 10^6 bytes."
@@ -50,7 +51,9 @@ def add_parser(sub) -> None:
     lean.add_argument("--step-in-backward", action="store_true",
                       help="update each parameter inside backward as soon as its gradient is complete and free "
                            "the gradient (not all gradients alive at once; same weights)")
-    p.add_argument("--checkpoint", metavar="DIR", help="a backbone folder (e.g. from edgetl prune) or a weights name (mobilenet_v2:IMAGENET1K_V1)")
+    p.add_argument("--backbone", "--checkpoint", dest="checkpoint", metavar="DIR|NAME",
+                   help="a backbone folder (e.g. from edgetl prune), an architecture (resnet18) or a weights name "
+                        "(mobilenet_v2:IMAGENET1K_V1); default: MobileNetV2 --width")
     p.add_argument("--measure", action="store_true",
                    help="also run real training steps (forward, backward, Adam) and measure the peak")
     p.add_argument("--device", type=torch_device, help="torch device for --measure: cpu (default), cuda, cuda:N")

@@ -1,4 +1,4 @@
-"""``edgetl prune``: remove hidden channels of the memory-sensitive blocks of MobileNetV2."""
+"""``edgetl prune``: remove hidden channels of a backbone's memory-sensitive blocks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, fmt_mb, given_path, positive_float, positive_int, print_table
 from edgetl.errors import ConfigError
+import edgetl.models.archs as archs
 from edgetl.prune import (
     IMPORTANCES,
     PAPER_RATIOS,
@@ -49,8 +50,8 @@ def add_parser(sub) -> None:
         "prune",
         help=COMMANDS["prune"],
         description=(
-            "Prune the hidden (expanded) channels of MobileNetV2 blocks with torch-pruning, "
-            "keeping residual widths. Default blocks: the sensitive blocks of the Rep-Net "
+            "Prune the hidden channels of a backbone's blocks with torch-pruning (MobileNetV2: "
+            "the expanded channels; ResNet: a block's inner width), keeping residual widths. Default blocks: the sensitive blocks of the Rep-Net "
             "paper-accounting profile. --auto picks, per block, the smallest ratio whose "
             "temporary memory is at most the target. Memory figures: Rep-Net fine-tuning, "
             "paper accounting, batch 8, 102 classes (as the paper's Table I); MB = 10^6 bytes."
@@ -58,9 +59,9 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--checkpoint", metavar="DIR|NAME",
-                   help="input backbone folder or torchvision weights name (mobilenet_v2:IMAGENET1K_V1, mobilenet_v2:IMAGENET1K_V2; default: MobileNetV2 with random init)")
+                   help="input backbone folder, architecture or torchvision weights name (mobilenet_v2:IMAGENET1K_V1, resnet18, resnet50:random, ...; default: MobileNetV2 with random init)")
     p.add_argument("--weights", metavar="FILE",
-                   help="a local torchvision MobileNetV2 state_dict (.pth) for the default backbone")
+                   help="a local torchvision state_dict (.pth) of a registered architecture, recognised by its keys")
     p.add_argument("--width", type=positive_float, default=None,
                    help="width multiplier of the default backbone (default 1.0)")
     plan = p.add_mutually_exclusive_group()
@@ -71,7 +72,7 @@ def add_parser(sub) -> None:
     p.add_argument("--plan", metavar="PLAN",
                    help="plan.yaml from edgetl plan: supplies --blocks and --ratios (explicit flags win)")
     p.add_argument("--blocks", type=block_list, metavar="B1,B2,...",
-                   help="blocks to prune, 1..17 (default: the profile's sensitive blocks)")
+                   help="blocks to prune (MobileNetV2 1..17, ResNet-18 1..8, ResNet-34/50 1..16; default: the profile's sensitive blocks)")
     p.add_argument("--target-bytes", type=positive_int, metavar="N",
                    help="with --auto (default: the unpruned overall cumulative gradient memory)")
     p.add_argument("--importance", choices=IMPORTANCES, default="activation-l2")
@@ -89,8 +90,12 @@ def print_result(result: PruneResult) -> None:
     before, after = result.before, result.after
     mem_b, mem_a = before["memory"], after["memory"]
     rows = []
-    if 1 in result.blocks:
-        rows.append(["0 (stem, via 1)", "", "", fmt_mb(mem_b["tmp_bytes"]["0"]), fmt_mb(mem_a["tmp_bytes"]["0"])])
+    entry = archs.get(result.spec.arch)
+    for b in result.blocks:
+        for i in entry.affects(b):
+            if i != b and str(i) in mem_b["tmp_bytes"]:
+                rows.append([f"{i} ({entry.block_name(i)}, via {b})", "", "", fmt_mb(mem_b["tmp_bytes"][str(i)]),
+                             fmt_mb(mem_a["tmp_bytes"][str(i)])])
     for b, r in zip(result.blocks, result.ratios):
         rows.append([str(b), f"{r:g}", f"{result.channels_before[b]} -> {result.kept[b]}",
                      fmt_mb(mem_b["tmp_bytes"][str(b)]), fmt_mb(mem_a["tmp_bytes"][str(b)])])
@@ -117,13 +122,14 @@ def print_result(result: PruneResult) -> None:
     print(f"sensitive blocks after pruning: {', '.join(map(str, mem_a['sensitive_blocks'])) or 'none'}")
 
 
-def print_auto(plan, paper_comparable: bool) -> None:
+def print_auto(plan, paper_ratios: dict[int, float] | None) -> None:
+    """The choices of ``--auto``, beside a paper's ratios for the same blocks where there are any."""
     print(f"--auto target: {fmt_mb(plan.target_bytes)} MB per image ({plan.target_source})")
     for c in plan.choices:
         print(f"  block {c.block}: ratio {c.ratio:.3f} - {c.reason}")
-    if paper_comparable:
-        diffs = [c.ratio - PAPER_RATIOS[c.block] for c in plan.choices]
-        paper = ", ".join(f"{PAPER_RATIOS[c.block]:.2f}" for c in plan.choices)
+    if paper_ratios:
+        diffs = [c.ratio - paper_ratios[c.block] for c in plan.choices]
+        paper = ", ".join(f"{paper_ratios[c.block]:.2f}" for c in plan.choices)
         chosen = ", ".join(f"{c.ratio:.3f}" for c in plan.choices)
         print(f"  vs the paper's ratios {paper}: chosen {chosen}; "
               f"differences {', '.join(f'{d:+.3f}' for d in diffs)} "
@@ -166,9 +172,10 @@ def run(args) -> int:
         auto = auto_ratios(net.spec, blocks, resolution=args.resolution,
                            target_bytes=args.target_bytes, round_to=args.round_to)
         ratios = auto.ratios
-        comparable = (blocks == sorted(PAPER_RATIOS) and net.spec.width == 1.0
+        paper = archs.get(net.spec.arch).paper_ratios
+        comparable = (paper and blocks == sorted(paper) and net.spec.width == 1.0
                       and not net.spec.hidden and args.resolution == 224)
-        print_auto(auto, comparable)
+        print_auto(auto, paper if comparable else None)
     elif args.ratios is not None:
         ratios = args.ratios
     else:
@@ -177,7 +184,7 @@ def run(args) -> int:
     if args.importance == "activation-l2":
         from edgetl.prune import check_plan
 
-        check_plan(blocks, ratios, args.round_to)  # fail before reading any data
+        check_plan(blocks, ratios, args.round_to, net.spec.arch)  # fail before reading any data
         calib = calibration_batches(args.calib_data, resolution=args.resolution, batches=args.calib_batches)
         source = f"{args.calib_data} ({sum(len(b) for b in calib)} images)"
     result = prune(net=net, blocks=blocks, ratios=ratios, importance=args.importance,

@@ -10,6 +10,7 @@ each pruned block; residual widths never change.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,6 @@ HEAD_BLOCK = 19  # MobileNetV2's head block (len(features)); the accounting's bl
 # The FMEC 2023 paper's pruning ratios, written once in the MobileNetV2 entry: prune, bench,
 # demo and the figure scripts read them here.
 PAPER_RATIOS = archs.MOBILENET_V2.paper_ratios
-ARCHS = archs.registered()
 
 
 @dataclass
@@ -38,17 +38,20 @@ class BackboneSpec:
         width: torchvision's width multiplier (1.0 where the architecture has none).
         num_classes: outputs of the new linear classifier.
         hidden: block index -> hidden (expanded) channel count, for pruned blocks only.
-        dropout: dropout before the classifier.
+        dropout: dropout before the classifier (None: the architecture's, MobileNetV2's 0.2,
+            ResNet's 0.0; the spec holds the resolved value, which to_dict writes).
     """
 
     arch: str = "mobilenet_v2"
     width: float = 1.0
     num_classes: int = 1000
     hidden: dict[int, int] = field(default_factory=dict)
-    dropout: float = 0.2
+    dropout: float | None = None
 
     def __post_init__(self) -> None:
         arch = archs.get(self.arch)
+        if self.dropout is None:
+            self.dropout = arch.dropout
         if not self.width > 0:
             raise ConfigError(f"width must be > 0, got {self.width}")
         if self.width != 1.0 and not arch.width_multiplier:
@@ -84,8 +87,13 @@ def prunable_blocks(arch: str = "mobilenet_v2") -> range:
     return archs.get(arch).prunable
 
 
+def head_block(net: "EdgeNet") -> int:
+    """The block number the accounting gives the head (global pool, dropout, classifier)."""
+    return len(net.features)
+
+
 class EdgeNet(nn.Module):
-    """MobileNetV2 features, an optional side network, and the classification head.
+    """An architecture's numbered feature blocks, an optional side network, and the head.
 
     Every operation that costs memory is a module, so tracing and accounting see it.
     The side module of tap block i runs right after block i, on block i's input (the
@@ -150,8 +158,7 @@ class EdgeNet(nn.Module):
 def hidden_channels(net: EdgeNet | nn.Module, block: int) -> int:
     """Hidden (expanded) channel count of a block of a built network."""
     arch = archs.get(net.spec.arch if isinstance(net, EdgeNet) else "mobilenet_v2")
-    arch.check_block(block)
-    return arch.hidden_conv(net.features, block).out_channels
+    return arch.hidden_convs(net.features, block)[0].out_channels
 
 
 def build_backbone(spec: BackboneSpec, device: torch.device | str | None = None) -> EdgeNet:
@@ -169,23 +176,34 @@ def build_backbone(spec: BackboneSpec, device: torch.device | str | None = None)
     return EdgeNet(features, classifier, spec)
 
 
+STRIDE_PROBE = 1024  # side of the meta image block_shapes follows: 2**10, so strides up to 1024 come out exact
+
+
+def block_shapes(net: EdgeNet, *, as_built: bool = False) -> list[tuple[int, int]]:
+    """(channels, cumulative stride) at the output of each feature block, found by a forward of
+    a meta copy (any architecture: a max-pool or a strided shortcut counts as it runs).
+
+    The copy is built from the spec, so a lean network (whose layers are not nn.Conv2d) gets
+    its stock network's shapes; ``as_built`` copies the network's own stock layers instead
+    (a network torch-pruning edited in place, whose spec does not know it yet)."""
+    features = copy.deepcopy(net.features).to("meta") if as_built else build_backbone(net.spec, device="meta").features
+    x = torch.empty(1, 3, STRIDE_PROBE, STRIDE_PROBE, device="meta")
+    shapes = []
+    with torch.no_grad():
+        for block in features:
+            x = block(x)
+            shapes.append((int(x.shape[1]), STRIDE_PROBE // int(x.shape[-1])))
+    return shapes
+
+
 def block_strides(net: EdgeNet) -> list[int]:
     """Cumulative spatial stride at the output of each feature block."""
-    strides, total = [], 1
-    for block in net.features:
-        for m in block.modules():
-            if isinstance(m, nn.Conv2d):
-                total *= m.stride[0]
-        strides.append(total)
-    return strides
+    return [stride for _, stride in block_shapes(net)]
 
 
-def block_out_channels(net: EdgeNet) -> list[int]:
-    out = []
-    for block in net.features:
-        convs = [m for m in block.modules() if isinstance(m, nn.Conv2d)]
-        out.append(convs[-1].out_channels)
-    return out
+def block_out_channels(net: EdgeNet, *, as_built: bool = False) -> list[int]:
+    """Output channels of each feature block."""
+    return [channels for channels, _ in block_shapes(net, as_built=as_built)]
 
 
 BACKBONE_FORMAT = "edgetl-backbone/1"
@@ -249,46 +267,62 @@ def load_backbone(folder: str | Path, device: torch.device | str | None = None) 
 # Issue 18: a user starts from ImageNet weights by name, through torchvision's own weights
 # API and cache (TORCH_HOME); downloaded once where the machine is online, read from the
 # cache after that. EDGETL_OFFLINE=1 forbids the download (the tests set it), so an empty
-# cache is then the one-line error at once.
+# cache is then the one-line error at once. A weights name is "ARCH:TAG" for any registered
+# architecture with torchvision weights ("resnet18:IMAGENET1K_V1", "mobilenet_v2:DEFAULT",
+# "resnet50:random"); a bare "ARCH" is its entry's default weights.
 
-WEIGHTS_ARCH = "mobilenet_v2"
 RANDOM_WEIGHTS = "random"
-DEFAULT_WEIGHTS = "mobilenet_v2:IMAGENET1K_V1"  # torchvision's original ImageNet weights, 71.9 % top-1
+DEFAULT_WEIGHTS = "mobilenet_v2:IMAGENET1K_V1"  # the default backbone: torchvision's original ImageNet weights, 71.9 % top-1
 OFFLINE_ENV = "EDGETL_OFFLINE"
 
 
-def weights_names() -> list[str]:
-    """Every weights name a backbone argument accepts (torchvision's, DEFAULT and random)."""
-    from torchvision.models import MobileNet_V2_Weights
+def default_weights(arch: str) -> str:
+    """The weights name a bare architecture name stands for ("resnet18" -> "resnet18:IMAGENET1K_V1")."""
+    entry = archs.get(arch)
+    return f"{entry.name}:{entry.default_weights if entry.weights is not None else RANDOM_WEIGHTS}"
 
-    tags = [w.name for w in MobileNet_V2_Weights] + ["DEFAULT", RANDOM_WEIGHTS]
-    return [f"{WEIGHTS_ARCH}:{t}" for t in tags]
+
+def weights_names(arch: str | None = None) -> list[str]:
+    """Every weights name a backbone argument accepts (torchvision's, DEFAULT and random), for
+    one architecture or all registered ones."""
+    names = []
+    for entry in (archs.get(a) for a in ([arch] if arch is not None else archs.registered())):
+        tags = [w.name for w in entry.weights_enum()] + ["DEFAULT"] if entry.weights is not None else []
+        names += [f"{entry.name}:{t}" for t in tags + [RANDOM_WEIGHTS]]
+    return names
+
+
+def _split_name(ref: str | Path) -> tuple[archs.Architecture, str] | None:
+    """(entry, tag) of "ARCH:TAG" or a bare "ARCH" (its default tag); None for anything else."""
+    name, sep, tag = str(ref).partition(":")
+    if name not in archs.registered():
+        return None
+    entry = archs.get(name)
+    return entry, tag if sep else default_weights(name).split(":", 1)[1]
 
 
 def is_weights_name(ref: str | Path | None) -> bool:
-    """Whether ``ref`` names torchvision weights ("mobilenet_v2:TAG") rather than a path."""
-    return ref is not None and str(ref).startswith(WEIGHTS_ARCH + ":") and not Path(ref).exists()
+    """Whether ``ref`` names torchvision weights ("resnet18:TAG", "resnet18") rather than a path."""
+    return ref is not None and _split_name(ref) is not None and not Path(ref).exists()
 
 
-def _weights_tag(ref: str) -> str:
-    """The tag of a weights name: "random" or a torchvision enum member name (DEFAULT resolved)."""
-    from torchvision.models import MobileNet_V2_Weights
-
-    tag = str(ref).split(":", 1)[1]
+def _weights(ref: str):
+    """(entry, torchvision weights member or None for random) of a weights name (DEFAULT resolved)."""
+    entry, tag = _split_name(ref)
     if tag == RANDOM_WEIGHTS:
-        return tag
+        return entry, None
     try:
-        return MobileNet_V2_Weights[tag].name
+        return entry, entry.weights_enum()[tag]
     except KeyError:
-        raise ConfigError(f"unknown weights {ref!r}; allowed: {', '.join(weights_names())}") from None
+        raise ConfigError(f"unknown weights {ref!r}; allowed: {', '.join(weights_names(entry.name))}") from None
 
 
 def weights_file(ref: str) -> Path:
     """Where torchvision's cache keeps the file of a weights name (TORCH_HOME/hub/checkpoints/...)."""
-    from torchvision.models import MobileNet_V2_Weights
-
-    url = MobileNet_V2_Weights[_weights_tag(ref)].url
-    return Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[1]
+    _, weights = _weights(ref)
+    if weights is None:
+        raise ConfigError(f"{ref} has no file: random weights are made, not read")
+    return Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[1]
 
 
 def _read_state_dict(path: Path, what: str) -> dict:
@@ -298,16 +332,13 @@ def _read_state_dict(path: Path, what: str) -> dict:
     return state
 
 
-
-
 def _imagenet_state_dict(ref: str) -> tuple[dict, Path]:
-    """The state_dict of a torchvision weights name, from the cache or (online) downloaded into it."""
+    """The state_dict of a torchvision weights name (torchvision's keys), from the cache or
+    (online) downloaded into it."""
     import os
     import urllib.error
 
-    from torchvision.models import MobileNet_V2_Weights
-
-    weights = MobileNet_V2_Weights[_weights_tag(ref)]
+    _, weights = _weights(ref)
     path = weights_file(ref)
     if path.is_file():
         return _read_state_dict(path, ref), path
@@ -325,15 +356,12 @@ def _imagenet_state_dict(ref: str) -> tuple[dict, Path]:
 
 def weights_info(ref: str) -> dict:
     """What a run records of named weights: name, file, ImageNet accuracy, transforms, class names."""
-    from torchvision.models import MobileNet_V2_Weights
-
-    tag = _weights_tag(ref)
-    if tag == RANDOM_WEIGHTS:
-        return {"weights": f"{WEIGHTS_ARCH}:{RANDOM_WEIGHTS}"}
-    w = MobileNet_V2_Weights[tag]
+    entry, w = _weights(ref)
+    if w is None:
+        return {"weights": f"{entry.name}:{RANDOM_WEIGHTS}"}
     t = w.transforms()
     return {
-        "weights": f"{WEIGHTS_ARCH}:{tag}",
+        "weights": f"{entry.name}:{w.name}",
         "url": w.url,
         "imagenet_acc1": w.meta["_metrics"]["ImageNet-1K"]["acc@1"],
         "preprocessing": {"crop_size": int(t.crop_size[0]), "resize_size": int(t.resize_size[0]),
@@ -345,9 +373,33 @@ def weights_info(ref: str) -> dict:
 def _imagenet_width(ref: str | Path, width: float | None) -> float:
     """ImageNet weights exist at width 1.0 only: that width, or a one-line ConfigError."""
     if width not in (None, 1.0):
-        raise ConfigError(f"{ref} exists for width 1.0 only, not {width}; use mobilenet_v2:random "
+        entry, _ = _split_name(ref)
+        raise ConfigError(f"{ref} exists for width 1.0 only, not {width}; use {entry.name}:random "
                           "for another width, or a backbone folder")
     return 1.0
+
+
+def _state_arch(state: dict, path: Path) -> archs.Architecture:
+    """The registered architecture whose torchvision state_dict keys ``state`` has (a file of
+    torchvision's ``resnet50().state_dict()`` is ResNet-50): the first whose keys match exactly."""
+    keys = set(state)
+    for name in archs.registered():
+        entry = archs.get(name)
+        with contextlib.suppress(ConfigError, DataError):
+            net = build_backbone(BackboneSpec(arch=name), device="meta")
+            if set(entry.from_torchvision(dict.fromkeys(keys))) == set(net.state_dict()):
+                return entry
+    raise DataError(f"{path} is not the state_dict of a torchvision {' / '.join(archs.get(a).title for a in archs.registered())}")
+
+
+def _file_spec(path: Path, width: float | None) -> tuple[BackboneSpec, dict]:
+    """A torchvision state_dict file: the spec it fits (its architecture, its class count) and the state."""
+    state = _read_state_dict(path, "a torchvision state_dict")
+    entry = _state_arch(state, path)
+    mapped = entry.from_torchvision(state)
+    head = mapped.get("classifier.1.weight")
+    classes = int(head.shape[0]) if isinstance(head, torch.Tensor) and head.dim() == 2 else 1000
+    return BackboneSpec(arch=entry.name, width=1.0 if width is None else width, num_classes=classes), mapped
 
 
 def open_backbone(
@@ -357,11 +409,12 @@ def open_backbone(
 
     Args:
         ref: a backbone folder (edgetl prune / retrain output); a torchvision weights name
-            ("mobilenet_v2:IMAGENET1K_V1", "mobilenet_v2:IMAGENET1K_V2", "mobilenet_v2:DEFAULT",
-            or "mobilenet_v2:random"); or a torchvision MobileNetV2 state_dict file (.pth).
+            ("resnet18:IMAGENET1K_V1", "mobilenet_v2:DEFAULT", "resnet50:random", or a bare
+            architecture name for its default weights); or a torchvision state_dict file
+            (.pth) of a registered architecture (recognised by its keys).
         width: width multiplier for "mobilenet_v2:random" or a state_dict file (default 1.0);
             ImageNet weights exist for width 1.0 only; a folder has its own.
-        seed: random init seed for "mobilenet_v2:random".
+        seed: random init seed for "ARCH:random".
         device: where to build the network.
 
     The description has "source" (a sentence), "arch", "width", and for named weights
@@ -374,43 +427,48 @@ def open_backbone(
         net = load_backbone(path, device=device)
         return net, {"source": str(path), "arch": net.spec.arch, "width": net.spec.width}
     if is_weights_name(ref):
-        tag = _weights_tag(str(ref))
+        entry, weights = _weights(str(ref))
         info = weights_info(str(ref))
-        if tag == RANDOM_WEIGHTS:
+        if weights is None:
             width = 1.0 if width is None else width
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                net = build_backbone(BackboneSpec(width=width), device=device)
-            source = f"torchvision mobilenet_v2 width {width}, random init (seed {seed})"
+                net = build_backbone(BackboneSpec(arch=entry.name, width=width), device=device)
+            source = f"torchvision {entry.name} width {width}, random init (seed {seed})"
         else:
             width = _imagenet_width(ref, width)
             state, file = _imagenet_state_dict(str(ref))
-            net = build_backbone(BackboneSpec(width=width), device=device)
-            load_state(net, state, file, f"mobilenet_v2 width {width}")
+            net = build_backbone(BackboneSpec(arch=entry.name, width=width), device=device)
+            load_state(net, entry.from_torchvision(state), file, f"{entry.name} width {width}")
             source = f"torchvision {info['weights']} ({file})"
-        return net.eval(), {"source": source, "arch": WEIGHTS_ARCH, "width": width, **info}
+        return net.eval(), {"source": source, "arch": entry.name, "width": width, **info}
     if path.is_file():
-        width = 1.0 if width is None else width
-        net = build_backbone(BackboneSpec(width=width), device=device)
-        load_state(net, _read_state_dict(path, "a torchvision mobilenet_v2 state_dict"), path,
-                   f"mobilenet_v2 width {width}")
-        return net.eval(), {"source": f"torchvision mobilenet_v2 width {width}, weights {path}",
-                            "arch": WEIGHTS_ARCH, "width": width, "weights_file": str(path)}
+        spec, state = _file_spec(path, width)
+        net = build_backbone(spec, device=device)
+        load_state(net, state, path, f"{spec.arch} width {spec.width}")
+        return net.eval(), {"source": f"torchvision {spec.arch} width {spec.width}, weights {path}",
+                            "arch": spec.arch, "width": spec.width, "weights_file": str(path)}
     raise _missing(ref)
 
 
 def _missing(ref: str | Path) -> DataError:
-    return DataError(f"backbone folder {ref} does not exist; give a backbone folder, a state_dict file or a "
-                     f"weights name ({', '.join(weights_names())})")
+    return DataError(f"backbone folder {ref} does not exist; give a backbone folder, a state_dict file, an "
+                     f"architecture ({', '.join(archs.registered())}) or a weights name "
+                     f"({', '.join(weights_names(archs.MOBILENET_V2.name))}, ...)")
 
 
 def backbone_spec(ref: str | Path | None, *, width: float | None = None) -> BackboneSpec:
-    """The architecture a backbone argument names, without loading weights (None: stock at ``width``)."""
+    """The architecture a backbone argument names, without loading weights (None: the default
+    MobileNetV2 at ``width``; a state_dict file is read for its keys)."""
     if ref is not None and Path(ref).is_dir():
         return read_backbone_spec(ref)
-    if ref is not None and is_weights_name(ref) and _weights_tag(str(ref)) != RANDOM_WEIGHTS:
-        return BackboneSpec(width=_imagenet_width(ref, width))
-    if ref is not None and not is_weights_name(ref) and not Path(ref).is_file():
+    if ref is not None and is_weights_name(ref):
+        entry, weights = _weights(str(ref))
+        return BackboneSpec(arch=entry.name, width=_imagenet_width(ref, width) if weights is not None
+                            else 1.0 if width is None else width)
+    if ref is not None and Path(ref).is_file():
+        return _file_spec(Path(ref), width)[0]
+    if ref is not None:
         raise _missing(ref)
     return BackboneSpec(width=1.0 if width is None else width)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from edgetl.errors import ConfigError
 import edgetl.models.archs as archs
-from edgetl.models.backbone import EdgeNet, block_out_channels, block_strides
+from edgetl.models.backbone import EdgeNet, block_shapes, block_strides
 from edgetl.options import MODES, LeanOptions
 from edgetl.units import round_up
 
@@ -83,22 +83,26 @@ class SideNetwork(nn.Module):
 def build_side_network(net: EdgeNet, taps: tuple[int, ...] | None = None) -> SideNetwork:
     """Build a Rep-Net side network sized for ``net`` (any width, pruned or not).
 
-    The conv kernel is 5, or 3 where the tap block's input is at stride 32 (7x7 at
-    224 px): with that, MobileNetV2 1.0 has about 380 k side parameters (DESIGN 3).
+    The conv kernels are the architecture's (``side_kernels``: MobileNetV2 1.0 then has
+    about 380 k side parameters, DESIGN 3); for other taps, 5, or 3 where the tap block's
+    input is at stride 32 (7x7 at 224 px).
     """
-    taps = taps_of(net) if taps is None else taps
-    outs = block_out_channels(net)
-    strides = block_strides(net)
+    arch = archs.get(net.spec.arch)
+    taps = taps_of(net) if taps is None else tuple(taps)
+    kernels = arch.side_kernels if arch.side_kernels is not None and taps == arch.taps else None
+    shapes = block_shapes(net)
+    outs = [channels for channels, _ in shapes]
+    strides = [stride for _, stride in shapes]
     device = next(net.parameters()).device
     blocks = []
     for j, tap in enumerate(taps):
-        if not 1 <= tap < len(outs):
-            raise ConfigError(f"tap block {tap} out of range 1..{len(outs) - 1}")
+        if not (0 if j == 0 else 1) <= tap < len(outs):
+            raise ConfigError(f"tap block {tap} out of range {0 if j == 0 else 1}..{len(outs) - 1}")
         if j == 0:
             in_ch, groups, in_stride = 3, 1, IMAGE_POOL
         else:
             in_ch, groups, in_stride = outs[tap - 1], 2, strides[tap - 1]
-        kernel = 3 if in_stride >= 32 else 5
+        kernel = kernels[j] if kernels is not None else 3 if in_stride >= 32 else 5
         with torch.device(device):
             blocks.append(
                 SideModule(in_ch, outs[tap], kernel, groups, image_pool=IMAGE_POOL if j == 0 else 1)
@@ -127,11 +131,9 @@ def min_resolution(net: EdgeNet, batch_size: int = 2, taps: tuple[int, ...] | No
     from a map of at least 2x2 after the pool. MobileNetV2: 33 px (the last module's input is
     at stride 32), 97 px at batch 1.
     """
-    from edgetl.models.backbone import build_backbone
-
     taps = taps_of(net) if taps is None else taps
     # from the spec: a lean network's layers are not nn.Conv2d, but its strides are the stock ones
-    strides = block_strides(build_backbone(net.spec, device="meta"))
+    strides = block_strides(net)
     need = 1 if batch_size >= 2 else 2
     resolution = 1
     while min(_side_map_sides(strides, resolution, taps)) < need:

@@ -114,7 +114,7 @@ def _input_backbone(backbone, width: float, num_classes: int, blocks) -> tuple[B
     if blocks is not None:
         from edgetl.prune import check_plan
 
-        check_plan(list(blocks), [0.0] * len(blocks))
+        check_plan(list(blocks), [0.0] * len(blocks), arch=base.arch)
     return base, meta
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from edgetl.memory import search
-from edgetl.models.backbone import BackboneSpec, prunable_blocks
+import edgetl.models.archs as archs
+from edgetl.models.backbone import BackboneSpec
 from edgetl.plan.document import MODE, Candidate, PlanConfig, PlanImpossible, Storage
 from edgetl.plan.ladder import _network_key, plan_step
 
@@ -184,7 +185,10 @@ class _Search:
         shape = dataclasses.replace(saving, frozen_weights="fp32")
         report = self.ev.report({}, shape, 1)
         if blocks is None:
-            cand = sorted({1 if b == 0 else b for b in report.sensitive_blocks} & set(self.chan))
+            # a sensitive block without hidden channels of its own maps to the blocks whose
+            # count changes it (MobileNetV2's stem: block 1); ResNet's stem maps to none
+            affects = archs.get(self.ev.base.arch).affects
+            cand = sorted({u for b in report.sensitive_blocks for u in self.chan if b in affects(u)})
         else:
             cand = sorted(blocks)
         floor = {u: max(1, int(self.chan[u] * (1 - max_ratio))) for u in cand}
