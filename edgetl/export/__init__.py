@@ -222,6 +222,17 @@ def _fold_sequential(seq: nn.Sequential) -> None:
             seq._modules[b] = nn.Identity()
 
 
+def _fold_numbered(module: nn.Module) -> None:
+    """Fold each ``bn{N}`` child into the ``conv{N}`` beside it (a SideModule's conv1/bn1 and
+    conv2/bn2, a ResNet BasicBlock's two pairs, a Bottleneck's three)."""
+    children = module._modules
+    for name in list(children):
+        number = name[2:] if name.startswith("bn") else ""
+        conv, bn = children.get(f"conv{number}"), children[name]
+        if number.isdigit() and isinstance(conv, nn.Conv2d) and isinstance(bn, nn.BatchNorm2d):
+            children[f"conv{number}"], children[name] = _fold(conv, bn), nn.Identity()
+
+
 class GlobalAvgPool(nn.Module):
     """``AdaptiveAvgPool2d(1)`` and the flatten after it as one mean over height and width.
 
@@ -237,10 +248,11 @@ class GlobalAvgPool(nn.Module):
 def merge_for_inference(net: EdgeNet) -> EdgeNet:
     """A copy of ``net`` in eval mode with every BatchNorm folded into the conv before it.
 
-    Covers the backbone (Conv-BN pairs inside ``nn.Sequential`` containers, as torchvision
-    builds them) and the side network (conv1/bn1, conv2/bn2 of each SideModule), and pools
-    with ``GlobalAvgPool``. The result computes what ``net.eval()`` computes, up to float
-    rounding; ``net`` is not changed.
+    Covers Conv-BN pairs inside ``nn.Sequential`` containers (MobileNetV2's layers, ResNet's
+    stem and downsample shortcuts, as torchvision builds them) and every ``conv{N}``/``bn{N}``
+    pair of one module (the side network's SideModules, ResNet's BasicBlock and Bottleneck),
+    and pools with ``GlobalAvgPool``. The result computes what ``net.eval()`` computes, up to
+    float rounding; ``net`` is not changed.
 
     Raises:
         ConfigError: a BatchNorm is left that does not follow a conv (it would run unfolded).
@@ -249,10 +261,7 @@ def merge_for_inference(net: EdgeNet) -> EdgeNet:
     for module in list(merged.modules()):
         if isinstance(module, nn.Sequential):
             _fold_sequential(module)
-        if hasattr(module, "conv1") and isinstance(getattr(module, "bn1", None), nn.BatchNorm2d):
-            module.conv1, module.bn1 = _fold(module.conv1, module.bn1), nn.Identity()
-        if hasattr(module, "conv2") and isinstance(getattr(module, "bn2", None), nn.BatchNorm2d):
-            module.conv2, module.bn2 = _fold(module.conv2, module.bn2), nn.Identity()
+        _fold_numbered(module)
     pool = getattr(merged, "pool", None)
     if isinstance(pool, nn.AdaptiveAvgPool2d) and pool.output_size in (1, (1, 1)):
         merged.pool = GlobalAvgPool()
