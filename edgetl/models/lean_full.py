@@ -1,8 +1,10 @@
 """Lean full fine-tuning (issue #16 item 2): every backbone conv trains, and what each keeps for its weight gradient is a storage choice.
 
 BN statistics are frozen and folded, as is usual for small-batch transfer: each
-torchvision Conv2dNormActivation (conv, BN, ReLU6) becomes ``Sequential(conv', LeanReLU6)``
-and each project conv + BN a ``conv'``, where conv' is the conv with the BN's eval
+torchvision Conv2dNormActivation (conv, BN, ReLU6) becomes ``Sequential(conv', LeanReLU6)``,
+each project conv + BN a ``conv'``, each BasicBlock / Bottleneck a ``LeanResidualBlock`` of
+``Sequential(conv', LeanReLU)`` / ``conv'`` layers and a ``LeanReLU`` after the add, and ResNet's
+stem ``Sequential(conv', LeanReLU, LeanMaxPool2d)``, where conv' is the conv with the BN's eval
 statistics folded in (``torch.nn.utils.fusion.fuse_conv_bn_weights``: weight w * s, bias
 beta + (b - mean) * s, s = gamma / sqrt(var + eps)). The folded weight and bias train
 (so Adam's per-element steps act on w * s rather than w; the stock "full" mode keeps BN
@@ -16,8 +18,10 @@ What each part keeps for backward:
                                 (small maps by less, ``effective_pool``)
     conv' (haar, db3, dct,      a fixed share ``keep`` of each   CompressedConv2d, seed 001
           threshold)            map's largest coefficients
-    LeanReLU6                   a 1-bit mask of 0 < y < 6        (stock ReLU6 in place clones
-                                                                  its whole input)
+    LeanReLU6, LeanReLU         a 1-bit mask of 0 < y (< 6)      (stock ReLU6 in place clones
+                                                                  its whole input, ReLU keeps
+                                                                  its output)
+    LeanMaxPool2d               4 bits an output                 (stock: input + int64 indices)
 
 Forward and every input gradient are exact; the approximation enters only the weight
 gradients, in ``edgetl.models.lean.pooled_grad_weight`` and
@@ -30,18 +34,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd import Function
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from edgetl.errors import ConfigError
 from edgetl.models.compress import CompressedConv2d, check_fraction, make_compressor
-from edgetl.models.lean import (
-    LeanGlobalAvgPool,
-    PooledConv2d,
-    _relu6_mask,
-    unpack_as,
-    unpack_table,
-)
+from edgetl.models.lean import LeanGlobalAvgPool, LeanMake, PooledConv2d, lean_block
+from edgetl.models.lean import LeanReLU6  # noqa: F401  (imported from here before it moved to lean.act)
 from edgetl.options import COMPRESSORS, STORAGES
 
 POOLED_STORAGES = {"pool2": 2, "pool4": 4}
@@ -97,74 +95,40 @@ def unfold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> dict[str, torch.Tensor]:
     return out
 
 
-class _MaskedReLU6Fn(Function):
-    @staticmethod
-    def forward(ctx, y, chunk, shapes_only=False):
-        ctx.shape = tuple(y.shape)
-        ctx.mark_dirty(y)
-        if shapes_only:  # a meta trace: the same tensor back, no values
-            return y
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(_relu6_mask(y, chunk))
-        return y.clamp_(0, 6)
+class FullMake(LeanMake):
+    """Lean full layers (``edgetl.models.lean.LeanMake``): each conv + BN one BN-folded conv
+    that keeps its input by ``storage``, followed by a ``LeanReLU`` where the stock layer had
+    an activation."""
 
-    @staticmethod
-    def backward(ctx, gy):
-        (packed,) = ctx.saved_tensors
-        return unpack_as(packed, ctx.shape, unpack_table(gy.dtype, gy.device)).mul_(gy), None, None
+    def __init__(self, storage: str, keep: float):
+        self.storage, self.keep = storage, keep
 
-
-class LeanReLU6(nn.Module):
-    """ReLU6 in place on a fresh conv output that keeps only a packed 1-bit mask of 0 < y < 6.
-
-    The mask is built one sample at a time where each sample's bits fill whole bytes
-    (``edgetl.models.lean._relu6_mask``); the backward multiplies the unpacked mask into
-    grad_output. Its input must be a tensor nothing else saved (a conv's output).
-    """
-
-    inplace = True  # the runtime trace reads this: the output is the input's storage
-    shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): no mask, no clamp
-
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return _MaskedReLU6Fn.apply(y, 1, self.shapes_only)
-
-def _full_cna(cna: nn.Sequential, storage: str, keep: float) -> nn.Sequential:
-    conv, bn = cna[0], cna[1]
-    layers: list[nn.Module] = [stored_conv(fold_bn(conv, bn), storage, keep)]
-    if len(cna) > 2:
-        if not isinstance(cna[2], nn.ReLU6):
-            raise ConfigError(f"lean full fine-tuning supports ReLU6 activations only, found {type(cna[2]).__name__}")
-        layers.append(LeanReLU6())
-    return nn.Sequential(*layers)
+    def conv_bn(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: str | None) -> list[nn.Module]:
+        layers: list[nn.Module] = [stored_conv(fold_bn(conv, bn), self.storage, self.keep)]
+        if act is not None:
+            layers.append(self.act(act))
+        return layers
 
 
 def leanify_full(net: nn.Module, *, storage: str = "exact", keep: float = DEFAULT_KEEP) -> nn.Module:
     """Convert a built EdgeNet whose convs all train (mode full) to lean full fine-tuning, in place.
 
+    Each block becomes its lean form by the converter registered for its type
+    (``edgetl.models.lean.register_converter``, shared with the frozen lean backbone), built
+    from ``FullMake``'s layers.
+
     Raises:
         ConfigError: an unknown storage, a fraction outside (0, 1], a side network (mode
-            full trains the backbone itself), or a layer with no lean form.
+            full trains the backbone itself), or a block or activation with no lean form.
     """
-    from torchvision.models.mobilenetv2 import InvertedResidual
-
     check_storage(storage, keep)
     if net.side is not None:
         raise ConfigError("lean full fine-tuning trains the backbone itself; a network with a side network "
                           "cannot use it (allowed modes: full)")
+    make = FullMake(storage, keep)
     features = net.features
     for i, block in enumerate(features):
-        if isinstance(block, InvertedResidual):
-            layers = list(block.conv)
-            new = [_full_cna(layer, storage, keep) for layer in layers[:-2]]
-            project, project_bn = layers[-2], layers[-1]
-            if not (isinstance(project, nn.Conv2d) and isinstance(project_bn, nn.BatchNorm2d)):
-                raise ConfigError(f"features[{i}] is not a torchvision InvertedResidual layout")
-            new.append(stored_conv(fold_bn(project, project_bn), storage, keep))
-            block.conv = nn.Sequential(*new)
-        elif isinstance(block, nn.Sequential) and isinstance(block[0], nn.Conv2d):
-            features[i] = _full_cna(block, storage, keep)
-        else:
-            raise ConfigError(f"features[{i}] ({type(block).__name__}) has no lean replacement")
+        features[i] = lean_block(block, make, f"features[{i}]")
     net.pool = LeanGlobalAvgPool(torch.float32)
     net.input_dtype = torch.float32
     return net

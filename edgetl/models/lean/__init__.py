@@ -1,4 +1,4 @@
-"""Lean runtime layers: stock conv/BN/ReLU6 modules in, modules that save only what backward needs out.
+"""Lean runtime layers: stock conv/BN/ReLU(6)/max-pool modules and blocks in, modules that save only what backward needs out.
 
 DESIGN 4. Every layer here is a ``torch.autograd.Function`` whose forward is exact and
 whose saved-for-backward tensors are chosen by hand:
@@ -8,8 +8,13 @@ whose saved-for-backward tensors are chosen by hand:
                         pool less or not at all (effective_pool)
     LeanAvgPool2d       nothing (only the input shape)
     LeanGlobalAvgPool   nothing
-    FrozenConvBNAct     fold / eval BN: a 1-bit ReLU6 mask (nothing without activation);
-                        batch BN in training: the conv output + per-channel mean, invstd
+    FrozenConvBNAct     fold / eval BN: a 1-bit ReLU6 / ReLU mask (nothing without
+                        activation); batch BN in training: the conv output + per-channel
+                        mean, invstd
+    LeanReLU            a 1-bit mask (in place on a tensor nothing else saved)
+    LeanMaxPool2d       each output's offset in its window: 4 bits (3x3), two a byte
+    LeanResidualBlock   nothing itself (its convs and activation keep what they keep; the
+                        in-place add saves nothing)
     LeanSideTail        BN1's input + per-channel batch stats (conv2's input, the ReLU
                         mask and BN2's input are recomputed in backward)
 
@@ -36,18 +41,34 @@ Rooms, by concern (import from this package; the submodules are its layout):
     pooling       pooling that saves nothing: LeanAvgPool2d, InputNorm, ImagePool,
                   LeanGlobalAvgPool
     frozen        FrozenConvBNAct, its autograd Function, int8 weights and mask helpers
-    leanify       leanify_backbone: a built EdgeNet's frozen features to lean layers
+    act           LeanReLU (LeanReLU6): masked ReLU in place
+    maxpool       LeanMaxPool2d
+    residual      LeanResidualBlock (torchvision BasicBlock / Bottleneck in lean form)
+    leanify       converters by block type (``register_converter``) and leanify_backbone:
+                  a built EdgeNet's frozen features to lean layers
     saved         measuring: count_saved_bytes
 """
 
+from edgetl.models.lean.act import LeanReLU, LeanReLU6
 from edgetl.models.lean.frozen import (
+    ACT_UPPER,
     DEQUANT_CHUNK,
     FrozenConvBNAct,
+    check_act,
     mask_backward_per_sample,
     mask_forward_chunked,
     quantize_int8,
 )
-from edgetl.models.lean.leanify import ACT_DTYPES, BN_MODES, WEIGHT_DTYPES, check_act_dtype, leanify_backbone
+from edgetl.models.lean.leanify import (
+    ACT_DTYPES,
+    BN_MODES,
+    WEIGHT_DTYPES,
+    LeanMake,
+    check_act_dtype,
+    lean_block,
+    leanify_backbone,
+    register_converter,
+)
 from edgetl.models.lean.masks import (
     mask_bytes,
     pack_mask,
@@ -66,15 +87,17 @@ from edgetl.models.lean.pooled_conv import (
     pool_for_save,
     pooled_grad_weight,
 )
+from edgetl.models.lean.maxpool import LeanMaxPool2d
 from edgetl.models.lean.pooling import ImagePool, InputNorm, LeanAvgPool2d, LeanGlobalAvgPool, by_micro_batch
+from edgetl.models.lean.residual import LeanResidualBlock
 from edgetl.models.lean.saved import SavedBytes, count_saved_bytes
 
-# private helpers that edgetl.models.lean_full and lean_side import from here
-from edgetl.models.lean.frozen import _relu6_mask, _sample_aligned
+# a private helper that edgetl.models.lean_side imports from here
 from edgetl.models.lean.pooled_conv import _check_pool
 
 __all__ = [
     "ACT_DTYPES",
+    "ACT_UPPER",
     "BN_MODES",
     "DEQUANT_CHUNK",
     "FrozenConvBNAct",
@@ -82,17 +105,24 @@ __all__ = [
     "InputNorm",
     "LeanAvgPool2d",
     "LeanGlobalAvgPool",
+    "LeanMake",
+    "LeanMaxPool2d",
+    "LeanReLU",
+    "LeanReLU6",
+    "LeanResidualBlock",
     "MIN_POOLED_SIDE",
     "POOLS",
     "PooledConv2d",
     "SavedBytes",
     "WEIGHT_DTYPES",
     "by_micro_batch",
+    "check_act",
     "check_act_dtype",
     "count_saved_bytes",
     "effective_pool",
     "grad_weight_cosine",
     "inflate_saved",
+    "lean_block",
     "leanify_backbone",
     "mask_backward_per_sample",
     "mask_bytes",
@@ -102,6 +132,7 @@ __all__ = [
     "pool_for_save",
     "pooled_grad_weight",
     "quantize_int8",
+    "register_converter",
     "unpack_as",
     "unpack_mask",
     "unpack_table",

@@ -1,5 +1,5 @@
-"""Frozen backbone layer: a frozen conv + BN (+ ReLU6) in, a FrozenConvBNAct that keeps no input out
-(a 1-bit ReLU6 mask, or the conv output under batch BN), with its autograd Function and mask helpers."""
+"""Frozen backbone layer: a frozen conv + BN (+ ReLU6 or ReLU) in, a FrozenConvBNAct that keeps no input out
+(a 1-bit activation mask, or the conv output under batch BN), with its autograd Function and mask helpers."""
 
 from __future__ import annotations
 
@@ -37,27 +37,44 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+# activation kinds of the lean layers -> the clamp's upper bound (None: ReLU, no upper bound)
+ACT_UPPER: dict[str, float | None] = {"relu6": 6.0, "relu": None}
+
+
+def check_act(act: str | bool | None) -> str | None:
+    """An activation kind of ``ACT_UPPER``, or None; True is the old spelling of "relu6" (and
+    False of None). Anything else is a one-line ConfigError naming it."""
+    if act is True:
+        return "relu6"
+    if act is False or act is None:
+        return None
+    if act not in ACT_UPPER:
+        raise ConfigError(f"the lean layers have no activation {act!r}; allowed: {', '.join(ACT_UPPER)}, None")
+    return act
+
+
 def _bn_scale(bn: nn.BatchNorm2d) -> torch.Tensor:
     return bn.weight.detach().float() * torch.rsqrt(bn.running_var.float() + bn.eps)
 
 
 class FrozenConvBNAct(nn.Module):
-    """A frozen conv (+ BN, + optional ReLU6) that never saves its input.
+    """A frozen conv (+ BN, + optional ReLU6 or ReLU: ``act``) that never saves its input.
 
     grad_input comes from the weight alone (``conv2d_input``). With ``bn="fold"`` the BN
     (eval statistics) is folded into the conv's weight and bias and the only thing saved
-    is a 1-bit ReLU6 mask. With ``bn="batch"`` the BN uses batch statistics in training
-    (and updates its running statistics), which forces keeping the conv output (BN's
-    backward needs it) plus per-channel mean and invstd; the ReLU6 mask is recomputed from
-    them. The frozen weight is stored as fp32, fp16 or per-output-channel int8 and
-    dequantised per call into the activation dtype (a large 1x1 weight a chunk at a time,
-    ``chunked``, unless the schedule allows it whole). The only trainable parameter allowed
-    is ``bias`` (the BN beta, folded or not), for the "repnet+bias" mode.
+    is a 1-bit activation mask (0 < y < 6 for "relu6", y > 0 for "relu"). With
+    ``bn="batch"`` the BN uses batch statistics in training (and updates its running
+    statistics), which forces keeping the conv output (BN's backward needs it) plus
+    per-channel mean and invstd; the activation mask is recomputed from them. The frozen
+    weight is stored as fp32, fp16 or per-output-channel int8 and dequantised per call into
+    the activation dtype (a large 1x1 weight a chunk at a time, ``chunked``, unless the
+    schedule allows it whole). The only trainable parameter allowed is ``bias`` (the BN
+    beta, folded or not), for the "repnet+bias" mode.
     """
 
     # set on a meta copy that is only traced forward, never backward (``mark_shapes_only``):
     # only the conv runs (one conv even where it is chunked), since only the output's shape is
-    # read; BN, ReLU6 (both in place) and the mask (a large batch's masks, sample by sample,
+    # read; BN, the activation (both in place) and the mask (a large batch's masks, sample by sample,
     # cost minutes on meta) are skipped
     shapes_only = False
 
@@ -65,7 +82,7 @@ class FrozenConvBNAct(nn.Module):
         self,
         conv: nn.Conv2d,
         bn: nn.BatchNorm2d,
-        act: bool,
+        act: str | bool | None,
         *,
         bn_mode: str = "fold",
         weight_dtype: torch.dtype = torch.float32,
@@ -83,12 +100,13 @@ class FrozenConvBNAct(nn.Module):
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
         self.kernel_size = conv.kernel_size
         self.pointwise = conv.groups == 1 and _is_pointwise(conv.weight.shape, conv.stride, conv.padding, conv.dilation)
-        self.act = bool(act)
+        self.act = check_act(act)  # read by truth value where only "has an activation" matters
+        self.upper = ACT_UPPER[self.act] if self.act else None
         # output shapes whose masked backward runs on the whole batch at once (faster; one
         # masked copy of grad_output per sample more): set by
         # edgetl.memory.schedule.apply_schedule, where the step's peak allows it
         self.whole_batch_shapes: frozenset[tuple[int, ...]] = frozenset()
-        # output shape -> samples per chunk while the forward packs the ReLU6 mask (1 when
+        # output shape -> samples per chunk while the forward packs the activation mask (1 when
         # absent: the least memory, the most kernel launches); set by apply_schedule too
         self.mask_chunks: dict[tuple[int, ...], int] = {}
         # convert the stored weight whole per call (fewer, larger kernels) rather than a
@@ -231,7 +249,7 @@ class FrozenConvBNAct(nn.Module):
         return self.bn_mode == "batch" and self.training
 
     def mask_chunk(self, out_shape) -> int:
-        """Samples per chunk with which the forward packs this output shape's ReLU6 mask."""
+        """Samples per chunk with which the forward packs this output shape's activation mask."""
         shape = tuple(int(d) for d in out_shape)
         return max(1, min(self.mask_chunks.get(shape, 1), shape[0]))
 
@@ -260,7 +278,7 @@ class FrozenConvBNAct(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-            f"groups={self.groups}, act={'relu6' if self.act else None}, bn={self.bn_mode}, "
+            f"groups={self.groups}, act={self.act}, bn={self.bn_mode}, "
             f"weight={self.weight_dtype}, act_dtype={self.act_dtype}"
         )
 
@@ -281,7 +299,7 @@ class _FrozenConvFn(Function):
             w = m.dequantized_weight(act)
             y = F.conv2d(x.to(act), w, None, m.stride, m.padding, m.dilation, m.groups)
             del w
-        if m.shapes_only:  # a meta trace: the conv's output is all it reads (BN and ReLU6 are in place)
+        if m.shapes_only:  # a meta trace: the conv's output is all it reads (BN and the activation are in place)
             return y
         c = (1, -1, 1, 1)
         saved: tuple = ()
@@ -305,8 +323,11 @@ class _FrozenConvFn(Function):
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
         if m.act:
             if need and not saved:
-                saved = (_relu6_mask(y, m.mask_chunk(y.shape)),)
-            y.clamp_(0, 6)
+                saved = (_act_mask(y, m.mask_chunk(y.shape), m.upper),)
+            if m.upper is not None:
+                y.clamp_(0, m.upper)
+            else:
+                y.clamp_(min=0)
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
         ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
         ctx.save_for_backward(*saved)
@@ -329,7 +350,8 @@ class _FrozenConvFn(Function):
                 out.add_(shift.to(act).view(c))
                 del scale, shift
                 keep = out > 0
-                keep &= out < 6
+                if m.upper is not None:
+                    keep &= out < m.upper
                 del out
                 gy = keep.view(torch.uint8).to(act).mul_(gy)  # not gy * keep: see unpack_as
                 del keep
@@ -372,13 +394,15 @@ def _sample_aligned(shape) -> bool:
     return n > 1 and (_numel(shape) // n) % 8 == 0
 
 
-def _relu6_mask(y: torch.Tensor, chunk: int = 1) -> torch.Tensor:
-    """The packed mask of 0 < y < 6, built ``chunk`` samples at a time when the bytes align
-    (the byte-per-element comparisons of a whole batch would sit next to y; chunks of
-    several samples launch fewer kernels where the step's peak allows them, issue #17)."""
+def _act_mask(y: torch.Tensor, chunk: int = 1, upper: float | None = 6.0) -> torch.Tensor:
+    """The packed mask of 0 < y < upper (of y > 0 when ``upper`` is None: ReLU), built
+    ``chunk`` samples at a time when the bytes align (the byte-per-element comparisons of a
+    whole batch would sit next to y; chunks of several samples launch fewer kernels where
+    the step's peak allows them, issue #17)."""
     if not _sample_aligned(y.shape):
         mask = y > 0
-        mask &= y < 6
+        if upper is not None:
+            mask &= y < upper
         return pack_mask_(mask)
     n = y.shape[0]
     step = y.numel() // n // 8
@@ -386,14 +410,15 @@ def _relu6_mask(y: torch.Tensor, chunk: int = 1) -> torch.Tensor:
     for i in repeated(range(0, n, chunk)):
         part = y[i : i + chunk]
         mask = part > 0
-        mask &= part < 6
+        if upper is not None:
+            mask &= part < upper
         packed[i * step : (i + part.shape[0]) * step] = _fold_bits_(mask.reshape(-1).view(torch.uint8))
         del mask
     return packed
 
 
 def mask_forward_chunked(m: "FrozenConvBNAct", output_requires_grad: bool, out_shape) -> bool:
-    """Whether the forward packs this output's ReLU6 mask in chunks of samples (``mask_chunk``)."""
+    """Whether the forward packs this output's activation mask in chunks of samples (``mask_chunk``)."""
     return (m.act and output_requires_grad and not m._uses_batch_stats()
             and _sample_aligned(out_shape))
 

@@ -1,7 +1,11 @@
 """leanify_backbone: a built EdgeNet with frozen features in, the same network with lean frozen layers out
-(with the option tables it resolves and the activation dtype's capability check)."""
+(with the converters by block type it and lean full share, the option tables it resolves and the
+activation dtype's capability check)."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -9,8 +13,11 @@ from torch import nn
 from torch.nn.grad import conv2d_input
 
 from edgetl.errors import CapabilityError, ConfigError
-from edgetl.models.lean.frozen import FrozenConvBNAct
+from edgetl.models.lean.act import LeanReLU, LeanReLU6
+from edgetl.models.lean.frozen import ACT_UPPER, FrozenConvBNAct, check_act
+from edgetl.models.lean.maxpool import LeanMaxPool2d
 from edgetl.models.lean.pooling import LeanGlobalAvgPool
+from edgetl.models.lean.residual import LeanResidualBlock
 from edgetl.options import BN_MODES, FROZEN_WEIGHTS, PRECISIONS
 
 # the torch dtype of each option value (edgetl.options.FROZEN_WEIGHTS, PRECISIONS)
@@ -41,13 +48,147 @@ def _resolve(name_or_dtype, table: dict, what: str) -> torch.dtype:
     raise ConfigError(f"unknown {what} {name_or_dtype!r}; allowed: {', '.join(table)}")
 
 
-def _lean_cna(cna: nn.Sequential, **kw) -> nn.Sequential:
-    """torchvision Conv2dNormActivation (conv, BN, ReLU6) -> Sequential(FrozenConvBNAct)."""
-    conv, bn = cna[0], cna[1]
-    act = len(cna) > 2
-    if act and not isinstance(cna[2], nn.ReLU6):
-        raise ConfigError(f"lean backbone supports ReLU6 activations only, found {type(cna[2]).__name__}")
-    return nn.Sequential(FrozenConvBNAct(conv, bn, act, **kw))
+# ----------------------------------------------------------------------------- converters by block type
+
+
+class LeanMake:
+    """How a stock piece becomes lean, as a converter asks for it: ``leanify_backbone`` passes
+    one that builds frozen layers (``FrozenConvBNAct``), ``edgetl.models.lean_full.leanify_full``
+    one that builds trainable ones (a BN-folded stored conv and a ``LeanReLU``)."""
+
+    def conv_bn(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: str | None) -> list[nn.Module]:
+        """A conv, the BN after it and an activation kind (``ACT_UPPER``; None: none) as lean layers."""
+        raise NotImplementedError
+
+    def act(self, kind: str) -> nn.Module:
+        """An activation on its own (after a residual add): a masked ``LeanReLU`` in place."""
+        kind = check_act(kind)
+        return LeanReLU6() if kind == "relu6" else LeanReLU(ACT_UPPER[kind])
+
+    def max_pool(self, pool: nn.MaxPool2d) -> nn.Module:
+        return LeanMaxPool2d.from_pool(pool)
+
+
+class FrozenMake(LeanMake):
+    """Frozen lean layers: each conv + BN (+ activation) one ``FrozenConvBNAct``."""
+
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def conv_bn(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: str | None) -> list[nn.Module]:
+        return [FrozenConvBNAct(conv, bn, act, **self.kw)]
+
+
+Converter = Callable[[nn.Module, LeanMake, str], nn.Module]
+_CONVERTERS: dict[type, Converter] = {}
+_BUILTINS_LOADED = False
+
+
+def register_converter(block_type: type, converter: Converter) -> None:
+    """Make blocks of ``block_type`` (and its subclasses) convertible: ``converter(block, make,
+    where)`` returns the block's lean form, built through ``make`` (frozen or full alike);
+    ``where`` names the block in errors ("features[3]"). A later registration for the same
+    type replaces the earlier one (MobileNetV3 and EfficientNet blocks plug in here)."""
+    _CONVERTERS[block_type] = converter
+
+
+_ACT_KINDS = {nn.ReLU6: "relu6", nn.ReLU: "relu"}
+
+
+def act_kind(module: nn.Module, where: str) -> str:
+    """The lean activation kind of a stock activation module; a one-line ConfigError naming
+    any other (a smooth activation needs saving or recomputing, not a mask)."""
+    kind = _ACT_KINDS.get(type(module))
+    if kind is None:
+        raise ConfigError(f"the lean layers have no form of activation {type(module).__name__} ({where}); "
+                          f"supported: {', '.join(t.__name__ for t in _ACT_KINDS)}")
+    return kind
+
+
+def _one(parts: list[nn.Module]) -> nn.Module:
+    return parts[0] if len(parts) == 1 else nn.Sequential(*parts)
+
+
+def lean_layers(layers: list[nn.Module], make: LeanMake, where: str) -> list[nn.Module]:
+    """A run of stock layers (conv, BN[, activation] triples and max pools, as a torchvision
+    Conv2dNormActivation, ResNet's stem or a downsample holds them) as lean layers."""
+    out: list[nn.Module] = []
+    i = 0
+    while i < len(layers):
+        layer = layers[i]
+        if isinstance(layer, nn.Conv2d) and i + 1 < len(layers) and isinstance(layers[i + 1], nn.BatchNorm2d):
+            j, act = i + 2, None
+            if j < len(layers) and not isinstance(layers[j], (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d)):
+                act, j = act_kind(layers[j], f"{where}.{j}"), j + 1
+            out += make.conv_bn(layer, layers[i + 1], act)
+            i = j
+        elif isinstance(layer, nn.MaxPool2d):
+            out.append(make.max_pool(layer))
+            i += 1
+        else:
+            raise ConfigError(f"{where}.{i} ({type(layer).__name__}) has no lean form; "
+                              "expected conv + BN [+ activation] or a max pool")
+    return out
+
+
+def _sequential(block: nn.Sequential, make: LeanMake, where: str) -> nn.Module:
+    return nn.Sequential(*lean_layers(list(block), make, where))
+
+
+def _inverted_residual(block: nn.Module, make: LeanMake, where: str) -> nn.Module:
+    """torchvision's MobileNetV2 InvertedResidual, kept as the same object (its skip add saves
+    nothing): ``block.conv`` becomes ``Sequential(Sequential(lean conv-BN-act), ..., lean
+    project conv)``, the module tree (and the conv names schedules store) of before."""
+    layers = list(block.conv)
+    project, project_bn = layers[-2], layers[-1]
+    if not (isinstance(project, nn.Conv2d) and isinstance(project_bn, nn.BatchNorm2d)
+            and all(isinstance(layer, nn.Sequential) for layer in layers[:-2])):
+        raise ConfigError(f"{where} is not a torchvision InvertedResidual layout")
+    new = [_sequential(layer, make, f"{where}.conv.{j}") for j, layer in enumerate(layers[:-2])]
+    new += make.conv_bn(project, project_bn, None)
+    block.conv = nn.Sequential(*new)
+    return block
+
+
+def _resnet_block(block: nn.Module, make: LeanMake, where: str) -> nn.Module:
+    """torchvision's BasicBlock / Bottleneck as a ``LeanResidualBlock``: conv{k} + bn{k} with the
+    block's activation on every conv but the last, the downsample's conv + BN, the activation
+    after the add."""
+    names = [n for n in ("conv1", "conv2", "conv3") if hasattr(block, n)]
+    act = act_kind(block.relu, f"{where}.relu")
+    body = OrderedDict(
+        (name, _one(make.conv_bn(getattr(block, name), getattr(block, f"bn{k}"), act if k < len(names) else None)))
+        for k, name in enumerate(names, 1))
+    shortcut = None
+    if block.downsample is not None:
+        shortcut = _one(lean_layers(list(block.downsample), make, f"{where}.downsample"))
+    return LeanResidualBlock(nn.Sequential(body), shortcut, make.act(act))
+
+
+def _load_builtins() -> None:
+    """Register torchvision's blocks (imported here, not when edgetl is)."""
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    from torchvision.models.mobilenetv2 import InvertedResidual
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    for kind, converter in ((nn.Sequential, _sequential), (InvertedResidual, _inverted_residual),
+                            (BasicBlock, _resnet_block), (Bottleneck, _resnet_block)):
+        _CONVERTERS.setdefault(kind, converter)
+    _BUILTINS_LOADED = True
+
+
+def lean_block(block: nn.Module, make: LeanMake, where: str) -> nn.Module:
+    """``block``'s lean form by the converter registered for its type (the nearest in its MRO);
+    a block of no registered type is a one-line ConfigError naming it."""
+    _load_builtins()
+    for kind in type(block).__mro__:
+        converter = _CONVERTERS.get(kind)
+        if converter is not None:
+            return converter(block, make, where)
+    raise ConfigError(f"{where} ({type(block).__name__}) has no lean replacement; registered block types: "
+                      f"{', '.join(sorted(t.__name__ for t in _CONVERTERS))}")
 
 
 def leanify_backbone(
@@ -59,9 +200,12 @@ def leanify_backbone(
 ) -> nn.Module:
     """Convert a built EdgeNet's frozen features to lean layers, in place; returns ``net``.
 
-    Each torchvision Conv2dNormActivation becomes ``Sequential(FrozenConvBNAct)`` and each
-    project conv + BN a ``FrozenConvBNAct`` without activation, so block indices, the
-    InvertedResidual skip adds (which save nothing) and the side taps are unchanged.
+    Each block becomes its lean form by the converter registered for its type
+    (``register_converter``): a torchvision Conv2dNormActivation ``Sequential(FrozenConvBNAct)``,
+    an InvertedResidual's project conv + BN a ``FrozenConvBNAct`` without activation, a
+    BasicBlock / Bottleneck a ``LeanResidualBlock``, ResNet's stem ``Sequential(FrozenConvBNAct,
+    LeanMaxPool2d)``; block indices, the skip adds (which save nothing) and the side taps are
+    unchanged.
     ``net.pool`` becomes a ``LeanGlobalAvgPool`` returning fp32 (stock adaptive pooling
     saves its input). The side network and classifier are not touched; with
     ``act_dtype`` other than fp32 the side modules must be lean ones (they cast their
@@ -76,10 +220,9 @@ def leanify_backbone(
 
     Raises:
         CapabilityError: the activation dtype's convolutions do not run on this device.
-        ConfigError: an unknown option, or trainable conv weights / BN scales.
+        ConfigError: an unknown option, trainable conv weights / BN scales, or a block or
+            activation with no lean form.
     """
-    from torchvision.models.mobilenetv2 import InvertedResidual
-
     if bn not in BN_MODES:
         raise ConfigError(f"unknown bn mode {bn!r}; allowed: {', '.join(BN_MODES)}")
     wdt = _resolve(weight_dtype, WEIGHT_DTYPES, "weight_dtype")
@@ -93,21 +236,10 @@ def leanify_backbone(
                 "act_dtype other than fp32 needs lean side modules: convert with "
                 "edgetl.models.lean_side.lean_side_from_stock first"
             )
-    kw = dict(bn_mode=bn, weight_dtype=wdt, act_dtype=adt)
+    make = FrozenMake(bn_mode=bn, weight_dtype=wdt, act_dtype=adt)
     features = net.features
     for i, block in enumerate(features):
-        if isinstance(block, InvertedResidual):
-            layers = list(block.conv)
-            new = [_lean_cna(layer, **kw) if isinstance(layer, nn.Sequential) else layer for layer in layers[:-2]]
-            project, project_bn = layers[-2], layers[-1]
-            if not (isinstance(project, nn.Conv2d) and isinstance(project_bn, nn.BatchNorm2d)):
-                raise ConfigError(f"features[{i}] is not a torchvision InvertedResidual layout")
-            new.append(FrozenConvBNAct(project, project_bn, False, **kw))
-            block.conv = nn.Sequential(*new)
-        elif isinstance(block, nn.Sequential) and isinstance(block[0], nn.Conv2d):
-            features[i] = _lean_cna(block, **kw)
-        else:
-            raise ConfigError(f"features[{i}] ({type(block).__name__}) has no lean replacement")
+        features[i] = lean_block(block, make, f"features[{i}]")
     net.pool = LeanGlobalAvgPool(torch.float32)
     side = net.side
     if side is not None:
