@@ -54,7 +54,8 @@ def _no_pruning(features, block, channels):
 
 TINY_RESNET = archs.register(archs.Architecture(
     name="tiny_resnet_lean_test", title="TinyResNet", build=_tiny_resnet, prunable=range(1, 5),
-    hidden_conv=lambda features, block: features[block].conv1, set_hidden=_no_pruning, taps=(1, 3),
+    hidden=lambda block: (archs.Hidden(f"{block}.conv1", f"{block}.bn1", "relu"),), set_hidden=_no_pruning,
+    taps=(1, 3),
     width_multiplier=False, has_skip=lambda block: isinstance(block, (BasicBlock, Bottleneck, LeanResidualBlock)),
 ))
 SPEC = BackboneSpec(arch=TINY_RESNET.name, num_classes=3)
