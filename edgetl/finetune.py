@@ -78,8 +78,9 @@ def build_model(recipe: Recipe, num_classes: int, device: torch.device | str = "
     """The stock network to fine-tune: backbone, new classifier, side network.
 
     The backbone is what ``backbone_ref`` names: a backbone folder, a torchvision weights
-    name (ImageNet by default; ``mobilenet_v2:random`` at ``model.width`` only when asked
-    for), or a torchvision state_dict file. Its classifier is replaced by a new one with
+    name or architecture (MobileNetV2's ImageNet weights by default; ``mobilenet_v2:random``
+    at ``model.width`` only when asked for; ``resnet18``, ``resnet50:IMAGENET1K_V2``, ...), or a
+    torchvision state_dict file of a registered architecture. Its classifier is replaced by a new one with
     ``num_classes`` outputs.
     """
     from edgetl.models.backbone import open_backbone

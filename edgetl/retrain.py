@@ -100,7 +100,17 @@ log = logging.getLogger(__name__)
 
 RETRAIN_FORMAT = "edgetl-retrain/1"
 RETRAIN_FILE = "retrain.json"
-STOCK = "mobilenet_v2"
+STOCK = "mobilenet_v2"  # the default architecture; any bare architecture name means random init here
+
+
+def _stock_arch(backbone) -> str | None:
+    """The architecture a bare name ("mobilenet_v2", "resnet18") or None starts from at random
+    init (pretraining from scratch); None for anything else."""
+    import edgetl.models.archs as archs
+
+    if backbone is None:
+        return STOCK
+    return str(backbone) if str(backbone) in archs.registered() else None
 # Files a retrain run folder may hold; the atomic writers' leftovers are ".<name>.*.tmp".
 RUN_FILES = ("recipe.yaml", "metrics.csv", "metrics.jsonl", "last.pt", "best.pt",
              RETRAIN_FILE, SPEC_FILE, WEIGHTS_FILE, ".edgetl-files", ".edgetl.lock")
@@ -165,8 +175,9 @@ def load_student(
     Args:
         backbone: a backbone folder (from ``edgetl prune`` or ``edgetl retrain``), a
             torchvision weights name ("mobilenet_v2:IMAGENET1K_V1", "mobilenet_v2:random"), or
-            None / "mobilenet_v2" for torchvision's MobileNetV2 (random init unless ``weights``).
-        weights: a local torchvision MobileNetV2 state_dict file (``weights_only=True``).
+            None / an architecture name ("mobilenet_v2", "resnet18") for that torchvision
+            network at random init (unless ``weights``: pretraining starts from scratch).
+        weights: a local torchvision state_dict file of that architecture (``weights_only=True``).
         width: width multiplier of the stock network.
         num_classes: classes of the training data; a classifier with another count is
             replaced by a new one (e.g. an ImageNet-pruned backbone retrained on 10 classes).
@@ -175,14 +186,15 @@ def load_student(
     from edgetl.models.backbone import is_weights_name
     from edgetl.prune import load_input
 
-    if is_weights_name(backbone):
+    stock = _stock_arch(backbone)
+    if stock is None and is_weights_name(backbone):
         if weights is not None:
-            raise ConfigError(f"--weights is a state_dict file for --backbone mobilenet_v2; {backbone} names its own")
+            raise ConfigError(f"--weights is a state_dict file for a bare architecture name (--backbone mobilenet_v2, resnet18, ...); {backbone} names its own")
         net, found = load_input(checkpoint=backbone, width=width, seed=seed)
         source = {"backbone": str(backbone), **found, "description": found["source"]}
-    elif backbone is not None and str(backbone) != STOCK:
+    elif stock is None:
         if weights is not None:
-            raise ConfigError("--weights is for --backbone mobilenet_v2; a backbone folder has its own weights")
+            raise ConfigError("--weights is for a bare architecture name (--backbone mobilenet_v2, resnet18, ...); a backbone folder has its own weights")
         net, found = load_input(checkpoint=backbone)
         source = {"backbone": str(backbone), "description": f"backbone folder {backbone}",
                   "arch": found["arch"], "width": found["width"]}
@@ -191,12 +203,15 @@ def load_student(
             if key in info:
                 source[key] = info[key]
     else:
-        net, found = load_input(weights=weights, width=width, seed=seed)
-        source = {"backbone": STOCK, "description": found["source"], "arch": found["arch"],
+        net, found = load_input(checkpoint=None if weights is not None else f"{stock}:random",
+                                weights=weights, width=width, seed=seed)
+        if found["arch"] != stock:
+            raise ConfigError(f"--weights {weights} holds a {found['arch']} state_dict, not {stock}")
+        source = {"backbone": stock, "description": found["source"], "arch": found["arch"],
                   "width": found["width"], "weights": str(weights) if weights is not None else None}
     # A random classifier is replaced too, but only a trained one is worth reporting.
     new_head = net.spec.num_classes != num_classes
-    trained = (backbone is not None and str(backbone) != STOCK and not str(backbone).endswith(":random")
+    trained = (stock is None and not str(backbone).endswith(":random")
                or weights is not None)
     if new_head:
         log.info("new classifier: %d -> %d classes", net.spec.num_classes, num_classes)
@@ -333,7 +348,7 @@ def retrain(
         raise ConfigError("model.uint8_input is for finetune's lean runtime; retrain trains stock modules on the "
                           "normalised float batch (allowed here: false)")
     if recipe.model.backbone is not None and weights is not None:
-        raise ConfigError("--weights is for --backbone mobilenet_v2; a backbone folder has its own weights")
+        raise ConfigError("--weights is for a bare architecture name (--backbone mobilenet_v2, resnet18, ...); a backbone folder has its own weights")
     _check_out_dir(out_dir, resume)
 
     device = T.setup_distributed(device)

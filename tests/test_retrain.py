@@ -377,7 +377,7 @@ def test_bad_input_is_one_line_exit_2(toy, pruned, tmp_path, capsys):
     for args, message in [
         ([*TOY_ARGS, "--data", str(toy), "-o", str(tmp_path / "r8")], "give --backbone"),
         (["--backbone", str(pruned), "--weights", "x.pth", "--data", str(toy), *TOY_ARGS, "-o", str(tmp_path / "r9")],
-         "--weights is for --backbone mobilenet_v2"),
+         "--weights is for a bare architecture name"),
         (["--backbone", str(pruned), "--width", "0.5", "--data", str(toy), *TOY_ARGS, "-o", str(tmp_path / "r10")],
          "--width is for --backbone mobilenet_v2"),
         (["--backbone", str(pruned), "--data", str(toy), *TOY_ARGS, "--set", "model.mode=repnet",

@@ -19,6 +19,7 @@ from edgetl.cli._common import (
     torch_device,
 )
 from edgetl.errors import ConfigError
+import edgetl.models.archs as archs
 from edgetl.memory.report import MemoryReport
 from edgetl.options import MODES, RUNTIMES, LeanOptions, add_option_flags
 
@@ -53,12 +54,12 @@ def add_parser(sub) -> None:
     backbone = p.add_mutually_exclusive_group()
     backbone.add_argument("--backbone", metavar="DIR|NAME",
                           help="backbone folder (edgetl prune / retrain output) or torchvision weights name "
-                               "(mobilenet_v2:IMAGENET1K_V1, mobilenet_v2:IMAGENET1K_V2, mobilenet_v2:random); "
-                               "default: mobilenet_v2:IMAGENET1K_V1 from the torch cache (downloaded once "
-                               "where online)")
+                               "or architecture (mobilenet_v2:IMAGENET1K_V1, resnet18 = resnet18:IMAGENET1K_V1, "
+                               "resnet50:IMAGENET1K_V2, resnet34:random, ...); default: mobilenet_v2:IMAGENET1K_V1 "
+                               "from the torch cache (downloaded once where online)")
     backbone.add_argument("--weights", metavar="FILE",
-                          help="a local torchvision MobileNetV2 state_dict file (e.g. mobilenet_v2-b0353104.pth) "
-                               "instead of --backbone")
+                          help="a local torchvision state_dict file of a registered architecture (e.g. "
+                               "mobilenet_v2-b0353104.pth, resnet18-f37072fd.pth; recognised by its keys) instead of --backbone")
     p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
     p.add_argument("--plan", metavar="PLAN",
                    help="plan.yaml from edgetl plan: supplies --mode, --runtime, --storage, --pool, --precision, "
@@ -117,6 +118,10 @@ def check_planned(plan, recipe, where) -> None:
     have = backbone_spec(m.backbone, width=None if m.backbone and Path(m.backbone).is_dir() else m.width)
     name = m.backbone or "MobileNetV2 (model.width)"
     want = plan.spec
+    if have.arch != want.arch:
+        title = archs.get(want.arch).title
+        raise ConfigError(f"{where} was planned for {title}; the backbone {name} is {archs.get(have.arch).title}: "
+                          f"give --backbone {want.arch} (or a {title} folder or weights name)")
     if have.width != want.width:
         again = f"--backbone {m.backbone}" if m.backbone else f"--width {have.width:g}"
         raise ConfigError(f"{where} was planned for MobileNetV2 width {want.width:g}; the backbone {name} is "

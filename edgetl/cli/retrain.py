@@ -9,6 +9,7 @@ from pathlib import Path
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import fmt_image_check, given_path, positive_float, positive_int, print_table
 from edgetl.errors import ConfigError
+import edgetl.models.archs as archs
 from edgetl.recipe import apply_overrides, load_recipe, parse_override
 
 EPILOG = """\
@@ -57,12 +58,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--backbone", metavar="DIR|NAME",
                    help="backbone folder to retrain (from edgetl prune), a torchvision weights name "
-                        "(mobilenet_v2:IMAGENET1K_V1, mobilenet_v2:IMAGENET1K_V2), or mobilenet_v2 "
-                        "(= mobilenet_v2:random) to pretrain from scratch (required unless --resume)")
+                        "(mobilenet_v2:IMAGENET1K_V1, resnet18:IMAGENET1K_V1, ...), or a bare architecture "
+                        "(mobilenet_v2, resnet18, resnet34, resnet50: random init) to pretrain from scratch "
+                        "(required unless --resume)")
     p.add_argument("--width", type=positive_float, help="width multiplier for --backbone mobilenet_v2 "
                    "(default: the recipe's model.width)")
     p.add_argument("--weights", metavar="FILE",
-                   help="local torchvision MobileNetV2 state_dict to start --backbone mobilenet_v2 from")
+                   help="local torchvision state_dict to start a bare architecture (--backbone resnet18) from")
     p.add_argument("--data", metavar="ROOT", help="dataset folder: ROOT/train/<class>/*, ROOT/val/<class>/* "
                    "(sets data.root)")
     p.add_argument("--recipe", help="recipe YAML or bundled name (default: imagenet_retrain; with --resume: "
@@ -102,7 +104,7 @@ def resolve_recipe(args, device: str):
     if args.backbone is not None:
         overrides["model.backbone"] = None if args.backbone == "mobilenet_v2" else args.backbone
     if args.width is not None:
-        stock = args.backbone in (None, "mobilenet_v2") or str(args.backbone).endswith(":random")
+        stock = args.backbone is None or args.backbone in archs.registered() or str(args.backbone).endswith(":random")
         if not stock or (args.backbone is None and recipe.model.backbone):
             raise ConfigError("--width is for --backbone mobilenet_v2; a backbone folder has its own width")
         overrides["model.width"] = args.width
@@ -171,9 +173,10 @@ def run(args) -> int:
 
     if args.backbone is None and not args.resume:
         raise ConfigError("give --backbone DIR (a pruned backbone folder), --backbone mobilenet_v2:IMAGENET1K_V1 "
-                          "or --backbone mobilenet_v2 (random init)")
-    if args.weights is not None and args.backbone not in (None, "mobilenet_v2"):
-        raise ConfigError("--weights is for --backbone mobilenet_v2; a backbone folder has its own weights")
+                          "or --backbone mobilenet_v2 / resnet18 / ... (random init)")
+    if args.weights is not None and args.backbone is not None and args.backbone not in archs.registered():
+        raise ConfigError("--weights is for a bare architecture name (--backbone mobilenet_v2, resnet18, ...); "
+                          f"{args.backbone} has its own weights")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
