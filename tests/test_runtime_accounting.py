@@ -67,7 +67,7 @@ def test_each_rule_against_hand_count_and_meter(name):
     report = runtime_report(net, mode="full", resolution=RES, batch_size=2)
     # hand count: block 0 keeps exactly what the rule says; the head keeps the linear's input
     assert report.block(0).cugrd_bytes == stored
-    assert report.block(19).cugrd_bytes == stored + CH * F4
+    assert report.block(len(net.features)).cugrd_bytes == stored + CH * F4
     measured = measure_training_peak(net, resolution=RES, batch_size=2, steps=2)
     assert report.total_bytes == measured
 

@@ -76,16 +76,13 @@ def _tensors(args) -> list[torch.Tensor]:
 
 
 class _FlowRecorder(TorchFunctionMode):
-    """Records a meta forward as ops and values: leaf modules through their hooks, the
-    functions called between them (adds, views, casts) as a torch function mode."""
+    """Records a meta forward as ops and values: leaf modules as the tracer reports them (a
+    ``TraceObserver``), the functions called between them (adds, views, casts) as a torch
+    function mode."""
 
     def __init__(self, originals: dict[str, nn.Module]) -> None:
         super().__init__()
         self.originals = originals
-        # the trace of the same forward records each leaf just before this recorder's hook
-        # sees it (``trace_meta``'s hooks are registered first)
-        self.leaves: list[Leaf] = []
-        self.leaf_count = 0
         self.image = -1  # the batch's value id, once ``run`` has run
         self.values: list[Value] = []
         self.numbers: dict[int, int] = {}  # id of a live storage -> its number
@@ -96,8 +93,12 @@ class _FlowRecorder(TorchFunctionMode):
         self.ops: list[Op] = []
         self.stack: list[bool] = []  # per module call: a leaf call
         self.ignored: list[bool] = []  # per module call: inside a streamed segment (its own leaf)
-        self.busy = False  # inside a hook: its own tensor calls are no ops
+        self.busy = False  # inside ``leaf``: its own tensor calls are no ops
         self.leaf_depth = 0
+        # the leaf calls seen here, in the order they began, and how many the tracer reported:
+        # both views must agree on what one leaf call is
+        self.opened: list[nn.Module] = []
+        self.reported = 0
 
     def number(self, t: torch.Tensor) -> int:
         """The number of ``t``'s storage: a new one for a storage not seen yet, noted dead (in
@@ -130,40 +131,33 @@ class _FlowRecorder(TorchFunctionMode):
         self.latest[key] = len(self.values) - 1
         return len(self.values) - 1
 
-    def pre(self, name: str, is_leaf: bool):
-        """The forward pre-hook of module ``name``: opens its call."""
-        def hook(module, args):
-            self.ignored.append(bool(self.leaf_depth))
-            if self.ignored[-1]:
-                return
-            leaf = is_leaf and _leaf_now(module, _tensors(args))
-            self.stack.append(leaf)
-            if leaf:
-                self.leaf_depth += 1
+    def pre(self, module: nn.Module, args) -> None:
+        """Every module's forward pre-hook: opens its call (the torch functions a leaf calls
+        are inside it, no ops of their own)."""
+        self.ignored.append(bool(self.leaf_depth))
+        if self.ignored[-1]:
+            return
+        leaf = len(list(module.children())) == 0 and _leaf_now(module, _tensors(args))
+        self.stack.append(leaf)
+        if leaf:
+            self.leaf_depth += 1
+            self.opened.append(module)
 
-        return hook
+    def post(self, module: nn.Module, args, output) -> None:
+        """Every module's forward hook: closes its call."""
+        if self.ignored.pop():
+            return
+        if self.stack.pop():
+            self.leaf_depth -= 1
 
-    def post(self, name: str, is_leaf: bool):
-        """The forward hook of module ``name``: records a leaf's op."""
-        def hook(module, args, output):
-            if self.ignored.pop():
-                return
-            if self.stack.pop():
-                self.leaf_depth -= 1
-                self.busy = True
-                self.record_leaf(name, module, args, output)
-                self.busy = False
-
-        return hook
-
-    def record_leaf(self, name: str, module: nn.Module, args, output) -> None:
-        """The op of a leaf call; a leaf returning its input unchanged is an identity."""
-        if self.leaf_count >= len(self.leaves):
-            raise RuntimeError(f"trace order mismatch: {name} was not traced")
-        leaf = self.leaves[self.leaf_count]
-        self.leaf_count += 1
-        if leaf.name != name:
-            raise RuntimeError(f"trace order mismatch: {leaf.name} vs {name}")
+    def leaf(self, leaf: Leaf, module: nn.Module, args, output) -> None:
+        """The op of a leaf call the tracer has just recorded (``TraceObserver``); a leaf
+        returning its input unchanged is an identity."""
+        if self.reported >= len(self.opened) or self.opened[self.reported] is not module:
+            raise RuntimeError(f"trace order mismatch: {leaf.name} is not the next leaf call")
+        self.reported += 1
+        name = leaf.name
+        self.busy = True
         ins = [self.value_of(t) for t in _tensors(args)]
         if any(output is t for t in _tensors(args)) and not getattr(module, "inplace", False):
             self.latest[self.number(output)] = ins[0]  # identity (e.g. Resize to the same size)
@@ -172,6 +166,7 @@ class _FlowRecorder(TorchFunctionMode):
         else:
             self.ops.append(Op(name, leaf.block, leaf.part, ins, -1, self.originals[name], leaf))
             self.ops[-1].output = self.new_value(output, len(self.ops) - 1)
+        self.busy = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -189,12 +184,12 @@ class _FlowRecorder(TorchFunctionMode):
         return out
 
     def run(self, meta: EdgeNet, image_t: torch.Tensor) -> torch.Tensor:
-        """Run ``meta`` on the meta batch ``image_t`` under the hooks; returns the logits."""
+        """Run ``meta`` on the meta batch ``image_t`` under the hooks (``TraceObserver``);
+        returns the logits."""
         handles = []
-        for name, module in meta.named_modules():
-            is_leaf = len(list(module.children())) == 0
-            handles.append(module.register_forward_pre_hook(self.pre(name, is_leaf)))
-            handles.append(module.register_forward_hook(self.post(name, is_leaf)))
+        for module in meta.modules():
+            handles.append(module.register_forward_pre_hook(self.pre))
+            handles.append(module.register_forward_hook(self.post))
         try:
             self.image = self.value_of(image_t)
             with torch.no_grad(), self:
@@ -204,6 +199,8 @@ class _FlowRecorder(TorchFunctionMode):
                 h.remove()
             for fin in self.finalizers:
                 fin.detach()
+        if self.reported != len(self.opened):
+            raise RuntimeError(f"trace order mismatch: {len(self.opened) - self.reported} leaf calls not traced")
         # the logits: until the loss has them; anything else still alive, until forward returns
         for key in self.numbers.values():
             self.holds[key] = len(self.ops)
@@ -227,11 +224,10 @@ def _meta_copy(net: EdgeNet) -> EdgeNet:
 def trace_flow(net: EdgeNet, resolution: int, batch_size: int) -> Flow:
     """Trace ``net`` on meta, recording for each op which tensors it reads and writes and how
     long Python holds them: one meta forward, seen by the leaf trace (``trace_meta``) and the
-    flow recorder alike."""
+    flow recorder (its observer) alike."""
     meta = _meta_copy(net)
     recorder = _FlowRecorder(dict(net.named_modules()))
-    trace = trace_meta(meta, dict(meta.named_modules()), resolution, batch_size,
-                       leaves=recorder.leaves, run=recorder.run)
+    trace = trace_meta(meta, dict(meta.named_modules()), resolution, batch_size, observer=recorder)
     ops, values = recorder.ops, recorder.values
     _mark_requires_grad(ops, values)
     return Flow(ops, values, recorder.holds, recorder.image, trace.leaves)

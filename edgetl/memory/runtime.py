@@ -42,7 +42,8 @@ from edgetl.memory.report import BlockMemory, MemoryReport
 from edgetl.memory.leaf import function_cost, leaf_parameters
 from edgetl.memory.rules import layer_cost
 from edgetl.memory.step_cost import LossTrace, OptimizerCost, loss_trace, optimizer_cost
-from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
+import edgetl.models.archs as archs
+from edgetl.models.backbone import EdgeNet
 from edgetl.step import Step, resolve_step, set_train_mode
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class _Simulation:
     # gradient buffers alive; under DDP every gradient is a view into its buckets, which
     # exist from the wrap on (the trainable size; ``edgetl.step.ddp_wrap``)
     grad_bytes: int
+    head: int  # the head's block number (the backbone's block count)
     mem: _Memory = field(default_factory=_Memory)
     res: _Result = field(default_factory=_Result)
     py_held: set[object] = field(default_factory=set)  # storages Python still refers to
@@ -251,7 +253,7 @@ class _Simulation:
                 mem.saved_refs.pop(key, None)
                 mem.unref(key)
             elif event[0] == "op":
-                self.sample(f"{where} {event[1]}", HEAD_BLOCK, forward)
+                self.sample(f"{where} {event[1]}", self.head, forward)
 
     def loss_forward(self, batch_size: int, num_classes: int) -> None:
         """The loss's forward from the logits; then forward returns and Python lets go of
@@ -383,11 +385,12 @@ class _Simulation:
             mem.unref(k)
 
 
-def _simulate(flow: Flow, net: nn.Module, batch_size: int, num_classes: int, step: Step,
+def _simulate(flow: Flow, net: EdgeNet, batch_size: int, num_classes: int, step: Step,
               opt: OptimizerCost) -> _Result:
     """One training step of ``flow``'s network, storage by storage (see the module docstring)."""
     static, parts = _static_bytes(flow, net, batch_size, opt)
-    sim = _Simulation(flow, step, opt, static, parts, grad_bytes=parts["weights"] if step.ddp else 0)
+    sim = _Simulation(flow, step, opt, static, parts, grad_bytes=parts["weights"] if step.ddp else 0,
+                      head=len(net.features))
     sim.forward()
     sim.loss_forward(batch_size, num_classes)
     step_keys = sim.backward()
@@ -450,8 +453,9 @@ def runtime_report(net: EdgeNet, *, mode: str, resolution: int, batch_size: int,
     full = one
     if batch_size != 1:
         full = _simulate(trace_flow(net, resolution, batch_size), net, batch_size, num_classes, step, opt)
-    names = {HEAD_BLOCK: "head"}
-    names.update({i: f"features.{i}" for i in range(HEAD_BLOCK)})
+    arch = archs.get(net.spec.arch)
+    names = {len(net.features): "head"}
+    names.update({i: arch.block_name(i) for i in range(len(net.features))})
     blocks = [
         BlockMemory(index=b, name=names.get(b, str(b)), tmp_bytes=one.block_tmp[b],
                     cugrd_bytes=one.block_cugrd.get(b, one.saved_end_bytes), peak_bytes=one.block_peak[b])

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from edgetl.metaop import MetaMemo
-from edgetl.models.backbone import HEAD_BLOCK, EdgeNet
+import edgetl.models.archs as archs
+from edgetl.models.backbone import EdgeNet
 from edgetl.models.stream import mark_shapes_only
 
 KINDS = {
@@ -130,123 +132,154 @@ def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:
 
 
 def trace_meta(meta: EdgeNet, originals: dict[str, nn.Module], resolution: int, batch_size: int,
-               leaves: list[Leaf] | None = None, run=None) -> Trace:
-    """``trace_network`` of a meta copy made already (shapes only): its hooks are removed
-    again. ``originals``: the modules each leaf names, by name. ``leaves``: a list to fill as
-    the forward goes (an observer of the same forward reads it); ``run(meta, x)``: runs the
-    forward (default: under no_grad), for an observer that registers hooks of its own after
-    these, so a leaf is recorded here before the observer's forward hook sees it.
+               observer: TraceObserver | None = None) -> Trace:
+    """``trace_network`` of a meta copy made already (shapes only), by a ``MetaTracer`` whose
+    hooks are removed again. ``originals``: the modules each leaf names, by name."""
+    x = torch.empty(batch_size, 3, resolution, resolution, device="meta", dtype=meta.input_dtype)
+    with MetaTracer(meta, originals, observer) as tracer:
+        return tracer.run(x)
+
+
+class TraceObserver(Protocol):
+    """Another view of the forward a ``MetaTracer`` traces (``edgetl.memory.flow``'s recorder)."""
+
+    def run(self, meta: EdgeNet, x: torch.Tensor) -> torch.Tensor:
+        """Run ``meta`` on ``x`` (under whatever the observer needs); returns the logits."""
+
+    def leaf(self, leaf: Leaf, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        """A leaf call, just recorded by the tracer as ``leaf``; ``module`` is the meta module."""
+
+
+class MetaTracer:
+    """Records the leaf calls and blocks of one forward of a meta network through forward hooks.
+
+    A context manager: entering registers its bound-method hooks, leaving removes them. All
+    its state is its own (nothing is written onto the modules): ``context`` the open
+    (block, part) calls, ``leaves`` and ``blocks`` the records so far, ``_streaming`` which
+    open streamed segments stream at this call. A streamed segment that streams is one leaf
+    for the accounting: the blocks it runs are not seen.
+
+    Args:
+        meta: the network, on meta (shapes only).
+        originals: the modules each leaf names, by name.
+        observer: told of each leaf as it is recorded, and runs the forward (``TraceObserver``).
     """
-    leaves = leaves if leaves is not None else []
-    blocks: list[BlockInfo] = []
-    context: list[tuple[int, str]] = []
-    handles = []
-    # inside a streamed segment (one leaf for the accounting) its blocks are not seen
-    streaming = {"depth": 0}
 
-    def enter(index: int, part: str):
-        def hook(module, args):
-            if not streaming["depth"]:
-                context.append((index, part))
+    def __init__(self, meta: EdgeNet, originals: dict[str, nn.Module],
+                 observer: TraceObserver | None = None) -> None:
+        self.meta = meta
+        self.originals = originals
+        self.observer = observer
+        self.arch = archs.get(meta.spec.arch)
+        self.head = len(meta.features)  # the head's block number
+        self.context: list[tuple[int, str]] = []
+        self.leaves: list[Leaf] = []
+        self.blocks: list[BlockInfo] = []
+        self._streaming: dict[int, bool] = {}  # id(segment) -> streams at this call (open segments)
+        self._calls: dict[int, tuple[int, str, str | None]] = {}  # id -> block, part, name (None: no BlockInfo)
+        self._names: dict[int, str] = {}  # id(leaf module) -> its name
+        self._handles: list = []
 
-        return hook
+    def __enter__(self) -> MetaTracer:
+        meta = self.meta
+        for i, block in enumerate(meta.features):
+            self._watch(block, (i, "backbone", self.arch.block_name(i)))
+        if meta.side is not None:
+            for tap, module in zip(meta.side.taps, meta.side.blocks):
+                self._watch(module, (tap, "side", None))
+        segments = {id(s) for s in (meta.streams.values() if meta.streams is not None else ())}
+        for name, module in meta.named_modules():
+            if len(list(module.children())) == 0:
+                self._names[id(module)] = name
+                if id(module) in segments:
+                    self._hook(module, self._segment_enter, self._segment_leave)
+                else:
+                    self._handles.append(module.register_forward_hook(self._record))
+        return self
 
-    def leave(index: int, name: str, track: bool):
-        def hook(module, args, output):
-            if streaming["depth"]:
-                return
-            context.pop()
-            if track:
-                x = _first_tensor(args)
-                blocks.append(
-                    BlockInfo(
-                        index=index,
-                        name=name,
-                        in_shape=tuple(x.shape),
-                        out_shape=tuple(output.shape),
-                        has_skip=bool(getattr(module, "use_res_connect", False)),
-                    )
-                )
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
-        return hook
-
-    def record(name: str):
-        def hook(module, args, output):
-            if streaming["depth"] or not getattr(module, "_streamed", True):
-                return  # inside a streamed segment, or a segment that ran its blocks as they are
-            index, part = context[-1] if context else (HEAD_BLOCK, "head")
-            if getattr(module, "_streamed", False):  # its own context is closed by now
-                index, part = module.start, "backbone"
-            weight = getattr(module, "weight", None)
-            bias = getattr(module, "bias", None)
-            leaves.append(
-                Leaf(
-                    name=name,
-                    kind=leaf_kind(module),
-                    block=index,
-                    part=part,
-                    in_shape=tuple(_first_tensor(args).shape),
-                    out_shape=tuple(output.shape),
-                    groups=int(getattr(module, "groups", 1)),
-                    weight_trainable=isinstance(weight, torch.Tensor) and weight.requires_grad,
-                    bias_trainable=isinstance(bias, torch.Tensor) and bias.requires_grad,
-                    module=originals[name],
-                )
-            )
-
-        return hook
-
-    def stream_enter(segment, args):
-        if _first_tensor(args).shape[0] > segment.micro_batch:  # else it runs its blocks as they are
-            context.append((segment.start, "backbone"))
-            streaming["depth"] += 1
-            segment._traced = True
-
-    def stream_leave(segment, args, output):
-        segment._streamed = getattr(segment, "_traced", False)  # read by record, which runs next
-        if segment._streamed:
-            segment._traced = False
-            streaming["depth"] -= 1
-            context.pop()
-            blocks.append(BlockInfo(index=segment.start, name=f"features.{segment.start}:{segment.stop}",
-                                    in_shape=tuple(_first_tensor(args).shape),
-                                    out_shape=tuple(output.shape), has_skip=False))
-
-    for i, block in enumerate(meta.features):
-        handles.append(block.register_forward_pre_hook(enter(i, "backbone")))
-        handles.append(block.register_forward_hook(leave(i, f"features.{i}", True)))
-    if meta.side is not None:
-        for tap, module in zip(meta.side.taps, meta.side.blocks):
-            handles.append(module.register_forward_pre_hook(enter(tap, "side")))
-            handles.append(module.register_forward_hook(leave(tap, "side", False)))
-    for segment in (meta.streams.values() if meta.streams is not None else ()):
-        handles.append(segment.register_forward_pre_hook(stream_enter))
-        handles.append(segment.register_forward_hook(stream_leave))
-    for name, module in meta.named_modules():
-        if len(list(module.children())) == 0:
-            handles.append(module.register_forward_hook(record(name)))
-
-    x = torch.empty(batch_size, 3, resolution, resolution, device="meta",
-                    dtype=meta.input_dtype)
-    try:
+    def run(self, x: torch.Tensor) -> Trace:
+        """One forward of the meta network on ``x`` (under no_grad, or as the observer runs it)."""
         with MetaMemo():
-            if run is not None:
-                out = run(meta, x)
+            if self.observer is not None:
+                out = self.observer.run(self.meta, x)
             else:
                 with torch.no_grad():
-                    out = meta(x)
-    finally:
-        for h in handles:
-            h.remove()
-    blocks.append(
-        BlockInfo(
-            index=HEAD_BLOCK,
-            name="head",
-            in_shape=blocks[-1].out_shape,
-            out_shape=tuple(out.shape),
-            has_skip=False,
+                    out = self.meta(x)
+        self.blocks.append(BlockInfo(index=self.head, name="head", in_shape=self.blocks[-1].out_shape,
+                                     out_shape=tuple(out.shape), has_skip=False))
+        trainable = sum(p.numel() for p in self.meta.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.meta.parameters() if not p.requires_grad)
+        return Trace(self.leaves, self.blocks, tuple(x.shape), trainable, frozen)
+
+    def _hook(self, module: nn.Module, pre, post) -> None:
+        self._handles.append(module.register_forward_pre_hook(pre))
+        self._handles.append(module.register_forward_hook(post))
+
+    def _watch(self, module: nn.Module, call: tuple[int, str, str | None]) -> None:
+        self._calls[id(module)] = call
+        self._hook(module, self._enter, self._leave)
+
+    def _streamed_now(self) -> bool:
+        """Inside a streamed segment that streams: its blocks are not seen."""
+        return any(self._streaming.values())
+
+    # ---- hooks
+
+    def _enter(self, module: nn.Module, args) -> None:
+        if not self._streamed_now():
+            self.context.append(self._calls[id(module)][:2])
+
+    def _leave(self, module: nn.Module, args, output) -> None:
+        if self._streamed_now():
+            return
+        self.context.pop()
+        index, _, name = self._calls[id(module)]
+        if name is not None:
+            self.blocks.append(BlockInfo(index=index, name=name, in_shape=tuple(_first_tensor(args).shape),
+                                         out_shape=tuple(output.shape), has_skip=bool(self.arch.has_skip(module))))
+
+    def _segment_enter(self, segment: nn.Module, args) -> None:
+        # a segment at most its micro-batch long runs its blocks as they are (seen as blocks)
+        streams = _first_tensor(args).shape[0] > segment.micro_batch
+        self._streaming[id(segment)] = streams
+        if streams:
+            self.context.append((segment.start, "backbone"))
+
+    def _segment_leave(self, segment: nn.Module, args, output) -> None:
+        if not self._streaming.pop(id(segment)):
+            return
+        self.context.pop()
+        self.blocks.append(BlockInfo(index=segment.start, name=f"features.{segment.start}:{segment.stop}",
+                                     in_shape=tuple(_first_tensor(args).shape),
+                                     out_shape=tuple(output.shape), has_skip=False))
+        self._add(segment, args, output, segment.start, "backbone")
+
+    def _record(self, module: nn.Module, args, output) -> None:
+        if not self._streamed_now():
+            self._add(module, args, output, *(self.context[-1] if self.context else (self.head, "head")))
+
+    def _add(self, module: nn.Module, args, output, index: int, part: str) -> None:
+        """Record the leaf call of ``module`` in block ``index``, then tell the observer."""
+        name = self._names[id(module)]
+        weight = getattr(module, "weight", None)
+        bias = getattr(module, "bias", None)
+        leaf = Leaf(
+            name=name,
+            kind=leaf_kind(module),
+            block=index,
+            part=part,
+            in_shape=tuple(_first_tensor(args).shape),
+            out_shape=tuple(output.shape),
+            groups=int(getattr(module, "groups", 1)),
+            weight_trainable=isinstance(weight, torch.Tensor) and weight.requires_grad,
+            bias_trainable=isinstance(bias, torch.Tensor) and bias.requires_grad,
+            module=self.originals[name],
         )
-    )
-    trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in meta.parameters() if not p.requires_grad)
-    return Trace(leaves, blocks, tuple(x.shape), trainable, frozen)
+        self.leaves.append(leaf)
+        if self.observer is not None:
+            self.observer.leaf(leaf, module, args, output)
