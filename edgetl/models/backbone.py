@@ -22,7 +22,6 @@ from edgetl.errors import ConfigError, DataError
 from edgetl.io import load_state, load_torch_file
 import edgetl.models.archs as archs
 
-HEAD_BLOCK = 19  # MobileNetV2's head block (len(features)); the accounting's block numbering
 # The FMEC 2023 paper's pruning ratios, written once in the MobileNetV2 entry: prune, bench,
 # demo and the figure scripts read them here.
 PAPER_RATIOS = archs.MOBILENET_V2.paper_ratios
