@@ -107,19 +107,54 @@ def recipe_step(recipe: Recipe) -> Step:
     return Step.from_recipe(recipe, ddp=get_world_size() > 1)
 
 
-def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
-    """Runtime accounting (DESIGN 2b) of the training step ``finetune`` runs: the recipe's
-    loss and optimizer (``Step.from_recipe``), the lean runtime and its fitted schedule."""
-    from edgetl.memory.schedule import predict_step
+@dataclass
+class Job:
+    """One fine-tuning run, resolved once before it trains, and handed on as one object: what
+    the recipe asks for (its lean options and step, each computed here only), the stock network
+    (the export layout), the network that trains (lean where the options say, its schedule
+    applied), and the prediction of its step made with that same schedule.
+
+    Attributes:
+        recipe: the resolved recipe (written into the run folder).
+        options: the lean runtime's options; None where the mode runs on stock modules.
+        step: the loss and optimizer (``Step.from_recipe``; under DDP when torchrun started several).
+        stock: the stock network (backbone, new classifier, side network), on the CPU.
+        net: the network that trains: ``stock`` itself where ``options`` is None, else its lean copy.
+        schedule: the lean step's schedule, fitted once (``fit_schedule``) and applied to ``net``.
+        predicted: the runtime accounting of the step at the recipe's batch, on that schedule.
+    """
+
+    recipe: Recipe
+    options: LeanOptions | None
+    step: Step
+    stock: EdgeNet
+    net: EdgeNet
+    schedule: object | None  # edgetl.memory.schedule.Schedule
+    predicted: MemoryReport
+
+
+def _predict(net: EdgeNet, recipe: Recipe, options: LeanOptions | None, step: Step,
+             batch_size: int) -> tuple[MemoryReport, object | None]:
+    """Runtime accounting (DESIGN 2b) of the step on a meta copy of the stock ``net`` made lean
+    by ``options``, and the schedule fitted for it (None on stock modules)."""
+    from edgetl.memory.runtime import runtime_report
+    from edgetl.memory.schedule import apply_schedule, fit_schedule
 
     meta = copy.deepcopy(net).to("meta")
-    options = lean_options(recipe)
     if options is not None:
         make_lean(meta, options)
-    report = predict_step(meta, mode=recipe.model.mode, resolution=recipe.data.resolution,
-                          batch_size=batch_size, step=recipe_step(recipe))
+    resolution = recipe.data.resolution
+    schedule = fit_schedule(meta, resolution=resolution, batch_size=batch_size, step=step)
+    apply_schedule(meta, schedule)
+    report = runtime_report(meta, mode=recipe.model.mode, resolution=resolution, batch_size=batch_size, step=step)
     describe_runtime(report, meta, options)
-    return report
+    return report, schedule if options is not None else None
+
+
+def predict_peak(net: EdgeNet, recipe: Recipe, batch_size: int) -> MemoryReport:
+    """Runtime accounting (DESIGN 2b) of the training step ``finetune`` runs on the stock
+    ``net``: the recipe's loss and optimizer, the lean runtime and its fitted schedule."""
+    return _predict(net, recipe, lean_options(recipe), recipe_step(recipe), batch_size)[0]
 
 
 def largest_batch(net: EdgeNet, recipe: Recipe, budget_bytes: int, upper: int) -> int:
@@ -127,10 +162,34 @@ def largest_batch(net: EdgeNet, recipe: Recipe, budget_bytes: int, upper: int) -
     return search.largest_batch(lambda b: predict_peak(net, recipe, b).total_bytes, budget_bytes, upper)[0]
 
 
+def resolve_job(recipe: Recipe, num_classes: int, budget_bytes: int | None = None) -> Job:
+    """The run ``recipe`` asks for on ``num_classes`` classes: the stock network built (the
+    caller seeds first), the step predicted at the recipe's batch and refused (BudgetError)
+    beyond ``budget_bytes``, then the network that trains, made lean with the schedule the
+    prediction fitted."""
+    options, step = lean_options(recipe), recipe_step(recipe)
+    stock = build_model(recipe, num_classes, device="cpu")
+    predicted, schedule = _predict(stock, recipe, options, step, recipe.train.batch_size)
+    _check_budget(stock, recipe, predicted, budget_bytes)
+    net = stock
+    if options is not None:
+        from edgetl.memory.schedule import apply_schedule
+
+        net = copy.deepcopy(stock)
+        make_lean(net, options)
+        apply_schedule(net, schedule)
+    return Job(recipe, options, step, stock, net, schedule, predicted)
+
+
 def preflight(net: EdgeNet, recipe: Recipe, budget_bytes: int | None) -> MemoryReport:
     """Predict the peak of the requested batch; refuse (BudgetError) if it exceeds the budget."""
+    report = predict_peak(net, recipe, recipe.train.batch_size)
+    _check_budget(net, recipe, report, budget_bytes)
+    return report
+
+
+def _check_budget(net: EdgeNet, recipe: Recipe, report: MemoryReport, budget_bytes: int | None) -> None:
     batch = recipe.train.batch_size
-    report = predict_peak(net, recipe, batch)
     if budget_bytes is not None and report.total_bytes > budget_bytes:
         fits = largest_batch(net, recipe, budget_bytes, batch - 1)
         parts = ", ".join(f"{k} {v / MB:.1f}" for k, v in report.breakdown.items())
@@ -140,7 +199,6 @@ def preflight(net: EdgeNet, recipe: Recipe, budget_bytes: int | None) -> MemoryR
             f"predicted peak {report.total_bytes / MB:.1f} MB at batch {batch} exceeds the budget "
             f"{budget_bytes / MB:.1f} MB (MB; {parts}); {advice}"
         )
-    return report
 
 
 def stock_state_dict(lean_net: EdgeNet, stock_net: EdgeNet) -> dict[str, torch.Tensor]:
@@ -226,32 +284,21 @@ def finetune(
     device = setup_distributed(device)
     out_dir = Path(out_dir)
     check_run_folder(out_dir, resume)
-    options = lean_options(recipe)
     splits = datasets_from_recipe(recipe, check=False)
     if planned is not None and planned[1] != splits.num_classes:
         raise ConfigError(f"{planned[0]} was planned for {planned[1]} classes; the data has {splits.num_classes}: "
                           f"plan again with --num-classes {splits.num_classes}")
     seed_everything(recipe.train.seed)
-    net = build_model(recipe, splits.num_classes, device="cpu")
-    predicted = preflight(net, recipe, budget_bytes)
+    job = resolve_job(recipe, splits.num_classes, budget_bytes)
+    net, stock, options, predicted = job.net, job.stock, job.options, job.predicted
     splits = check_images(splits, recipe.data.on_bad_image)
-    stock = copy.deepcopy(net)
-    step = recipe_step(recipe)
-    schedule = None
-    if options is not None:
-        from edgetl.memory.schedule import prepare_step
-
-        make_lean(net, options)
-        # the schedule predict_peak fitted: whole-batch backward wherever it does not raise the peak
-        schedule = prepare_step(net, resolution=recipe.data.resolution, batch_size=recipe.train.batch_size,
-                                step=step)
     measured = None
     if measure and device.type == "cpu":
         from edgetl.memory.meter import measure_training_peak
 
         probe = copy.deepcopy(net)
         measured = measure_training_peak(probe, resolution=recipe.data.resolution,
-                                         batch_size=recipe.train.batch_size, steps=2, step=step)
+                                         batch_size=recipe.train.batch_size, steps=2, step=job.step)
         del probe
     if on_preflight is not None:
         on_preflight(predicted, measured)
@@ -267,7 +314,7 @@ def finetune(
                  final_files={MODEL_WEIGHTS: saved_file_bytes(stock.state_dict()), MODEL_JSON: 1 << 16},
                  amp=options is None)
     if is_main_process():
-        lean = None if predicted.lean is None else {**predicted.lean, "schedule": schedule.to_dict()}
+        lean = None if predicted.lean is None else {**predicted.lean, "schedule": job.schedule.to_dict()}
         try:
             _write_model(out_dir, net, stock, recipe, splits.classes, options, lean)
         except EdgetlError as exc:

@@ -264,11 +264,11 @@ def test_prune_and_finetune_take_the_plan(tmp_path, sweep, capsys):
                                           *extra])
 
     args = finetune_args("--backbone", str(pruned), "--pool", "2")
-    recipe, _ = recipe_from_args(args)
+    recipe, _, budget = recipe_from_args(args)
     c = result.chosen
     assert (recipe.model.pool, recipe.model.precision, recipe.model.frozen_weights) == (2, c.precision,
                                                                                          c.frozen_weights)
-    assert recipe.train.batch_size == c.batch_size and args.budget == result.tensor_budget_bytes
+    assert recipe.train.batch_size == c.batch_size and budget == result.tensor_budget_bytes
     with pytest.raises(ConfigError, match="plans hidden channels"):
         recipe_from_args(finetune_args())  # no pruned backbone
     with pytest.raises(ConfigError, match="planned at 64 px"):

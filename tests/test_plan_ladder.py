@@ -193,7 +193,7 @@ def test_mode_plans_verify_round_trip_and_reach_finetune(mode, rung, tmp_path):
     args = build_parser(only="finetune").parse_args(
         ["finetune", "--recipe", "fashion_mnist", "--plan", str(path), "--set", f"data.resolution={RES}",
          "-o", str(tmp_path / "run")])
-    recipe, _ = recipe_from_args(args)
+    recipe = recipe_from_args(args).recipe
     c = result.chosen
     assert (recipe.model.mode, recipe.model.runtime, recipe.model.storage) == (mode, "lean", c.conv_storage)
     assert (recipe.model.stream, recipe.train.batch_size) == (c.stream, c.batch_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import (
@@ -92,20 +93,24 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def apply_plan(args):
-    """Fill flags the user did not give from ``--plan``; the plan, for ``check_planned``."""
-    from edgetl.plan import load_plan
+class Request(NamedTuple):
+    """What the command line asks ``finetune`` for, resolved once: the recipe (file, ``--set``,
+    the plan's values, the flags: later wins), the plan it was checked against (None without
+    ``--plan``) and the budget (``--budget``, else the plan's tensor budget, else None)."""
 
-    plan = load_plan(args.plan)
+    recipe: object  # edgetl.recipe.Recipe
+    plan: object | None  # edgetl.plan.Plan
+    budget: int | None
+
+
+def planned_values(plan) -> dict[str, object]:
+    """The recipe values a plan fixes, as dotted keys (None: the plan leaves it to the recipe)."""
     c = plan.chosen
-    for name, value in (("pool", c.pool), ("precision", c.precision), ("frozen_weights", c.frozen_weights),
-                        ("stream", c.stream), ("batch_size", c.batch_size), ("budget", plan.tensor_budget_bytes),
-                        ("mode", c.mode), ("runtime", "lean"), ("storage", c.conv_storage),
-                        ("uint8_input", c.uint8_input or None), ("recompute", c.recompute or None),
-                        ("fused", c.fused or None), ("step_in_backward", c.step_in_backward or None)):
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return plan
+    return {"model.pool": c.pool, "model.precision": c.precision, "model.frozen_weights": c.frozen_weights,
+            "model.stream": c.stream, "train.batch_size": c.batch_size, "model.mode": c.mode,
+            "model.runtime": "lean", "model.storage": c.conv_storage, "model.uint8_input": c.uint8_input or None,
+            "model.recompute": c.recompute or None, "optim.fused": c.fused or None,
+            "optim.step_in_backward": c.step_in_backward or None}
 
 
 def check_planned(plan, recipe, where) -> None:
@@ -124,7 +129,7 @@ def check_planned(plan, recipe, where) -> None:
                           f"give --backbone {want.arch} (or a {title} folder or weights name)")
     if have.width != want.width:
         again = f"--backbone {m.backbone}" if m.backbone else f"--width {have.width:g}"
-        raise ConfigError(f"{where} was planned for MobileNetV2 width {want.width:g}; the backbone {name} is "
+        raise ConfigError(f"{where} was planned for {archs.get(want.arch).title} width {want.width:g}; the backbone {name} is "
                           f"width {have.width:g}: plan again with {again}, or give a width-{want.width:g} backbone")
     if have.hidden != want.hidden:
         hint = f"edgetl prune --plan {where} -o pruned, then --backbone pruned" if plan.chosen.kept else \
@@ -136,12 +141,15 @@ def check_planned(plan, recipe, where) -> None:
                           f"{recipe.data.resolution} px: plan again with --resolution {recipe.data.resolution}")
 
 
-def recipe_from_args(args):
-    """The recipe the flags resolve, and the plan it was checked against (None without --plan)."""
+def recipe_from_args(args) -> Request:
+    """The recipe, plan and budget the command line resolves (``args`` is only read)."""
+    from edgetl.plan import load_plan
     from edgetl.recipe import load_recipe
 
-    plan = apply_plan(args) if getattr(args, "plan", None) is not None else None
+    plan = load_plan(args.plan) if getattr(args, "plan", None) is not None else None
     overrides = dict(args.overrides)
+    if plan is not None:
+        overrides.update({k: v for k, v in planned_values(plan).items() if v is not None})
     flags = {"model.backbone": args.backbone if args.weights is None else args.weights, "data.root": args.data,
              "train.batch_size": args.batch_size, "train.epochs": args.epochs,
              "model.mode": args.mode, "model.runtime": args.runtime, "optim.fused": args.fused,
@@ -151,7 +159,8 @@ def recipe_from_args(args):
     recipe = load_recipe(args.recipe, overrides=overrides)
     if plan is not None:
         check_planned(plan, recipe, args.plan)
-    return recipe, plan
+    budget = args.budget if args.budget is not None else plan.tensor_budget_bytes if plan is not None else None
+    return Request(recipe, plan, budget)
 
 
 def print_preflight(report: MemoryReport, measured: int | None, budget: int | None) -> None:
@@ -179,7 +188,7 @@ def run(args) -> int:
         raise ConfigError(f"run folder {args.out} is not empty; use --resume or choose another -o")
     if args.resume and not args.out.is_dir():
         raise ConfigError(f"nothing to resume: run folder {args.out} does not exist")
-    recipe, plan = recipe_from_args(args)
+    recipe, plan, budget = recipe_from_args(args)
     bar = None
     state = {"t0": None, "images": 0, "acc": "-", "measured": None}
 
@@ -188,7 +197,7 @@ def run(args) -> int:
         from edgetl.finetune import backbone_ref
 
         print(f"backbone: {backbone_ref(recipe)}")
-        print_preflight(report, measured, args.budget)
+        print_preflight(report, measured, budget)
 
     def on_images(check):
         if check.checked:  # presets held in arrays have no files to check
@@ -216,7 +225,7 @@ def run(args) -> int:
 
     start = time.perf_counter()
     try:
-        result = finetune(recipe=recipe, out_dir=args.out, budget_bytes=args.budget, resume=args.resume,
+        result = finetune(recipe=recipe, out_dir=args.out, budget_bytes=budget, resume=args.resume,
                           device=args.device, measure=args.measure, on_step=on_step,
                           planned=None if plan is None else (args.plan, plan.spec.num_classes),
                           on_epoch=on_epoch, on_preflight=on_preflight, on_images=on_images)
