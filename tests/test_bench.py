@@ -338,3 +338,125 @@ def test_cuda_result_shows_allocated_and_reserved(tmp_path):
     for r in old["rows"]:
         del r["reserved_bytes"], r["tensor_bytes"]
     assert table_rows(BenchResult.from_dict(old))[0][4] == "measured MB"
+
+
+# ----------------------------------------------------------------------------- another backbone
+# ResNet-18 (issue #42) at 64 px: three stock rows; the lean ResNet layers are checked where they live.
+R18_METHODS, R18_BUDGET = ["repnet-stock", "full", "bias"], 128 * 10**6
+
+
+@pytest.fixture(scope="module")
+def resnet18() -> BenchResult:
+    torch.manual_seed(0)
+    # verify_images=4: largest batches up to 49 images at 64 px re-measured (Rep-Net's and bias's here)
+    return bench(arch="resnet18", resolution=RES, num_classes=CLASSES, batch_size=BATCH, budget_bytes=R18_BUDGET,
+                 methods=R18_METHODS, steps=1, warmup=0, verify_images=4, largest_steps=1, largest_cap=4, workers=1)
+
+
+def test_resnet18_measured_peak_matches_runtime_accounting(resnet18):
+    assert [r.method for r in resnet18.rows] == R18_METHODS and resnet18.arch == "resnet18"
+    for r in resnet18.rows:
+        assert abs(r.measured_bytes / r.runtime_bytes - 1) <= 0.05, (r.method, r.measured_bytes, r.runtime_bytes)
+    verified = [r for r in resnet18.rows if r.largest_batch_measured_bytes is not None]
+    assert {r.method for r in verified} == {"repnet-stock", "bias"}
+    for r in verified:
+        assert r.largest_batch_bytes <= R18_BUDGET < r.next_batch_bytes
+        assert r.largest_batch_measured_bytes <= R18_BUDGET
+        assert abs(r.largest_batch_measured_bytes / r.largest_batch_bytes - 1) <= 0.05, r.method
+
+
+def test_resnet18_full_fine_tune_fits_no_batch(resnet18):
+    """Full fine-tuning with Adam holds weights, gradients and two moments: 4 x 4 B x 11.2 M
+    parameters (180 MB) before any activation, more than the 128 MB budget."""
+    tv = torchvision.models.resnet18(num_classes=CLASSES)
+    assert 16 * sum(p.numel() for p in tv.parameters()) > R18_BUDGET
+    full = resnet18.row("full")
+    assert full.largest_batch == 0 and full.largest_images_per_s is None
+    assert full.measured_bytes > 16 * sum(p.numel() for p in tv.parameters())
+
+
+def _resnet_side_params(tv, kernels=(5, 5, 5, 5, 3)) -> int:
+    """Rep-Net side parameters of ResNet by DESIGN 3's formula, from torchvision's module tree:
+    taps at the stem (reading the image, one group) and each stage's first block; the kernels
+    are the Rep-Net authors' ResProgramNet's."""
+    blocks = [tv.conv1] + [b for layer in (tv.layer1, tv.layer2, tv.layer3, tv.layer4) for b in layer]
+    out = [tv.conv1.out_channels] + [b.conv2.out_channels for b in blocks[1:]]
+    taps = [0] + [1 + sum(len(layer) for layer in (tv.layer1, tv.layer2, tv.layer3, tv.layer4)[:i]) for i in range(4)]
+    total = 0
+    for j, (tap, k) in enumerate(zip(taps, kernels)):
+        cin, groups = (3, 1) if j == 0 else (out[tap - 1], 2)
+        mid = -(-cin // 8) * 8
+        total += mid * (cin // groups) * k * k + 2 * mid + out[tap] * mid + 2 * out[tap]
+    return total
+
+
+def test_resnet18_trainable_params_equal_independent_count(resnet18):
+    tv = torchvision.models.resnet18(num_classes=CLASSES)
+    head = tv.fc.weight.numel() + tv.fc.bias.numel()
+    bn_betas = sum(m.bias.numel() for m in tv.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    expected = {"full": sum(p.numel() for p in tv.parameters()), "bias": head + bn_betas,
+                "repnet-stock": head + _resnet_side_params(tv)}
+    assert {r.method: r.trainable_params for r in resnet18.rows} == expected
+
+
+def test_resnet18_caption_and_record(resnet18, tmp_path):
+    """The caption names the entry's title (no width: ResNet has none); the arch is saved and read back."""
+    assert caption(resnet18).startswith(f"ResNet-18, {RES} px, batch {BATCH}, {CLASSES} classes, Adam, cpu (")
+    assert "MobileNetV2" not in to_markdown(resnet18)
+    resnet18.save_json(tmp_path / "r.json")
+    assert BenchResult.load_json(tmp_path / "r.json") == resnet18
+
+
+def test_a_result_saved_before_the_arch_field_is_mobilenet_v2():
+    """Committed results have no arch: they load as MobileNetV2 and keep their caption."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "table1_224.json"
+    assert "arch" not in json.loads(path.read_text())
+    old = BenchResult.load_json(path)
+    assert old.arch == "mobilenet_v2"
+    assert caption(old).startswith(f"MobileNetV2 {old.width:g}, 224 px, batch {old.batch_size}, ")
+
+
+def test_paper_pruned_rows_only_where_a_paper_pruned_the_backbone():
+    from edgetl.bench import default_methods
+    from edgetl.errors import ConfigError
+
+    pruned = [n for n in METHODS if METHODS[n].pruned]
+    assert pruned and all(n in default_methods() for n in pruned)
+    assert default_methods("resnet18") == [n for n in default_methods() if n not in pruned]
+    with pytest.raises(ConfigError, match=r"^method\(s\) repnet-pruned, repnet-pruned-pool2 prune by a paper's "
+                                          r"ratios, and ResNet-18 has none \(a paper pruned MobileNetV2\)"):
+        bench(arch="resnet18", methods=["full", "repnet-pruned", "repnet-pruned-pool2"])
+    with pytest.raises(ConfigError, match="ResNet-18 has no paper ratios"):
+        pruned_hidden(1.0, CLASSES, "resnet18")
+    with pytest.raises(ConfigError, match=r"^ResNet-50 has no width multiplier; allowed width: 1.0, got 0.5$"):
+        bench(arch="resnet50", width=0.5, methods=["last"])
+    with pytest.raises(ConfigError, match=r"^unknown backbone arch 'vgg16'; allowed: mobilenet_v2, resnet18"):
+        bench(arch="vgg16", methods=["last"])
+
+
+def test_cli_refuses_a_width_or_pruned_rows_on_resnet(capsys):
+    from tests.test_failures import error_line
+
+    assert main(["bench", "--backbone", "resnet18", "--width", "0.5"]) == 2
+    assert error_line(capsys.readouterr().err) == (
+        "--width 0.5 is not allowed: ResNet-18 has no width multiplier; allowed: 1.0, or leave --width out")
+    assert main(["bench", "--backbone", "resnet34", "--methods", "bias,repnet-pruned"]) == 2
+    assert error_line(capsys.readouterr().err).startswith(
+        "method(s) repnet-pruned prune by a paper's ratios, and ResNet-34 has none")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--backbone", "vgg16"])
+    assert exc.value.code == 2
+    assert "(choose from 'mobilenet_v2', 'resnet18', 'resnet34', 'resnet50')" in capsys.readouterr().err
+
+
+def test_cli_quick_resnet18(tmp_path, capsys):
+    """--quick on ResNet-18: width 1.0 (it has no multiplier) and the full-scale budget, 64 px."""
+    out = tmp_path / "q.json"
+    assert main(["bench", "--quick", "--backbone", "resnet18", "--methods", "last", "--steps", "1",
+                 "--warmup", "0", "--verify-images", "0", "--largest-cap", "2", "--json", str(out)]) == 0
+    saved = BenchResult.load_json(out)
+    assert (saved.arch, saved.resolution, saved.width, saved.budget_bytes) == ("resnet18", 64, 1.0, 256 * 10**6)
+    assert "--backbone resnet18" in saved.command and "--width" not in saved.command
+    assert "ResNet-18, 64 px, batch 8" in capsys.readouterr().out

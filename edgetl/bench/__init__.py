@@ -1,6 +1,6 @@
 """Benchmark stage: fine-tuning methods in, a BenchResult (memory three ways, speed, largest batch) out.
 
-The paper's Table I, measured. Per method: paper accounting (DESIGN 2a), runtime
+The paper's Table I, measured, on MobileNetV2 or any registered backbone. Per method: paper accounting (DESIGN 2a), runtime
 accounting (DESIGN 2b), measured peak (DESIGN 2c), training throughput, the largest
 batch that fits a memory budget and the trainable parameter count. Throughput follows
 Liu et al. ("An Evaluation of Memory Optimization Methods", shared/papers/003): memory
@@ -31,12 +31,12 @@ from edgetl.errors import ConfigError
 from edgetl.memory.report import MB
 from edgetl.memory.schedule import Schedule
 from edgetl.memory.search import largest_batch
-from edgetl.models.backbone import EdgeNet
+from edgetl.models.backbone import BackboneSpec, EdgeNet
 from edgetl.recipe import MAX_BATCH
 from edgetl.step import Step, set_train_mode, training_step
 from edgetl.bench.methods import (
-    FROZEN_BITS, METHODS, PAPER_PRUNING, PLAN, REFERENCE, Checkpointed, Method, build_method, count_trainable,
-    default_methods, plan_available, planned_method, pruned_hidden,
+    DEFAULT_ARCH, FROZEN_BITS, METHODS, PAPER_PRUNING, PLAN, REFERENCE, Checkpointed, Method, build_method,
+    check_methods, count_trainable, default_methods, plan_available, planned_method, pruned_hidden,
 )
 from edgetl.bench.result import (
     BenchResult, BenchRow, caption, has_reserved, plot_bench, set_ratios, table_rows, to_markdown,
@@ -45,8 +45,9 @@ from edgetl.bench.result import (
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "FROZEN_BITS", "METHODS", "PAPER_PRUNING", "PLAN", "REFERENCE", "BenchResult", "BenchRow", "Checkpointed",
-    "Method", "bench", "build_method", "caption", "count_trainable", "cpu_cores", "default_methods", "has_reserved",
+    "DEFAULT_ARCH", "FROZEN_BITS", "METHODS", "PAPER_PRUNING", "PLAN", "REFERENCE", "BenchResult", "BenchRow",
+    "Checkpointed", "Method", "bench", "build_method", "caption", "check_methods", "count_trainable", "cpu_cores",
+    "default_methods", "has_reserved",
     "interleaved_step_times", "plan_available", "planned_method", "plot_bench", "pruned_hidden", "set_ratios",
     "table_rows", "to_markdown",
 ]
@@ -99,6 +100,7 @@ def interleaved_step_times(trainers: dict[str, _Trainer], *, steps: int, warmup:
 class _Setting:
     """What every row of one bench shares (sent to the processes that measure rows)."""
 
+    arch: str
     resolution: int
     batch_size: int
     num_classes: int
@@ -114,6 +116,7 @@ class _Setting:
 
 def bench(
     *,
+    arch: str = DEFAULT_ARCH,
     resolution: int = 224,
     batch_size: int = 8,
     num_classes: int = 102,
@@ -135,12 +138,14 @@ def bench(
     """Measure every method side by side.
 
     Args:
+        arch: the backbone, a registered architecture (``edgetl.models.archs``), random weights.
         resolution: input side in pixels.
         batch_size: images per step for the memory figures and the throughput.
         num_classes: classifier outputs.
-        width: MobileNetV2 width multiplier.
+        width: width multiplier (1.0 where the architecture has none).
         budget_bytes: memory budget for the largest-batch column.
-        methods: names from ``METHODS`` (default: all), in table order.
+        methods: names from ``METHODS`` (default: ``default_methods(arch)``: all, less the
+            paper-pruned rows on an architecture no paper pruned), in table order.
         steps: measured throughput rounds (one step of every method per round).
         warmup: throughput rounds run first and dropped.
         device: where to measure and time.
@@ -162,10 +167,12 @@ def bench(
             only 1 (one device, each row's peak measured alone). The timing always runs in
             this process, alone.
     """
-    names = list(methods) if methods is not None else default_methods()
+    BackboneSpec(arch=arch, width=width, num_classes=num_classes)  # one line for an unknown arch or width
+    names = list(methods) if methods is not None else default_methods(arch)
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
+    check_methods(names, arch)
     if not names:
         raise ConfigError("no methods to bench")
     if len(set(names)) != len(names):
@@ -183,12 +190,12 @@ def bench(
         check_options(mode=METHODS[name].mode, accounting="runtime", resolution=resolution,
                       batch_size=batch_size)
     device = torch.device(device)
-    setting = _Setting(resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
+    setting = _Setting(arch=arch, resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
                        budget_bytes=budget_bytes, device=str(device), verify_images=verify_images,
                        measure_steps=measure_steps, lr=lr, seed=seed,
                        timed_cap=largest_cap if largest_steps else 0)
     result = BenchResult(
-        resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
+        arch=arch, resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
         budget_bytes=budget_bytes, steps=steps, warmup=warmup, optimizer="adam", device=str(device),
         threads=torch.get_num_threads(), torch_version=torch.__version__, reference=REFERENCE,
         command=command, cpu=cpu_name() if device.type == "cpu" else None,
@@ -196,7 +203,8 @@ def bench(
     )
     if workers > 1 and device.type != "cpu":
         raise ConfigError(f"workers {workers} is not allowed on {device}: its rows are measured one at a time; give 1")
-    measured = _memory_rows(names, setting, pruned_hidden(width, num_classes), min(workers, len(names)))
+    hidden = pruned_hidden(width, num_classes, arch) if any(METHODS[n].pruned for n in names) else {}
+    measured = _memory_rows(names, setting, hidden, min(workers, len(names)))
     trainers: dict[str, _Trainer] = {}
     builders: dict[str, Callable[[int], EdgeNet]] = {}
     for row, method, fitted in measured:
@@ -287,8 +295,8 @@ def _build(method: Method, fitted: dict[int, Schedule], setting: _Setting, devic
     or the device, so every build of the method shares it."""
     from edgetl.memory.schedule import apply_schedule, prepare_step
 
-    net = build_method(method, width=setting.width, num_classes=setting.num_classes, device=device,
-                       hidden=method.hidden)
+    net = build_method(method, arch=setting.arch, width=setting.width, num_classes=setting.num_classes,
+                       device=device, hidden=method.hidden)
     if method.lean is None:
         return net
     if b in fitted:
@@ -310,7 +318,8 @@ def _memory_row(name: str, s: _Setting, hidden: dict[int, int]) -> tuple[BenchRo
     method, note = METHODS[name], ""
     if method.planned:
         method, note = planned_method(budget_bytes=s.budget_bytes, batch_size=s.batch_size,
-                                      resolution=s.resolution, num_classes=s.num_classes, width=s.width)
+                                      resolution=s.resolution, num_classes=s.num_classes, width=s.width,
+                                      arch=s.arch)
     if method.hidden is None:
         method = dataclasses.replace(method, hidden=hidden if method.pruned else {})
     device = torch.device(s.device)
@@ -332,7 +341,7 @@ def _memory_row(name: str, s: _Setting, hidden: dict[int, int]) -> tuple[BenchRo
         paper_bytes = runtime_bytes = None
         note = "accountings do not model recomputation; largest batch by measurement"
     else:
-        stock_meta = build_method(dataclasses.replace(method, lean=None), width=s.width,
+        stock_meta = build_method(dataclasses.replace(method, lean=None), arch=s.arch, width=s.width,
                                   num_classes=s.num_classes, device="meta", hidden=method.hidden)
         paper_bytes = paper_report(stock_meta, mode=method.mode, resolution=s.resolution,
                                    batch_size=s.batch_size, frozen_bits=FROZEN_BITS).total_bytes

@@ -9,13 +9,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import edgetl.models.archs as archs
 from edgetl.errors import ConfigError
 from edgetl.models.backbone import PAPER_RATIOS, BackboneSpec, EdgeNet, build_backbone, hidden_channels
 from edgetl.models.side import LeanOptions, build_network
 
-# The FMEC paper's pruning ratios for blocks 1-4 (DESIGN 5); at width 1.0 they keep
-# 22/21/77/77 hidden channels.
+# The FMEC paper's pruning ratios for MobileNetV2's blocks 1-4 (DESIGN 5); at width 1.0 they
+# keep 22/21/77/77 hidden channels. Another architecture's are its entry's ``paper_ratios``.
 PAPER_PRUNING = PAPER_RATIOS
+DEFAULT_ARCH = archs.MOBILENET_V2.name
 REFERENCE = "repnet-stock"
 PLAN = "plan"
 FROZEN_BITS = 8  # paper accounting: frozen weights stored 8-bit (DESIGN 2a)
@@ -73,19 +75,34 @@ def plan_available() -> bool:
     return importlib.util.find_spec("edgetl.plan") is not None
 
 
-def default_methods() -> list[str]:
-    return [n for n in METHODS if n != PLAN or plan_available()]
+def default_methods(arch: str = DEFAULT_ARCH) -> list[str]:
+    """Every method, less ``plan`` where edgetl.plan is missing and the paper-pruned rows on an
+    architecture no paper pruned (``Architecture.paper_ratios`` empty)."""
+    ratios = bool(archs.get(arch).paper_ratios)
+    return [n for n in METHODS if (n != PLAN or plan_available()) and (ratios or not METHODS[n].pruned)]
+
+
+def check_methods(names: list[str], arch: str) -> None:
+    """Refuse, in one line, paper-pruned rows on an architecture without the paper's ratios."""
+    entry = archs.get(arch)
+    pruned = [n for n in names if METHODS[n].pruned]
+    if pruned and not entry.paper_ratios:
+        have = [archs.get(a).title for a in archs.registered() if archs.get(a).paper_ratios]
+        raise ConfigError(f"method(s) {', '.join(pruned)} prune by a paper's ratios, and {entry.title} has none "
+                          f"(a paper pruned {', '.join(have) or 'no registered architecture'}); leave them out, "
+                          f"or bench {PLAN!r}, which prunes by its own search")
 
 
 def planned_method(*, budget_bytes: int, batch_size: int, resolution: int, num_classes: int,
-                   width: float) -> tuple[Method, str]:
+                   width: float, arch: str = DEFAULT_ARCH) -> tuple[Method, str]:
     """The configuration ``edgetl plan`` picks for the budget at this batch, as a Method."""
     try:
         from edgetl.plan import plan
     except ImportError as exc:
         raise ConfigError(f"method {PLAN!r} needs the plan stage (edgetl.plan): {exc}") from None
     chosen = plan(budget_bytes=budget_bytes, batch_size=batch_size, resolution=resolution,
-                  num_classes=num_classes, width=width).chosen
+                  num_classes=num_classes,
+                  backbone=BackboneSpec(arch=arch, width=width, num_classes=num_classes)).chosen
     method = Method(PLAN, METHODS[PLAN].label, chosen.mode, chosen.lean, pruned=bool(chosen.kept),
                     planned=True, hidden=dict(chosen.kept))
     return method, f"plan: {chosen.describe()}"
@@ -95,10 +112,13 @@ def planned_method(*, budget_bytes: int, batch_size: int, resolution: int, num_c
 # ----------------------------------------------------------------------------- building
 
 
-def pruned_hidden(width: float, num_classes: int) -> dict[int, int]:
-    """Hidden channels kept by the paper's ratios: int(C * (1 - ratio)) (DESIGN 5)."""
-    net = build_backbone(BackboneSpec(width=width, num_classes=num_classes), device="meta")
-    return {b: max(1, int(hidden_channels(net, b) * (1 - r))) for b, r in PAPER_PRUNING.items()}
+def pruned_hidden(width: float, num_classes: int, arch: str = DEFAULT_ARCH) -> dict[int, int]:
+    """Hidden channels kept by the paper's ratios of ``arch``: int(C * (1 - ratio)) (DESIGN 5)."""
+    entry = archs.get(arch)
+    if not entry.paper_ratios:
+        raise ConfigError(f"{entry.title} has no paper ratios to keep channels by: no paper pruned it")
+    net = build_backbone(BackboneSpec(arch=arch, width=width, num_classes=num_classes), device="meta")
+    return {b: max(1, int(hidden_channels(net, b) * (1 - r))) for b, r in entry.paper_ratios.items()}
 
 
 class Checkpointed(nn.Module):
@@ -118,9 +138,9 @@ class Checkpointed(nn.Module):
 
 
 def build_method(method: Method, *, width: float, num_classes: int, device: str | torch.device,
-                 hidden: dict[int, int] | None = None) -> EdgeNet:
-    """The network of ``method``, trainability set (random weights: memory and speed only)."""
-    spec = BackboneSpec(width=width, num_classes=num_classes, hidden=dict(hidden or {}))
+                 hidden: dict[int, int] | None = None, arch: str = DEFAULT_ARCH) -> EdgeNet:
+    """The network of ``method`` on ``arch``, trainability set (random weights: memory and speed only)."""
+    spec = BackboneSpec(arch=arch, width=width, num_classes=num_classes, hidden=dict(hidden or {}))
     net = build_network(spec, method.mode, device=device, lean=method.lean)
     if method.checkpoint:
         for i in range(len(net.features)):

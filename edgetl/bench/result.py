@@ -9,8 +9,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import edgetl.models.archs as archs
 from edgetl.errors import ConfigError
 from edgetl.memory.report import MB
+
 
 @dataclass
 class BenchRow:
@@ -70,6 +72,8 @@ class BenchResult:
     # files from before it was): idle threads that spin make every op cheaper alone and a shared
     # machine's steps 10-200x slower (benchmarks/busy_cores.json)
     omp_wait_policy: str | None = None
+    # the backbone (a registered architecture); files from before the bench took one are MobileNetV2's
+    arch: str = "mobilenet_v2"
 
     def row(self, method: str) -> BenchRow:
         for r in self.rows:
@@ -189,8 +193,17 @@ def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def backbone_title(result: BenchResult) -> str:
+    """The backbone as captions name it: "MobileNetV2 0.35" (its width multiplier), "ResNet-18"."""
+    try:
+        entry = archs.get(result.arch)
+    except ConfigError:  # a result of an architecture this edgetl does not register
+        return f"{result.arch} {result.width:g}" if result.width != 1.0 else result.arch
+    return f"{entry.title} {result.width:g}" if entry.width_multiplier else entry.title
+
+
 def caption(result: BenchResult) -> str:
-    return (f"MobileNetV2 {result.width:g}, {result.resolution} px, batch {result.batch_size}, "
+    return (f"{backbone_title(result)}, {result.resolution} px, batch {result.batch_size}, "
             f"{result.num_classes} classes, Adam, {result.device} ("
             f"{result.cpu + '; ' if result.cpu else ''}{result.threads} thread"
             f"{'s' if result.threads != 1 else ''}"

@@ -6,8 +6,11 @@ import argparse
 import shlex
 import sys
 
+import edgetl.models.archs as archs
 from edgetl.cli import COMMANDS
-from edgetl.bench import METHODS, BenchResult, bench, caption, cpu_cores, plot_bench, table_rows, to_markdown
+from edgetl.bench import (
+    DEFAULT_ARCH, METHODS, BenchResult, bench, caption, check_methods, cpu_cores, plot_bench, table_rows, to_markdown,
+)
 from edgetl.cli._common import HelpFormatter, positive_float, positive_int, output_file, print_table, torch_device
 from edgetl.errors import ConfigError
 from edgetl.units import parse_bytes
@@ -19,6 +22,10 @@ QUICK = {"width": 0.35, "resolution": 64, "budget": "24MB", "steps": 2, "warmup"
 # timing on a shared CPU is noisy: fewer than about 10 interleaved rounds can flip a 10 % ratio
 DEFAULTS = {"width": 1.0, "resolution": 224, "budget": "256MB", "steps": 10, "warmup": 2, "verify_images": 64,
             "largest_steps": 3, "largest_cap": 256}
+# --quick on an architecture without a width multiplier (ResNet) keeps the full-scale network and
+# so the full-scale budget: ResNet-18's fp32 weights alone are 47 MB and its full fine-tune holds
+# 199 MB at 64 px, batch 8 (24MB would fit no row); only the pixels and the steps shrink
+QUICK_FIXED_WIDTH = {**QUICK, "width": 1.0, "budget": DEFAULTS["budget"]}
 
 
 def method_list(text: str) -> list[str]:
@@ -41,21 +48,28 @@ def add_parser(sub) -> None:
         "bench",
         help=COMMANDS["bench"],
         description=(
-            "Benchmark fine-tuning methods side by side on MobileNetV2: paper accounting, runtime "
-            "accounting and measured peak memory at --batch-size, training throughput (median step "
-            "time, steps of all methods interleaved round-robin), the largest batch that fits "
-            "--budget, trainable parameters, and ratios against stock Rep-Net. MB = 10^6 bytes. "
-            f"Methods: {', '.join(METHODS)}. "
+            "Benchmark fine-tuning methods side by side on a backbone (--backbone, random weights): "
+            "paper accounting, runtime accounting and measured peak memory at --batch-size, training "
+            "throughput (median step time, steps of all methods interleaved round-robin), the largest "
+            "batch that fits --budget, trainable parameters, and ratios against stock Rep-Net. "
+            "MB = 10^6 bytes. "
+            f"Methods: {', '.join(METHODS)} (the repnet-pruned rows use a paper's pruning ratios, which "
+            f"only {', '.join(archs.get(a).title for a in archs.registered() if archs.get(a).paper_ratios)} has; "
+            "on another backbone they are left out). "
             "--from PATH re-renders a saved JSON result without running anything."
         ),
         formatter_class=HelpFormatter,
     )
+    p.add_argument("--backbone", choices=archs.registered(), default=DEFAULT_ARCH, metavar="ARCH",
+                   help=f"the architecture, random weights: {', '.join(archs.registered())}")
     p.add_argument("--resolution", type=positive_int, help=f"input size in pixels (default {DEFAULTS['resolution']})")
     p.add_argument("--batch-size", type=positive_int, default=8, help="images per training step")
     p.add_argument("--num-classes", type=positive_int, default=102, help="classifier outputs (Flowers-102: 102)")
-    p.add_argument("--width", type=positive_float, help=f"MobileNetV2 width multiplier (default {DEFAULTS['width']})")
+    p.add_argument("--width", type=positive_float,
+                   help=f"width multiplier, for a backbone that has one (MobileNetV2; default {DEFAULTS['width']})")
     p.add_argument("--budget", help=f"memory budget for the largest-batch column, e.g. 256MB (default {DEFAULTS['budget']})")
-    p.add_argument("--methods", type=method_list, metavar="A,B,...", help="comma-separated methods (default: all; plan only where edgetl.plan is installed)")
+    p.add_argument("--methods", type=method_list, metavar="A,B,...", help="comma-separated methods (default: all; plan only where edgetl.plan is installed, the "
+                        "repnet-pruned rows only on a backbone with a paper's ratios)")
     p.add_argument("--steps", type=positive_int, help=f"timed rounds after warm-up (default {DEFAULTS['steps']})")
     p.add_argument("--warmup", type=nonnegative_int, help=f"warm-up rounds (default {DEFAULTS['warmup']})")
     p.add_argument("--verify-images", type=nonnegative_int,
@@ -69,7 +83,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"tiny scale: width {QUICK['width']}, {QUICK['resolution']} px, budget {QUICK['budget']}, "
                         f"{QUICK['steps']} steps, largest batch re-measured up to {QUICK['verify_images']} x 224^2 "
-                        f"pixels and timed {QUICK['largest_steps']} step at up to {QUICK['largest_cap']} "
+                        f"pixels and timed {QUICK['largest_steps']} step at up to {QUICK['largest_cap']}; a backbone "
+                        f"without a width multiplier (ResNet) keeps width 1.0 and budget {QUICK_FIXED_WIDTH['budget']} "
                         "(explicit flags still win)")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
     p.add_argument("--workers", type=positive_int,
@@ -93,8 +108,9 @@ def print_result(result: BenchResult) -> None:
 
 def _command(args, pick) -> str:
     """The resolved command line (every value explicit), stored with the result."""
-    parts = ["edgetl", "bench", "--resolution", pick("resolution"), "--batch-size", args.batch_size,
-             "--num-classes", args.num_classes, "--width", f"{pick('width'):g}", "--budget", pick("budget"),
+    width = ["--width", f"{pick('width'):g}"] if archs.get(args.backbone).width_multiplier else []
+    parts = ["edgetl", "bench", "--backbone", args.backbone, "--resolution", pick("resolution"),
+             "--batch-size", args.batch_size, "--num-classes", args.num_classes, *width, "--budget", pick("budget"),
              "--steps", pick("steps"), "--warmup", pick("warmup"), "--verify-images", pick("verify_images"),
              "--largest-steps", pick("largest_steps"), "--largest-cap", pick("largest_cap")]
     if args.device != "cpu":
@@ -111,14 +127,20 @@ def run(args) -> int:
     if args.source:
         result = BenchResult.load_json(args.source)
     else:
-        preset = QUICK if args.quick else DEFAULTS
+        entry = archs.get(args.backbone)
+        if args.width not in (None, 1.0) and not entry.width_multiplier:
+            raise ConfigError(f"--width {args.width:g} is not allowed: {entry.title} has no width multiplier; "
+                              "allowed: 1.0, or leave --width out")
+        preset = DEFAULTS if not args.quick else QUICK if entry.width_multiplier else QUICK_FIXED_WIDTH
         pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
         budget = parse_bytes(pick("budget"))
         if args.methods is not None and len(set(args.methods)) != len(args.methods):
             raise ConfigError(f"methods repeat: {','.join(args.methods)}")
+        if args.methods is not None:
+            check_methods(args.methods, args.backbone)
         print("benchmarking (memory of each method, then interleaved timed steps) ...", file=sys.stderr)
         result = bench(
-            resolution=pick("resolution"), batch_size=args.batch_size, num_classes=args.num_classes,
+            arch=args.backbone, resolution=pick("resolution"), batch_size=args.batch_size, num_classes=args.num_classes,
             width=pick("width"), budget_bytes=budget, methods=args.methods, steps=pick("steps"),
             warmup=pick("warmup"), device=args.device, verify_images=pick("verify_images"),
             command=_command(args, pick), largest_steps=pick("largest_steps"), largest_cap=pick("largest_cap"),
