@@ -3,12 +3,16 @@
 Fashion-MNIST (Debian package ``dataset-fashion-mnist``) gives a real transfer task: the
 source task is classes 0-4 (T-shirt, trouser, pullover, dress, coat), the target task
 classes 5-9 (sandal, shirt, sneaker, bag, ankle boot). A small MobileNetV2 at a small
-resolution keeps it to minutes on a laptop CPU:
+resolution keeps it to minutes on a laptop CPU; ``arch`` runs the same pipeline on another
+registered backbone from random init (ResNet-18 at width 1.0: its quick pretraining took 110 s
+on one core of a 2-core EPYC):
 
     pretrain  the backbone on the source task (edgetl.retrain)
     profile   paper and runtime memory of Rep-Net on it (edgetl.profile)
     plan      pruning / pooling / batch for a budget scaled to the model (edgetl.plan)
-    prune     the planned hidden channels, activation-L2 importance (edgetl.prune)
+    prune     the planned hidden channels, activation-L2 importance (edgetl.prune); where
+              the plan prunes nothing, the paper's ratios, or on a backbone no paper
+              pruned, the paper's rule (``auto_ratios``) on the profile's sensitive blocks
     retrain   the pruned backbone on the source task (edgetl.retrain)
     finetune  the side network on the target task, pooled storage (edgetl.finetune),
               beside unpruned Rep-Net (as is, and with its frozen backbone streamed
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import edgetl.models.archs as archs
 from edgetl.errors import ConfigError
 from edgetl.io import atomic_text_json, read_json
 from edgetl.recipe import Recipe, load_recipe
@@ -40,11 +45,13 @@ log = logging.getLogger(__name__)
 
 SOURCE_CLASSES = [0, 1, 2, 3, 4]
 TARGET_CLASSES = [5, 6, 7, 8, 9]
+DEFAULT_ARCH = archs.MOBILENET_V2.name
 
 
 @dataclass(frozen=True)
 class DemoScale:
-    """How big the demo is; ``quick`` is for the test suite (about a minute)."""
+    """How big the demo is; ``quick`` is for the test suite (about a minute). ``width`` is
+    for a backbone with a width multiplier; another (ResNet) runs at 1.0."""
 
     width: float = 0.35
     resolution: int = 64
@@ -134,13 +141,38 @@ class Exported:
     exporter: str
 
 
+# Where the prune stage's blocks and ratios come from (``prune_rule``), as the demo says it.
+PRUNE_RULES = {
+    "plan": "the plan's blocks and ratios",
+    "paper": "the paper's ratios for {title} (the plan fitted without pruning)",
+    "auto": ("the paper's rule (edgetl prune --auto) on the profile's sensitive blocks: no paper pruned "
+             "{title}, and the plan fitted without pruning"),
+}
+
+
+def prune_rule(arch: str, planned: Planned) -> str:
+    """Which rule the prune stage follows (a ``PRUNE_RULES`` key): the plan's pruning; where it
+    prunes nothing, the paper's ratios; on an architecture without them, the paper's rule."""
+    if planned.blocks:
+        return "plan"
+    return "paper" if archs.get(arch).paper_ratios else "auto"
+
+
 @dataclass
 class DemoReport:
-    """Every stage's result by name, in pipeline order, and each stage's wall time (s)."""
+    """Every stage's result by name, in pipeline order, and each stage's wall time (s), on the
+    backbone ``arch`` (not in report.json: each stage's backbone folder names it)."""
 
     out_dir: Path
     stages: dict[str, Any] = field(default_factory=dict)
     wall_s: dict[str, float] = field(default_factory=dict)
+    arch: str = DEFAULT_ARCH
+
+    @property
+    def prune_source(self) -> str:
+        """Where the prune stage's blocks and ratios came from, in words."""
+        rule = prune_rule(self.arch, self.stages["plan"])
+        return PRUNE_RULES[rule].format(title=archs.get(self.arch).title)
 
     @property
     def variants(self) -> dict[str, FineTuned]:
@@ -162,6 +194,7 @@ class _Context:
     data_root: str
     on_step: Callable[[dict], None] | None
     done: dict[str, Any]
+    arch: str = DEFAULT_ARCH
 
     def recipe(self, classes: list[int], samples: int, epochs: int, **overrides) -> Recipe:
         """The bundled fashion_mnist recipe at the demo's scale, on its data, with ``overrides``."""
@@ -177,17 +210,25 @@ class _Context:
 
     def source_recipe(self, epochs: int, backbone: str | None) -> Recipe:
         """Full training of the backbone on the source task (pretrain, retrain)."""
+        width = self.scale.width if archs.get(self.arch).width_multiplier else 1.0
         return self.recipe(SOURCE_CLASSES, self.scale.pretrain_samples, epochs, **{
-            "model.mode": "full", "model.backbone": backbone, "model.width": self.scale.width,
+            "model.mode": "full", "model.backbone": backbone, "model.width": width,
             "optim.lr_head": 3e-3, "optim.lr_side": None,
         })
+
+    @property
+    def initial_backbone(self) -> str | None:
+        """What pretraining starts from: the architecture at random init (None: the default's)."""
+        from edgetl.models.backbone import RANDOM_WEIGHTS
+
+        return None if self.arch == DEFAULT_ARCH else f"{self.arch}:{RANDOM_WEIGHTS}"
 
 
 def _pretrain(ctx: _Context, work: Path) -> Trained:
     from edgetl.retrain import retrain
 
-    result = retrain(recipe=ctx.source_recipe(ctx.scale.pretrain_epochs, None), out_dir=work, device=ctx.device,
-                     on_step=ctx.on_step)
+    recipe = ctx.source_recipe(ctx.scale.pretrain_epochs, ctx.initial_backbone)
+    result = retrain(recipe=recipe, out_dir=work, device=ctx.device, on_step=ctx.on_step)
     return Trained(str(work), result.best_acc1)
 
 
@@ -229,14 +270,27 @@ def _plan(ctx: _Context, work: Path) -> Planned:
 
 
 def _prune(ctx: _Context, work: Path) -> Pruned:
-    from edgetl.models.backbone import PAPER_RATIOS, load_backbone
-    from edgetl.prune import calibration_batches, prune, save_pruned
+    from edgetl.models.backbone import load_backbone, save_backbone
+    from edgetl.prune import auto_ratios, calibration_batches, default_blocks, prune, save_pruned
 
     planned, scale = ctx.done["plan"], ctx.scale
-    blocks, ratios = planned.blocks, planned.ratios
-    if not blocks:  # the plan fitted without pruning: prune as the paper does
-        blocks, ratios = list(PAPER_RATIOS), list(PAPER_RATIOS.values())
     net = load_backbone(ctx.done["pretrain"].backbone)
+    rule = prune_rule(net.spec.arch, planned)
+    if rule == "plan":
+        blocks, ratios = planned.blocks, planned.ratios
+    elif rule == "paper":  # the plan fitted without pruning: prune as the paper does
+        paper = archs.get(net.spec.arch).paper_ratios
+        blocks, ratios = list(paper), list(paper.values())
+    else:  # no paper's ratios for this backbone: the paper's rule, as edgetl prune --auto applies it
+        auto = auto_ratios(net.spec, default_blocks(net.spec, resolution=scale.resolution),
+                           resolution=scale.resolution)
+        blocks, ratios = auto.blocks, auto.ratios
+    if not any(ratios):  # the rule prunes nothing (ResNet's one sensitive block is its stem, which
+        # has no hidden channels): the pipeline goes on with the network as it is
+        log.info("prune: nothing to prune by %s", rule)
+        work.mkdir(parents=True)
+        save_backbone(work, net)
+        return Pruned(str(work), [], [], {})
     batches = calibration_batches("fashion-mnist", resolution=scale.resolution, batches=4)
     result = prune(net=net, blocks=blocks, ratios=ratios, importance="activation-l2", calib_batches=batches,
                    calibration="fashion-mnist", resolution=scale.resolution)
@@ -328,6 +382,21 @@ def _claim_folder(out_dir: Path):
     return manifest
 
 
+def _check_arch(out_dir: Path, arch: str) -> None:
+    """Refuse a demo folder whose pretrained backbone is another architecture (its finished
+    stages would be reused for the wrong network)."""
+    from edgetl.models.backbone import SPEC_FILE, read_backbone_spec
+
+    mark = out_dir / "stages" / "pretrain.json"
+    folder = read_json(mark).get("backbone") if mark.is_file() else None
+    if not isinstance(folder, str) or not (Path(folder) / SPEC_FILE).is_file():
+        return  # nothing pretrained yet (or gone): the stage runs
+    made = read_backbone_spec(folder).arch
+    if made != arch:
+        raise ConfigError(f"demo folder {out_dir} holds the {made} demo, not {arch}; choose another folder "
+                          f"for --backbone {arch}")
+
+
 def _read_mark(mark: Path, result: type):
     """A finished stage's (result, wall time) from its mark; None where there is none, or
     where an older edgetl wrote other fields (the stage then runs again)."""
@@ -348,27 +417,33 @@ def run_demo(
     quick: bool = False,
     data: str | Path | None = None,
     device: str = "cpu",
+    arch: str = DEFAULT_ARCH,
     on_stage: Callable[[str, str, dict], None] | None = None,
     on_step: Callable[[dict], None] | None = None,
 ) -> DemoReport:
     """Run (or resume) the demo in ``out_dir``; returns every stage's figures.
 
     Args:
-        out_dir: demo folder; finished stages found there are reused.
+        out_dir: demo folder; finished stages found there are reused (a folder another
+            backbone's demo made is refused).
         quick: the small scale used by the test suite.
         data: Fashion-MNIST folder (default: the Debian package location).
         device: where to train.
+        arch: the backbone, a registered architecture (``edgetl.models.archs``), pretrained
+            from random init on the source task.
         on_stage: called with (stage, "start" | "done" | "reused", its report.json entry).
         on_step: progress callback of the training loop (all training stages).
     """
     from edgetl.data import find_fashion_mnist
 
     out_dir = Path(out_dir)
+    archs.get(arch)  # an unknown name: one line naming the registered ones
     root = str(find_fashion_mnist(data))
     manifest = _claim_folder(out_dir)
+    _check_arch(out_dir, arch)
     on_stage = on_stage or (lambda *a: None)
-    report = DemoReport(out_dir)
-    ctx = _Context(QUICK if quick else FULL, device, root, on_step, report.stages)
+    report = DemoReport(out_dir, arch=arch)
+    ctx = _Context(QUICK if quick else FULL, device, root, on_step, report.stages, arch)
     for stage in STAGES:
         _run_stage(stage, ctx, manifest, report, on_stage)
     atomic_text_json(out_dir / "report.json", report.to_dict())

@@ -1,8 +1,10 @@
 """`edgetl demo --quick`: the whole pipeline on real data; figures checked, rerun reuses stages."""
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from edgetl.cli import main
 from tests.conftest import FMNIST_REASON, HAVE_FMNIST
@@ -43,3 +45,73 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     again = capsys.readouterr().out
     assert again.count("reused from") == 10
     assert json.loads((out / "report.json").read_text()) == report
+
+
+# --- another backbone (issue #42): the stages' choices, checked without training -----------------
+
+
+def _ctx(arch, done=None, root="/nonexistent/fashion-mnist"):
+    from edgetl.demo import QUICK, _Context
+
+    return _Context(QUICK, "cpu", root, None, done or {}, arch)
+
+
+def test_the_pretrained_backbone_is_the_architecture_at_random_init(tmp_path):
+    """MobileNetV2 keeps the recipe it always had (no backbone: the default, width 0.35); ResNet-18,
+    which has no width multiplier, starts from resnet18:random at width 1.0."""
+    default = _ctx("mobilenet_v2", root=str(tmp_path))
+    model = default.source_recipe(1, default.initial_backbone).model
+    assert (model.backbone, model.width, model.mode) == (None, 0.35, "full")
+    resnet = _ctx("resnet18", root=str(tmp_path))
+    model = resnet.source_recipe(1, resnet.initial_backbone).model
+    assert (model.backbone, model.width, model.mode) == ("resnet18:random", 1.0, "full")
+
+
+def test_prune_follows_the_plan_then_the_papers_ratios_then_the_papers_rule():
+    from edgetl.demo import DemoReport, Planned, prune_rule
+
+    fitted = Planned(1, 1, "plan.yaml", [], [], 2, "prune none")
+    pruning = Planned(1, 1, "plan.yaml", [1, 2], [0.5, 0.25], 2, "prune 1, 2")
+    assert [prune_rule(a, pruning) for a in ("mobilenet_v2", "resnet18")] == ["plan", "plan"]
+    assert [prune_rule(a, fitted) for a in ("mobilenet_v2", "resnet50")] == ["paper", "auto"]
+    report = DemoReport(Path("demo"), stages={"plan": fitted}, arch="resnet50")
+    assert report.prune_source == ("the paper's rule (edgetl prune --auto) on the profile's sensitive blocks: "
+                                   "no paper pruned ResNet-50, and the plan fitted without pruning")
+    assert DemoReport(Path("demo"), stages={"plan": fitted}).prune_source == (
+        "the paper's ratios for MobileNetV2 (the plan fitted without pruning)")
+
+
+def test_the_papers_rule_on_resnet18_prunes_nothing_and_the_pipeline_goes_on(tmp_path):
+    """ResNet-18's one sensitive block at 64 px is its stem (paper accounting, edgetl.prune's
+    default_blocks), which has no hidden channels: the prune stage saves the network as it is."""
+    from edgetl.demo import Planned, Trained, _prune
+    from edgetl.models.backbone import BackboneSpec, build_backbone, load_backbone, save_backbone
+    from edgetl.profile import profile
+
+    assert profile(mode="repnet", accounting="paper", resolution=64, batch_size=32, num_classes=5,
+                   checkpoint="resnet18:random").sensitive_blocks == [0]
+    (tmp_path / "pretrain").mkdir()
+    save_backbone(tmp_path / "pretrain", build_backbone(BackboneSpec(arch="resnet18", num_classes=5)))
+    done = {"pretrain": Trained(str(tmp_path / "pretrain"), None),
+            "plan": Planned(1, 1, "plan.yaml", [], [], 1, "prune none")}
+    pruned = _prune(_ctx("resnet18", done), tmp_path / "prune")
+    assert (pruned.blocks, pruned.ratios, pruned.hidden) == ([], [], {})
+    before, after = load_backbone(tmp_path / "pretrain"), load_backbone(pruned.backbone)
+    assert after.spec == before.spec
+    assert all(torch.equal(a, b) for a, b in zip(after.state_dict().values(), before.state_dict().values()))
+
+
+def test_a_demo_folder_of_another_backbone_is_refused(tmp_path):
+    from edgetl.demo import _check_arch
+    from edgetl.errors import ConfigError
+    from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
+
+    (tmp_path / "pretrain").mkdir()
+    save_backbone(tmp_path / "pretrain", build_backbone(BackboneSpec(width=0.35, num_classes=5)))
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "pretrain.json").write_text(json.dumps({"backbone": str(tmp_path / "pretrain")}))
+    _check_arch(tmp_path, "mobilenet_v2")
+    with pytest.raises(ConfigError, match=rf"^demo folder {tmp_path} holds the mobilenet_v2 demo, not resnet18; "
+                                          r"choose another folder for --backbone resnet18$"):
+        _check_arch(tmp_path, "resnet18")
+    _check_arch(tmp_path / "new", "resnet18")  # nothing made yet

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import edgetl.models.archs as archs
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, fmt_mb, given_path, print_table, torch_device
 
@@ -13,14 +14,17 @@ def add_parser(sub) -> None:
         "demo",
         help=COMMANDS["demo"],
         description=(
-            "Pretrain a small MobileNetV2 on Fashion-MNIST classes 0-4, profile it, plan for a "
-            "budget, prune, retrain, fine-tune the Rep-Net side network on classes 5-9 with pooled "
-            "storage (beside unpruned Rep-Net and full fine-tuning), export ONNX and verify it. "
+            "Pretrain a small MobileNetV2 (or --backbone) on Fashion-MNIST classes 0-4, profile it, "
+            "plan for a budget, prune, retrain, fine-tune the Rep-Net side network on classes 5-9 with "
+            "pooled storage (beside unpruned Rep-Net and full fine-tuning), export ONNX and verify it. "
             "A rerun reuses finished stages."
         ),
         formatter_class=HelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="small scale (about a minute; used by the tests)")
+    p.add_argument("--backbone", choices=archs.registered(), default=archs.MOBILENET_V2.name, metavar="ARCH",
+                   help=f"the architecture, pretrained from random init: {', '.join(archs.registered())} "
+                        "(MobileNetV2 at width 0.35; one without a width multiplier at 1.0)")
     p.add_argument("--data", metavar="PATH", help="Fashion-MNIST folder (default: the Debian package's)")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
     p.add_argument("-o", "--out", type=given_path, default=Path("runs/demo"), metavar="DIR", help="demo folder")
@@ -59,7 +63,7 @@ def run(args) -> int:
         bar.update(1)
 
     report = run_demo(out_dir=args.out, quick=args.quick, data=args.data, device=args.device,
-                      on_stage=on_stage, on_step=on_step)
+                      arch=args.backbone, on_stage=on_stage, on_step=on_step)
     if bar is not None:
         bar.close()
     print_report(report)
@@ -79,12 +83,16 @@ def print_report(report) -> None:
         rows.append([name, ", ".join(how), f"{run.target_acc1:.1f}",
                      fmt_mb(run.predicted_bytes), fmt_mb(run.measured_bytes), run.runtime])
     print_table(["fine-tuning on classes 5-9", "pool, streaming", "val top-1 %", "predicted MB", "measured MB", "runtime"],
-                rows, title="Target task (MB = 10^6 B; measured: one real training step, storage meter)")
+                rows, title=f"Target task, {archs.get(report.arch).title} (MB = 10^6 B; measured: one real training "
+                            "step, storage meter)")
     print()
     pre, ret, plan, prof, exp = s["pretrain"], s["retrain"], s["plan"], s["profile"], s["export"]
     print(f"source task top-1: pretrained {pre.source_acc1:.1f} %, pruned + retrained {ret.source_acc1:.1f} %")
     print(f"Rep-Net profile (paper accounting): total {fmt_mb(prof.paper_total_bytes)} MB, "
           f"sensitive blocks {prof.sensitive_blocks}; plot {prof.plot}")
     print(f"plan for {fmt_mb(plan.budget_bytes)} MB: {plan.describe}")
+    pruned = s["prune"]
+    kept = f"blocks {pruned.blocks}, hidden channels kept {pruned.hidden}" if pruned.blocks else "nothing to prune"
+    print(f"pruning by {report.prune_source}: {kept}")
     print(f"ONNX {exp.onnx} ({exp.onnx_bytes / 1e6:.2f} MB), max abs diff vs PyTorch {exp.max_abs_diff:.1e}")
     print(f"report saved to {report.out_dir / 'report.json'}")
