@@ -187,20 +187,15 @@ def test_stem_max_pool_keeps_a_sixteenth_of_the_indices():
     assert not lean.saves_input and not lean.saves_output and lean.saved_new_bytes == 100_352
 
 
-# edgetl.memory.flow takes a function between leaves that returns one of its inputs for no op
-# (right for x.to(x.dtype), wrong for the residual add written in place, ``y += identity``):
-# the shortcut's backward and the gradient sum at the block input are then missing from the
-# prediction wherever a gradient flows back through a residual block
-FLOW_IN_PLACE = pytest.mark.xfail(strict=True, reason="flow.py records no in-place function between leaves")
 HALF = dict(precision="bf16", frozen_weights="int8")
 
 
 @pytest.mark.parametrize("mode,lean", [
     ("repnet", LeanOptions(pool=2)),
     ("repnet", LeanOptions(pool=2, stream=1, **HALF)),
-    pytest.param("bias", LeanOptions(), marks=FLOW_IN_PLACE),
-    pytest.param("full", LeanOptions(storage="exact"), marks=FLOW_IN_PLACE),
-    pytest.param("full", LeanOptions(storage="pool2"), marks=FLOW_IN_PLACE),
+    ("bias", LeanOptions()),
+    ("full", LeanOptions(storage="exact")),
+    ("full", LeanOptions(storage="pool2")),
 ], ids=["repnet", "repnet_streamed_half", "bias", "full_exact", "full_pool2"])
 def test_a_resnet_step_on_the_lean_runtime_is_predicted_to_the_byte(mode, lean):
     """The peak of a training step of the lean ResNet: the runtime accounting's prediction is

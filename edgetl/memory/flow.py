@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from edgetl.memory.leaf import Call, call_of, leaf_parameters
 from edgetl.memory.trace import Leaf, meta_copy, trace_meta
+from edgetl.metaop import tensors_in
 from edgetl.models.backbone import EdgeNet
 from edgetl.models.stream import mark_shapes_only
 
@@ -169,14 +170,19 @@ class _FlowRecorder(TorchFunctionMode):
         self.busy = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # an input's version counter says whether the function wrote it in place
+        outside = not (self.busy or self.leaf_depth)
+        versions = {id(t): t._version for t in tensors_in((args, kwargs))} if outside else {}
         out = func(*args, **(kwargs or {}))
-        if self.busy or self.leaf_depth or not isinstance(out, torch.Tensor):
+        if not outside or not isinstance(out, torch.Tensor):
             return out
         call, tensors = call_of(func, args, kwargs)
-        if any(out is t for t in tensors):
-            return out  # x.to(x.dtype) and the like: the very same tensor, no op
+        if any(out is t for t in tensors) and out._version == versions.get(id(out)):
+            return out  # x.to(x.dtype) and the like: the very same tensor, unwritten, no op
         if not tensors:
             return out
+        # an in-place function (``y += identity``, a residual add written in place) is an op
+        # like any other: its output is a new value of the storage it wrote
         ins = [self.value_of(t) for t in tensors]
         block, part = (self.ops[-1].block, self.ops[-1].part) if self.ops else (0, "backbone")
         self.ops.append(Op(_func_name(func), block, part, ins, -1, func=_func_name(func), call=call))

@@ -17,7 +17,8 @@ storage with per-layer rules saying what autograd keeps:
 * backward: ops run in reverse order (autograd's sequence-number order); each holds its
   grad_output, allocates grad_input (or passes grad_output on, as an add or a view does)
   and param grads, then releases its saved tensors; gradients reaching a tensor from two
-  consumers (skips, side taps) are summed in place;
+  consumers (skips, side taps) are summed into a new buffer, as they are under the storage
+  meter (``_Simulation.deliver``);
 * optimizer step: Adam's ``denom`` needs two temporaries of the largest param.
 
 What each leaf layer keeps is ``edgetl.memory.rules``; what a function called between leaves
@@ -148,6 +149,7 @@ class _Simulation:
     keys: dict[int, object] = field(default_factory=dict)  # the loss trace's keys -> storages here
     held: list[object] = field(default_factory=list)  # the loss's saved tensors
     gbuf: dict[int, object] = field(default_factory=dict)  # value id -> its gradient so far
+    summed: list[object] = field(default_factory=list)  # the gradient sums made so far
 
     def sample(self, where: str, block: int, forward: bool, saved_before: int | None = None) -> None:
         """Note the bytes alive now in the step's peak and the block's figures."""
@@ -302,7 +304,7 @@ class _Simulation:
         if g_out is not None:
             mem.unref(g_out)
         for v, key in outs:
-            self.deliver(v, key)
+            self.deliver(v, key, op)
         if g_out is not None and self.opt.param_step_bytes is not None and op.module is not None:
             self.update_in_backward(op)
 
@@ -333,26 +335,28 @@ class _Simulation:
             _drop(mem, ("btmp", i))
         return outs
 
-    def deliver(self, v: int, g: object) -> None:
-        """Gradient ``g`` reaches value ``v``; a second one is summed into the first."""
+    def deliver(self, v: int, g: object, op: Op) -> None:
+        """Gradient ``g`` (from op ``op``'s backward) reaches value ``v``; a second one is summed
+        with the first into a new buffer.
+
+        Autograd's ``InputBuffer::accumulate`` adds in place into a buffer nobody else holds,
+        but only when the other gradient is no tensor subclass, and with any
+        ``TorchDispatchMode`` on (the storage meter is one) torch's ``isTensorSubclassLike``
+        says every tensor is: the measured step sums out of place, both gradients and their
+        sum alive at once (up to one gradient more than an unmetered step holds)."""
         mem, gbuf = self.mem, self.gbuf
         old = gbuf.get(v)
         if old is None:
             gbuf[v] = g
             return
-        # InputBuffer.accumulate: add in place into a buffer nobody else holds
-        if mem.refs[old] == 1:
-            mem.unref(g)
-        elif mem.refs[g] == 1:
-            gbuf[v] = g
-            mem.unref(old)
-        else:
-            key = ("grad", "sum", v, id(g))
-            mem.alloc(key, self.flow.values[v].nbytes)
-            mem.ref(key)
-            mem.unref(old)
-            mem.unref(g)
-            gbuf[v] = key
+        key = ("grad", "sum", v, len(self.summed))
+        self.summed.append(key)
+        mem.alloc(key, self.flow.values[v].nbytes)
+        mem.ref(key)
+        self.sample(f"backward {op.name} (gradient sum)", op.block, False)
+        mem.unref(old)
+        mem.unref(g)
+        gbuf[v] = key
 
     def update_in_backward(self, op: Op) -> None:
         """step_in_backward: each parameter's hook updates it and frees its gradient, in
