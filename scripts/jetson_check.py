@@ -337,15 +337,15 @@ class Checker:
         pruned = self.results.get("prune")
         return self.work / ("pruned" if pruned is not None and pruned.status == "passed" else "base")
 
-    def finetune_argv(self, run_dir: Path, *extra: str) -> list[str]:
+    def finetune_argv(self, run_dir: Path, *extra: str, backbone: str | None = None, budget: str = "50MB") -> list[str]:
         # Emulated, the loader reads in the finetune process itself: qemu-user (7.2) forking the
         # multi-threaded interpreter for DataLoader workers deadlocks now and then inside qemu
         # (the forked worker's only guest thread waits forever on a futex in qemu's own memory),
         # a hang of the emulator that a Jetson does not have; natively the recipe's workers stand.
         workers = ("--set", f"train.workers={LOADER_WORKERS_EMULATED}") if self.emulated else ()
-        return self.edgetl("finetune", "--recipe", "imagefolder", "--backbone", str(self.backbone()),
+        return self.edgetl("finetune", "--recipe", "imagefolder", "--backbone", backbone or str(self.backbone()),
                            "--data", str(self.work / "data"), "--set", f"data.resolution={RESOLUTION}",
-                           "--batch-size", str(BATCH), "--budget", "50MB", *workers, *extra, "-o", str(run_dir))
+                           "--batch-size", str(BATCH), "--budget", budget, *workers, *extra, "-o", str(run_dir))
 
     def finetuned(self, r: Result, run: Run, run_dir: Path) -> None:
         """Peaks from the pre-flight table; the run folder holds what export reads."""
@@ -362,10 +362,10 @@ class Checker:
             raise CheckFailed(f"{self.rel(run_dir)} lacks {', '.join(missing)}")
         self.peaks(r, mb("predicted peak"), mb("measured peak (one real step)"), slack=MB_ROUNDING)
 
-    def finetune(self, r: Result, name: str, *extra: str) -> None:
+    def finetune(self, r: Result, name: str, *extra: str, **backbone) -> None:
         run_dir = self.work / "runs" / name
         shutil.rmtree(run_dir, ignore_errors=True)
-        argv = self.finetune_argv(run_dir, *extra)
+        argv = self.finetune_argv(run_dir, *extra, **backbone)
         run = self.run(argv, r.name, timeout=1200)
         self.expect(r, run, argv, r.name)
         self.finetuned(r, run, run_dir)
@@ -386,6 +386,16 @@ class Checker:
     def c_finetune_stream(self, r: Result) -> None:
         self.finetune(r, "stream-uint8", "--stream", "1", "--uint8-input", "--precision", "fp32",
                       "--frozen-weights", "fp32", "--epochs", "1", "--set", "data.max_samples=4")
+
+    def c_finetune_resnet18(self, r: Result) -> None:
+        """ResNet-18 (issue #42): the lean Rep-Net streamed by 1 with the uint8 batch, from
+        torchvision's architecture at random init (no weights are downloaded here)."""
+        self.finetune(r, "resnet18-stream", "--stream", "1", "--uint8-input", "--precision", "fp32",
+                      "--frozen-weights", "fp32", "--epochs", "1", "--set", "data.max_samples=4",
+                      backbone="resnet18:random", budget="100MB")
+
+    def c_export_resnet18(self, r: Result) -> None:
+        self.export(r, self.work / "runs" / "resnet18-stream", "export-resnet18")
 
     def c_finetune_resume(self, r: Result) -> None:
         """Kill the fp32 run (SIGKILL, its whole process group) once its first last.pt is
@@ -433,11 +443,14 @@ class Checker:
         return self.work / "runs" / "fp32"
 
     def c_export(self, r: Result) -> None:
-        run_dir = self.exported_run()
+        self.export(r, self.exported_run(), "export-onnx")
+
+    def export(self, r: Result, run_dir: Path, log: str) -> None:
+        """The default export of a run folder: the dynamo exporter, onnxruntime parity."""
         shutil.rmtree(run_dir / "export", ignore_errors=True)
         argv = self.edgetl("export", "--run", str(run_dir))
-        run = self.run(argv, "export-onnx", timeout=1200)
-        self.expect(r, run, argv, "export-onnx")
+        run = self.run(argv, log, timeout=1200)
+        self.expect(r, run, argv, log)
         sidecar = json.loads((run_dir / "export" / "model.onnx.json").read_text())
         r.details["exporter"] = sidecar.get("exporter")
         r.details["opset"] = sidecar.get("opset")
@@ -535,6 +548,8 @@ class Checker:
             ("finetune-resume", self.c_finetune_resume, ("setup",), False),
             ("export-onnx", self.c_export, ("finetune-fp32",), True),
             ("deploy-classify", self.c_classify, ("export-onnx",), True),
+            ("finetune-resnet18-stream", self.c_finetune_resnet18, ("setup",), True),
+            ("export-resnet18", self.c_export_resnet18, ("finetune-resnet18-stream",), True),
             ("pytest-accounting", self.c_pytest_accounting, (), True),
             ("pytest-stream", self.c_pytest_stream, (), True),
             ("pytest-uint8", self.c_pytest_uint8, (), True),
