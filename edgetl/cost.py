@@ -1,14 +1,18 @@
-"""Cost types of the runtime accounting (DESIGN 2b): what one layer call holds, in bytes.
+"""Cost types of the runtime accounting (DESIGN 2b): what one layer call holds, in bytes,
+and the execution settings a layer offers the step's schedule.
 
 Kept apart from the simulator (``edgetl.memory.runtime``) so that the layers, whose loops
-over samples go through ``repeated`` (``edgetl.models.lean``, ``edgetl.models.compress``), and
-the accounting that measures them both import this module and never each other.
+over samples go through ``repeated`` (``edgetl.models.lean``, ``edgetl.models.compress``) and
+which declare their settings (``Tunable``), and the accounting that measures and schedules
+them both import this module and never each other.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 @dataclass
@@ -106,3 +110,71 @@ def repeated(passes: range) -> range:
 def over(phases, final: int) -> int:
     """Extra bytes of the largest phase over what the runtime model already counts."""
     return max(0, max(phases) - final)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """One call of a leaf in the simulated step: what its settings may depend on."""
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    input_requires_grad: bool
+    output_requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way a leaf can run a call, and its candidates (``Tunable.settings``).
+
+    Attributes:
+        name: the key in the layer's ``execution`` ("backward", "mask_chunk", "weight").
+        candidates: least memory first; ``candidates[0]`` is the default, the one a layer
+            with no choice runs.
+        moment: whose temporaries it moves: "forward", "backward" or "both".
+        bisect: memory grows along the candidates (a chunk size 1..n), so the last one that
+            fits is found by bisection; otherwise they are tried from the last down.
+        every_shape: the choice holds for every call of the layer (keyed ``None`` in its
+            ``execution``), not only calls of the output shape it was fitted at.
+    """
+
+    name: str
+    candidates: tuple[Hashable, ...]
+    moment: str
+    bisect: bool = False
+    every_shape: bool = False
+
+    def __post_init__(self) -> None:
+        if self.moment not in ("forward", "backward", "both"):
+            raise ValueError(f"a setting's moment is forward, backward or both, not {self.moment!r}")
+        if not self.candidates:
+            raise ValueError(f"setting {self.name!r} has no candidates")
+
+    @property
+    def default(self) -> Hashable:
+        return self.candidates[0]
+
+    @property
+    def moments(self) -> tuple[str, ...]:
+        return ("forward", "backward") if self.moment == "both" else (self.moment,)
+
+
+# out shape (None: every call) -> setting name -> chosen candidate; an absent one is its default
+Execution = Mapping[tuple[int, ...] | None, Mapping[str, Hashable]]
+
+
+@runtime_checkable
+class Tunable(Protocol):
+    """A leaf layer whose execution the step's schedule chooses (``edgetl.memory.schedule``):
+    it declares its settings per call, runs as its ``execution`` says, and makes configured
+    copies for the fitter to measure (it never changes itself to be measured)."""
+
+    execution: Execution
+
+    def settings(self, call: CallShape) -> tuple[Setting, ...]:
+        """The settings this call can run with, in the order the fitter scores them."""
+
+    def configured(self, choice: Execution) -> "Tunable":
+        """A copy of this layer whose ``execution`` is ``choice``."""

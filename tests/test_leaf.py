@@ -118,9 +118,9 @@ def test_the_key_names_every_setting_that_changes_what_a_layer_allocates():
     assert {id(t) for t in tensors} == {id(t) for t in (*conv.parameters(), *conv.buffers())}
     shape = (4, CH, 9, 9)
     changes = {
-        "mask_chunks": lambda m: setattr(m, "mask_chunks", {shape: 2}),
-        "whole_batch_shapes": lambda m: setattr(m, "whole_batch_shapes", frozenset({shape})),
-        "whole_weight": lambda m: setattr(m, "whole_weight", True),
+        "mask_chunk": lambda m: setattr(m, "execution", {shape: {"mask_chunk": 2}}),
+        "backward": lambda m: setattr(m, "execution", {shape: {"backward": "whole_batch"}}),
+        "weight": lambda m: setattr(m, "execution", {None: {"weight": "whole"}}),
         "training": lambda m: m.eval(),
         "bias trains": lambda m: m.bias.requires_grad_(not m.bias.requires_grad),
         "weight dtype": lambda m: setattr(m, "weight", m.weight.to(torch.int16)),
@@ -140,8 +140,7 @@ def test_a_chunk_setting_changes_the_measured_forward():
     conv = frozen()
     shape = (4, CH, RES, RES)
     one = measured_cost(conv, in_shape=shape, in_dtype=F32, input_requires_grad=True, output_requires_grad=True)
-    conv.mask_chunks = {(4, conv.out_channels, RES, RES): 4}
-    four = measured_cost(conv, in_shape=shape, in_dtype=F32, input_requires_grad=True, output_requires_grad=True)
+    four = measured_cost(conv.configured({(4, conv.out_channels, RES, RES): {"mask_chunk": 4}}), in_shape=shape, in_dtype=F32, input_requires_grad=True, output_requires_grad=True)
     assert four.forward_temp_bytes > one.forward_temp_bytes
     assert four.saved_new_bytes == one.saved_new_bytes
 
@@ -160,12 +159,11 @@ def test_a_loop_cut_short_measures_what_the_whole_loop_does(name, batch):
     conv = make()
     shape = (batch, *shape[1:])
     out_shape = (batch, conv.out_channels, *shape[2:])
-    settings = [{}, {"mask_chunks": {out_shape: 2}}, {"whole_batch_shapes": frozenset({out_shape})},
-                {"whole_weight": True}]
+    settings = [{}, {out_shape: {"mask_chunk": 2}}, {out_shape: {"mask_chunk": 2, "backward": "whole_batch"}},
+                {out_shape: {"mask_chunk": 2, "backward": "whole_batch"}, None: {"weight": "whole"}}]
     output_grad = input_grad or conv.bias.requires_grad
     for setting in settings:
-        for attr, value in setting.items():
-            setattr(conv, attr, value)
+        conv = conv.configured(setting)
         cut = measured_cost(conv, in_shape=shape, in_dtype=dtype, input_requires_grad=input_grad,
                             output_requires_grad=output_grad)
         sig = signature(conv)
@@ -207,7 +205,7 @@ def test_a_leaf_is_measured_without_its_hooks():
     conv.register_forward_hook(refuse)
     hooked = copy.deepcopy(conv)
     hooked.register_forward_hook(Watcher().hook)
-    hooked.mask_chunks = {(2, CH, RES, RES): 2}  # a new key: measured again, with the hook in place
+    hooked.execution = {(2, CH, RES, RES): {"mask_chunk": 2}}  # a new key: measured again, with the hook in place
     measured_cost(hooked, **args)
     assert measured_cost(conv, **args) == plain
 

@@ -226,7 +226,7 @@ def test_whole_batch_backward_where_the_peak_allows(config, refused):
     assert len(kept) == refused, kept  # the bias config: the last 1x1 conv's backward is the peak
     for name in kept:
         probe = copy.deepcopy(net)
-        _act_convs(probe)[name].whole_batch_shapes = frozenset({shapes[name]})
+        _act_convs(probe)[name].execution = {shapes[name]: {"backward": "whole_batch"}}
         assert runtime_report(probe, mode=mode, resolution=64, batch_size=batch).total_bytes > before, name
 
     x = torch.randn(batch, 3, 64, 64, dtype=getattr(net, "input_dtype", torch.float32))
@@ -370,7 +370,7 @@ def test_chunked_pointwise_conv_matches_stock_and_meter(weight, act_dtype, whole
     assert not layer.chunked
     monkeypatch.setattr(lean_module, "DEQUANT_CHUNK", 3 * CH)
     if whole:
-        layer.whole_batch_shapes = frozenset({(2, CH, RES, RES)})
+        layer = layer.configured({(2, CH, RES, RES): {"backward": "whole_batch"}})
     act = layer.act_dtype
     x = torch.randn(2, CH, RES, RES, dtype=act, requires_grad=True)
     gy = torch.randn(2, CH, RES, RES, dtype=act)
@@ -400,8 +400,8 @@ def test_whole_weights_where_the_peak_allows():
     schedule = prepare_step(net, resolution=64, batch_size=2)
     assert sorted(set(chunkable) - set(schedule.whole_weight)) == ["features.18.0"]
     assert Schedule.from_dict(json.loads(json.dumps(schedule.to_dict()))) == schedule
-    assert all(chunkable[n].whole_weight for n in schedule.whole_weight) and chunkable["features.18.0"].chunked
+    assert all(not chunkable[n].chunked for n in schedule.whole_weight) and chunkable["features.18.0"].chunked
     predicted, _ = check(net, 64, 2, mode="bias")
     assert predicted <= default
-    chunkable["features.18.0"].whole_weight = True
+    chunkable["features.18.0"].execution = {None: {"weight": "whole"}}
     assert runtime_report(net, mode="bias", resolution=64, batch_size=2).total_bytes > default

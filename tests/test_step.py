@@ -70,12 +70,11 @@ def test_an_unknown_layer_fails_the_simulation_with_its_name():
 def test_a_schedule_is_data_and_fitting_it_leaves_the_network_alone():
     net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
     schedule = fit_schedule(net, resolution=RES, batch_size=BATCH)
-    assert schedule.whole_batch and all(not m.whole_batch_shapes for m in net.modules()
-                                        if hasattr(m, "whole_batch_shapes"))
+    assert schedule.whole_batch and all(not m.execution for m in net.modules() if hasattr(m, "execution"))
     assert Schedule.from_dict(schedule.to_dict()) == schedule
     apply_schedule(net, schedule)
-    assert sum(bool(m.whole_batch_shapes) for m in net.modules() if hasattr(m, "whole_batch_shapes")) == len(
-        schedule.whole_batch)
+    assert sum(any(c.get("backward") == "whole_batch" for c in m.execution.values())
+               for m in net.modules() if hasattr(m, "execution")) == len(schedule.whole_batch)
 
 
 def test_fitting_a_cpu_network_matches_its_meta_twin_and_leaves_it_as_it_was():
@@ -94,8 +93,7 @@ def test_fitting_a_cpu_network_matches_its_meta_twin_and_leaves_it_as_it_was():
     state = {k: v.clone() for k, v in net.state_dict().items()}
 
     def settings(n):
-        return [(m.whole_batch_shapes, m.mask_chunks, m.whole_weight) for m in n.modules()
-                if isinstance(m, FrozenConvBNAct)]
+        return [copy.deepcopy(m.execution) for m in n.modules() if isinstance(m, FrozenConvBNAct)]
 
     before = settings(net)
     schedule = fit_schedule(net, resolution=RES, batch_size=BATCH)
@@ -114,7 +112,7 @@ def test_fitting_a_cpu_network_matches_its_meta_twin_and_leaves_it_as_it_was():
 def test_a_schedule_of_the_forward_reads_back_and_old_schedules_pack_one_sample_at_a_time():
     net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2))
     schedule = fit_schedule(net, resolution=RES, batch_size=BATCH)
-    assert schedule.mask_chunks and all(m.mask_chunks == {} for m in net.modules() if hasattr(m, "mask_chunks"))
+    assert schedule.mask_chunks and all(m.execution == {} for m in net.modules() if hasattr(m, "execution"))
     data = json.loads(json.dumps(schedule.to_dict()))
     assert Schedule.from_dict(data) == schedule
     del data["forward_mask_chunks"]  # a run recorded before forward chunks

@@ -2,63 +2,81 @@
 stored with a run, applied to a network before the step that profile, plan, the pre-flight
 and finetune all predict, measure and run (issues #14, #17).
 
-Today a schedule says which lean frozen convs run their masked backward on the whole batch
-(``FrozenConvBNAct.whole_batch_shapes``): sample by sample (the default), a frozen conv's
-masked grad_output exists for one sample at a time; on the whole batch it is faster (fewer,
-larger kernels) but holds every sample's copy at once. A layer's backward temporaries live
-only during its own backward, so each layer's choice moves only its own moment of the step:
-a layer may switch when its moment, with the whole-batch temporaries, stays within the
-peak. (The peak can even drop: the per-sample path allocates the whole grad_input up
-front.) The choice is per output shape: a batch of another size (the last, smaller batch
-of an epoch) runs sample by sample.
+A lean layer that can run a call more than one way declares how (``edgetl.cost.Tunable``):
+per call, its settings (``edgetl.cost.Setting``: candidates, least memory first, the first
+its default) and the moment of the step whose temporaries each moves; it runs as its
+``execution`` says, which ``apply_schedule`` sets. ``fit_schedule`` simulates the step with
+every layer at its defaults, then scores each setting's candidates on a configured copy of
+the layer (``configured``, measured as any leaf is: ``edgetl.memory.leaf``), never by
+changing it. A layer's temporaries live only during its own forward or backward, so each
+choice moves only its own moments: a layer takes the last candidate whose moments stay
+within the default step's peak, so the fitted schedule never predicts a higher one. A
+layer's settings are scored in the order it declares them, its earlier choices in place.
 
-The forward is fitted the same way (issue #17 item 6): a frozen conv packs its ReLU6 mask
-``mask_chunk`` samples at a time (``FrozenConvBNAct.mask_chunks``); one sample at a time
-is the least memory, and at batch 32, 224 px, the most kernel launches of the step. Each
-conv gets the largest chunk whose byte-per-element comparisons, at its forward moment,
-keep the step within the same peak. Both choices are checked against the peak of the
-default (sample-by-sample) step, so the fitted schedule never predicts a higher one.
+The lean frozen conv (``FrozenConvBNAct``) declares three:
 
-A 1x1 frozen conv whose converted weight would hold more than one chunk of it converts it
-a chunk at a time by default (``FrozenConvBNAct.chunked``: less memory, one small matrix
-product per sample and chunk). With both choices above in place, each such conv gets its whole
-weight converted per call (``whole_weight``: one conv kernel, as before chunking) where its
-forward and backward moments stay within the same peak. Streamed segments keep every conv
-inside them chunked (the segment is accounted as one leaf).
+* "backward": sample by sample (the default), its masked grad_output exists for one sample
+  at a time; on the whole batch it is faster (fewer, larger kernels) but holds every
+  sample's copy at once. (The peak can even drop: the per-sample path allocates the whole
+  grad_input up front.) The choice is per output shape: a batch of another size (the last,
+  smaller batch of an epoch) runs sample by sample.
+* "mask_chunk" (issue #17 item 6): the forward packs its ReLU6 mask that many samples at a
+  time; one is the least memory, and at batch 32, 224 px, the most kernel launches of the
+  step. Each conv gets the largest chunk whose byte-per-element comparisons, at its forward
+  moment, keep the step within the peak (the memory grows with the chunk: bisected).
+* "weight": a 1x1 frozen conv whose converted weight would hold more than one chunk of it
+  converts it a chunk at a time by default (``FrozenConvBNAct.chunked``: less memory, one
+  small matrix product per sample and chunk); with both choices above in place, it gets its
+  whole weight converted per call (one conv kernel, as before chunking) where its forward
+  and backward moments stay within the peak. For every call of the conv.
+
+Streamed segments keep every conv inside them at its defaults (the segment is accounted
+as one leaf). A ``Schedule`` stores these three as it always has (``whole_batch_backward``,
+``forward_mask_chunks``, ``whole_weight_convs``), so schedules stored with runs load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from edgetl.cost import CallShape, Setting, Tunable
 from edgetl.errors import ConfigError
 from edgetl.memory.rules import layer_cost
 from edgetl.memory.runtime import runtime_report, simulate
 from edgetl.memory.trace import meta_copy
-from edgetl.models.lean import FrozenConvBNAct, mask_backward_per_sample, mask_forward_chunked
 from edgetl.models.stream import apply_streams, segments_of
 from edgetl.step import Step, resolve_step
+
+# layer name -> output shape (None: every call) -> setting -> choice
+Choices = dict[str, dict[tuple[int, ...] | None, dict[str, Hashable]]]
 
 
 @dataclass(frozen=True)
 class Schedule:
     """How a lean step executes.
 
+    The settings of the lean frozen convs (``FrozenConvBNAct.settings``) keep the fields
+    that stored schedules have always had; any other tunable layer's choices are in
+    ``settings``.
+
     Attributes:
         batch_size, resolution: the step it was fitted for.
         whole_batch: frozen conv name -> output shape whose masked backward runs on the
-            whole batch.
+            whole batch (setting "backward": "whole_batch").
         sample_by_sample: the convs left sample by sample (whole batch would raise the peak).
         mask_chunks: frozen conv name -> (output shape, samples per chunk) for the forward's
-            mask packing, where more than one sample fits (others: one at a time).
+            mask packing, where more than one sample fits (setting "mask_chunk"; others: one
+            at a time).
         streams: first block -> (stop block, micro-batch) of each streamed frozen segment
             (``edgetl.models.stream``); the convs inside one are not scheduled one by one.
         recompute: the first blocks of the streamed segments that keep their input and run
             forward again in backward (``LeanOptions.recompute``; where that lowers the peak).
         whole_weight: the frozen convs that convert their stored weight whole per call
-            (the others that could run chunk by chunk do).
+            (setting "weight": "whole"; the others that could run chunk by chunk do).
+        settings: the other settings' choices that are not their defaults (``Choices``).
     """
 
     batch_size: int
@@ -69,6 +87,7 @@ class Schedule:
     streams: dict[int, tuple[int, int]] = field(default_factory=dict)
     recompute: tuple[int, ...] = ()
     whole_weight: tuple[str, ...] = ()
+    settings: Choices = field(default_factory=dict)
 
     @property
     def decisions(self) -> dict[str, bool]:
@@ -77,15 +96,39 @@ class Schedule:
         out.update({name: False for name in self.sample_by_sample})
         return out
 
+    def choices(self) -> Choices:
+        """Layer name -> its ``execution`` (``edgetl.cost.Tunable``): what ``apply_schedule`` sets."""
+        out: Choices = {}
+
+        def put(name: str, shape, setting: str, value) -> None:
+            out.setdefault(name, {}).setdefault(shape, {})[setting] = value
+
+        for name, shape in self.whole_batch.items():
+            put(name, shape, "backward", "whole_batch")
+        for name, (shape, chunk) in self.mask_chunks.items():
+            put(name, shape, "mask_chunk", chunk)
+        for name in self.whole_weight:
+            put(name, None, "weight", "whole")
+        for name, by_shape in self.settings.items():
+            for shape, chosen in by_shape.items():
+                for setting, value in chosen.items():
+                    put(name, shape, setting, value)
+        return out
+
     def to_dict(self) -> dict:
-        return {"batch_size": self.batch_size, "resolution": self.resolution,
-                "whole_batch_backward": {k: list(v) for k, v in self.whole_batch.items()},
-                "sample_by_sample_backward": list(self.sample_by_sample),
-                "forward_mask_chunks": {k: {"shape": list(shape), "chunk": chunk}
-                                        for k, (shape, chunk) in self.mask_chunks.items()},
-                "streamed_segments": [{"blocks": [a, b], "micro_batch": m, "recompute": a in self.recompute}
-                                      for a, (b, m) in sorted(self.streams.items())],
-                "whole_weight_convs": list(self.whole_weight)}
+        out = {"batch_size": self.batch_size, "resolution": self.resolution,
+               "whole_batch_backward": {k: list(v) for k, v in self.whole_batch.items()},
+               "sample_by_sample_backward": list(self.sample_by_sample),
+               "forward_mask_chunks": {k: {"shape": list(shape), "chunk": chunk}
+                                       for k, (shape, chunk) in self.mask_chunks.items()},
+               "streamed_segments": [{"blocks": [a, b], "micro_batch": m, "recompute": a in self.recompute}
+                                     for a, (b, m) in sorted(self.streams.items())],
+               "whole_weight_convs": list(self.whole_weight)}
+        if self.settings:
+            out["settings"] = {name: [{"shape": None if shape is None else list(shape), "choices": dict(chosen)}
+                                      for shape, chosen in by_shape.items()]
+                               for name, by_shape in self.settings.items()}
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Schedule":
@@ -98,59 +141,68 @@ class Schedule:
         streams = {int(s["blocks"][0]): (int(s["blocks"][1]), int(s["micro_batch"]))
                    for s in data.get("streamed_segments", ())}
         again = tuple(int(s["blocks"][0]) for s in data.get("streamed_segments", ()) if s.get("recompute"))
+        settings = {name: {None if e["shape"] is None else tuple(int(d) for d in e["shape"]): dict(e["choices"])
+                           for e in entries}
+                    for name, entries in data.get("settings", {}).items()}
         return cls(int(data["batch_size"]), int(data["resolution"]),
                    {k: tuple(int(d) for d in v) for k, v in data.get("whole_batch_backward", {}).items()},
                    tuple(data.get("sample_by_sample_backward", ())), chunks, streams, again,
-                   tuple(data.get("whole_weight_convs", ())))
+                   tuple(data.get("whole_weight_convs", ())), settings)
 
 
-def _frozen_convs(net: nn.Module) -> dict[str, FrozenConvBNAct]:
-    return {n: m for n, m in net.named_modules() if isinstance(m, FrozenConvBNAct)}
+def _tunables(net: nn.Module) -> dict[str, Tunable]:
+    return {n: m for n, m in net.named_modules() if isinstance(m, Tunable)}
 
 
 def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
-    """Set every lean frozen conv of ``net`` as ``schedule`` says (others: sample by sample),
-    and stream the segments it names (no others)."""
+    """Set every tunable layer of ``net`` (``edgetl.cost.Tunable``) as ``schedule`` says
+    (others: their defaults), and stream the segments it names (no others)."""
     if schedule.streams or net.streams is not None:
         apply_streams(net, schedule.streams, schedule.recompute)
-    convs = _frozen_convs(net)
-    unknown = sorted((set(schedule.whole_batch) | set(schedule.mask_chunks) | set(schedule.whole_weight))
-                     - set(convs))
+    layers = _tunables(net)
+    choices = schedule.choices()
+    unknown = sorted(set(choices) - set(layers))
     if unknown:
-        raise ConfigError(f"the schedule names {unknown[0]}, which is not a lean frozen conv of this network")
-    _set_convs(convs, schedule.whole_batch, schedule.mask_chunks, schedule.whole_weight)
-
-
-def _set_convs(convs: dict[str, FrozenConvBNAct], whole_batch: dict, mask_chunks: dict, whole_weight=()) -> None:
-    """Each conv's execution options from the schedule's choices (absent: the defaults)."""
-    for name, conv in convs.items():
-        shape = whole_batch.get(name)
-        conv.whole_batch_shapes = frozenset({shape}) if shape is not None else frozenset()
-        conv.mask_chunks = dict([mask_chunks[name]]) if name in mask_chunks else {}
-        conv.whole_weight = name in whole_weight
+        raise ConfigError(f"the schedule names {unknown[0]}, which is not a tunable lean layer of this network")
+    for name, layer in layers.items():
+        layer.execution = {shape: dict(chosen) for shape, chosen in choices.get(name, {}).items()}
 
 
 def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:
-    """The schedule for ``net``'s step: whole-batch backward and the largest forward mask
-    chunks wherever they do not raise the predicted peak (see the module docstring).
-    ``net`` is not touched: the choices are tried on a meta copy of it."""
+    """The schedule for ``net``'s step: each tunable layer's settings (whole-batch backward,
+    the largest forward mask chunks, whole weights) wherever they do not raise the predicted
+    peak (see the module docstring). ``net`` is not touched: the step is simulated on a meta
+    copy of it, and each choice is measured on a configured copy of its layer."""
     step = resolve_step(step)
-    work = meta_copy(net)  # the fitter's own: its convs and streams are set and reset freely
-    convs = _frozen_convs(work)
-    names = {m: n for n, m in convs.items()}
+    work = meta_copy(net)  # the fitter's own: its streams are set and reset freely
     streams = stream_segments(work, batch_size, step)
     if streams or work.streams is not None:
         apply_streams(work, streams)
-    _set_convs(convs, {}, {})  # every conv at its defaults: the peak the choices must keep
+    for layer in _tunables(work).values():
+        layer.execution = {}  # every layer at its defaults: the peak the choices must keep
     res = simulate(work, resolution=resolution, batch_size=batch_size, step=step)
     again: tuple[int, ...] = ()
     if streams and work.options.recompute:
         again, res = _fit_recompute(work, res, streams, resolution, batch_size, step)
-    whole, kept = _fit_backward(res, names)
-    chunks = _fit_forward(res, names)
-    _set_convs(convs, whole, chunks)  # the weights are fitted with both choices in place
-    weights = _fit_weights(res, names)
-    return Schedule(batch_size, resolution, whole, tuple(kept), chunks, streams, again, weights)
+    names = {id(m): n for n, m in work.named_modules()}
+    whole, kept, chunks, weights, settings = {}, [], {}, [], {}
+    for (module, setting, shape), value in _fit_settings(res).items():
+        name = names[id(module)]
+        if setting.name == "backward":
+            if value == "whole_batch":
+                whole[name] = shape
+            else:
+                kept.append(name)
+        elif setting.name == "mask_chunk":
+            if value != setting.default:
+                chunks[name] = (shape, value)
+        elif setting.name == "weight":
+            if value == "whole":
+                weights.append(name)
+        elif value != setting.default:
+            settings.setdefault(name, {}).setdefault(shape, {})[setting.name] = value
+    return Schedule(batch_size, resolution, whole, tuple(kept), chunks, streams, again, tuple(sorted(weights)),
+                    settings)
 
 
 def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: Step):
@@ -190,71 +242,72 @@ def stream_segments(net: nn.Module, batch_size: int, step: Step) -> dict[int, tu
     return {a: (b, m) for a, b in segments_of(len(net.features), taps)}
 
 
-def _calls(res, moments: dict, chosen) -> dict[tuple[FrozenConvBNAct, tuple], list[int]]:
-    """(frozen conv, output shape) -> the simulated ops where ``chosen(module, args, shape)``."""
-    out: dict[tuple[FrozenConvBNAct, tuple], list[int]] = {}
+def _fit_settings(res) -> dict[tuple[nn.Module, Setting, tuple[int, ...] | None], Hashable]:
+    """Each setting of each tunable leaf of the simulated step -> its choice, in the order the
+    leaves' calls ran (a layer's settings in its declaration order).
+
+    A setting is chosen per layer and output shape (``Setting.every_shape``: per layer), over
+    all its calls there: the last candidate whose calls' moments (``Setting.moment``), with
+    that candidate and the layer's earlier choices in place, stay within the default peak.
+    Each is measured on ``module.configured(...)``, never by changing the layer."""
+    groups: dict[tuple[int, str, tuple | None], tuple[nn.Module, Setting, list[int]]] = {}
+    order: dict[tuple[int, str, tuple | None], tuple[int, int, int]] = {}
+    rank: dict[int, int] = {}
     for i, (module, args) in res.layer_args.items():
-        if isinstance(module, FrozenConvBNAct) and i in moments:
-            shape = tuple(int(d) for d in args["out_shape"])
-            if chosen(module, args, shape):
-                out.setdefault((module, shape), []).append(i)
-    return out
+        if not isinstance(module, Tunable):
+            continue
+        out_shape = tuple(int(d) for d in args["out_shape"])
+        call = CallShape(tuple(int(d) for d in args["in_shape"]), out_shape,
+                         bool(args["input_requires_grad"]), bool(args["output_requires_grad"]))
+        for k, setting in enumerate(module.settings(call)):
+            if not any(i in _moments(res, m) for m in setting.moments):
+                continue
+            key = (id(module), setting.name, None if setting.every_shape else out_shape)
+            if key not in groups:
+                groups[key] = (module, setting, [])
+                order[key] = (rank.setdefault(id(module), len(rank)), k, len(order))
+            groups[key][2].append(i)
+    chosen: dict[int, dict[tuple | None, dict[str, Hashable]]] = {}  # id(module) -> its choices so far
+    out = {}
+    for key in sorted(groups, key=order.__getitem__):
+        module, setting, calls = groups[key]
+        shape = key[2]
+        done = chosen.setdefault(id(module), {})
+
+        def fits(value) -> bool:
+            trial = {s: dict(c) for s, c in done.items()}
+            trial.setdefault(shape, {})[setting.name] = value
+            layer = module.configured(trial)
+            return all(_within_peak(res, i, layer, m) for i in calls for m in setting.moments
+                       if i in _moments(res, m))
+
+        out[key] = value = _last_fitting(setting, fits)
+        done.setdefault(shape, {})[setting.name] = value
+    return {(groups[key][0], groups[key][1], key[2]): out[key] for key in groups}
 
 
-def _within_peak(res, i: int, moments: dict, temp: str) -> bool:
-    """Op ``i``'s moment with its module's current settings stays within the default peak."""
-    module, args = res.layer_args[i]
-    moment, default_temp = moments[i]
-    return moment - default_temp + getattr(layer_cost(module, **args), temp) <= res.peak_bytes
-
-
-def _fit_backward(res, names) -> tuple[dict[str, tuple[int, ...]], list[str]]:
-    candidates = _calls(res, res.backward_moments,
-                        lambda m, args, shape: mask_backward_per_sample(m, args["input_requires_grad"], shape))
-    whole: dict[str, tuple[int, ...]] = {}
-    kept: list[str] = []
-    for (module, shape), calls in candidates.items():
-        module.whole_batch_shapes = frozenset({shape})
-        if all(_within_peak(res, i, res.backward_moments, "backward_temp_bytes") for i in calls):
-            whole[names[module]] = shape
-        else:
-            kept.append(names[module])
-        module.whole_batch_shapes = frozenset()
-    return whole, kept
-
-
-def _fit_forward(res, names) -> dict[str, tuple[tuple[int, ...], int]]:
-    candidates = _calls(res, res.forward_moments,
-                        lambda m, args, shape: mask_forward_chunked(m, args["output_requires_grad"], shape))
-    chunks: dict[str, tuple[tuple[int, ...], int]] = {}
-    for (module, shape), calls in candidates.items():
-        def fits(chunk: int) -> bool:
-            module.mask_chunks = {shape: chunk}
-            return all(_within_peak(res, i, res.forward_moments, "forward_temp_bytes") for i in calls)
-
-        lo, hi = 1, shape[0]  # the temporaries grow with the chunk: the largest that fits
+def _last_fitting(setting: Setting, fits) -> Hashable:
+    """The last of ``setting``'s candidates that ``fits`` (the first, the default, always does)."""
+    candidates = setting.candidates
+    if setting.bisect:  # the memory grows along the candidates: the last that fits
+        lo, hi = 0, len(candidates) - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        module.mask_chunks = {}
-        if lo > 1:
-            chunks[names[module]] = (shape, lo)
-    return chunks
+            lo, hi = (mid, hi) if fits(candidates[mid]) else (lo, mid - 1)
+        return candidates[lo]
+    return next((c for c in reversed(candidates[1:]) if fits(c)), candidates[0])
 
 
-def _fit_weights(res, names) -> tuple[str, ...]:
-    """The chunkable frozen convs whose forward and backward moments, with the whole weight
-    converted per call, stay within the default peak."""
-    moments = (res.forward_moments, "forward_temp_bytes"), (res.backward_moments, "backward_temp_bytes")
-    calls = [(_calls(res, m, lambda module, args, shape: module.chunkable), m, temp) for m, temp in moments]
-    whole = []
-    for module in {module for found, _, _ in calls for module, _ in found}:
-        module.whole_weight = True
-        if all(_within_peak(res, i, m, temp) for found, m, temp in calls
-               for (other, _), ops in found.items() if other is module for i in ops):
-            whole.append(names[module])
-        module.whole_weight = False
-    return tuple(sorted(whole))
+def _moments(res, moment: str) -> dict[int, tuple[int, int]]:
+    return res.forward_moments if moment == "forward" else res.backward_moments
+
+
+def _within_peak(res, i: int, layer: nn.Module, moment: str) -> bool:
+    """Op ``i``'s moment (forward or backward), run by ``layer`` in place of its module,
+    stays within the default peak."""
+    _, args = res.layer_args[i]
+    total, default_temp = _moments(res, moment)[i]
+    return total - default_temp + getattr(layer_cost(layer, **args), f"{moment}_temp_bytes") <= res.peak_bytes
 
 
 def prepare_step(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:

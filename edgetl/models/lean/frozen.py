@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Hashable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,7 +13,7 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input
 
 from edgetl.errors import ConfigError
-from edgetl.cost import dtype_bytes as _dtype_bytes, numel as _numel, repeated
+from edgetl.cost import CallShape, Execution, Setting, dtype_bytes as _dtype_bytes, numel as _numel, repeated
 from edgetl.models.lean.masks import (
     _fold_bits_,
     pack_mask_,
@@ -70,6 +73,17 @@ class FrozenConvBNAct(nn.Module):
     the activation dtype (a large 1x1 weight a chunk at a time, ``chunked``, unless the
     schedule allows it whole). The only trainable parameter allowed is ``bias`` (the BN
     beta, folded or not), for the "repnet+bias" mode.
+
+    How a call runs where there is a choice is the step schedule's (``edgetl.memory.schedule``),
+    read from ``execution`` (``edgetl.cost.Tunable``; ``settings`` lists the choices):
+
+    * "backward": "per_sample" (the default: one sample's masked grad_output at a time) or
+      "whole_batch" (fewer, larger kernels; every sample's masked copy at once), per output
+      shape: a batch of another size (an epoch's last) runs sample by sample;
+    * "mask_chunk": samples per chunk while the forward packs the activation mask, 1..n
+      (1, the default: the least memory, the most kernel launches), per output shape;
+    * "weight": "chunked" (the default where ``chunkable``) or "whole": the stored weight
+      converted whole per call (one conv kernel), for every call.
     """
 
     # set on a meta copy that is only traced forward, never backward (``mark_shapes_only``):
@@ -102,17 +116,9 @@ class FrozenConvBNAct(nn.Module):
         self.pointwise = conv.groups == 1 and _is_pointwise(conv.weight.shape, conv.stride, conv.padding, conv.dilation)
         self.act = check_act(act)  # read by truth value where only "has an activation" matters
         self.upper = ACT_UPPER[self.act] if self.act else None
-        # output shapes whose masked backward runs on the whole batch at once (faster; one
-        # masked copy of grad_output per sample more): set by
-        # edgetl.memory.schedule.apply_schedule, where the step's peak allows it
-        self.whole_batch_shapes: frozenset[tuple[int, ...]] = frozenset()
-        # output shape -> samples per chunk while the forward packs the activation mask (1 when
-        # absent: the least memory, the most kernel launches); set by apply_schedule too
-        self.mask_chunks: dict[tuple[int, ...], int] = {}
-        # convert the stored weight whole per call (fewer, larger kernels) rather than a
-        # chunk at a time (``chunked``, the default where it applies): set by apply_schedule
-        # too, where the step's peak allows it
-        self.whole_weight = False
+        # output shape (None: every call) -> setting -> choice (see the class docstring):
+        # set by edgetl.memory.schedule.apply_schedule, where the step's peak allows it
+        self.execution: dict[tuple[int, ...] | None, dict[str, Hashable]] = {}
         self.bn_mode = bn_mode
         self.act_dtype = act_dtype
         weight = conv.weight.detach().float()
@@ -143,6 +149,34 @@ class FrozenConvBNAct(nn.Module):
 
     accounting_kind = "lean_frozen_conv"
 
+    def settings(self, call: CallShape) -> tuple[Setting, ...]:
+        """The execution settings of this call (``edgetl.cost.Tunable``), in the order the
+        schedule fits them: the masked backward, the forward's mask chunk, the weight."""
+        shape = call.out_shape
+        out = []
+        if _masked_per_sample(self, call.input_requires_grad, shape):
+            out.append(Setting("backward", ("per_sample", "whole_batch"), "backward"))
+        if mask_forward_chunked(self, call.output_requires_grad, shape):
+            out.append(Setting("mask_chunk", tuple(range(1, int(shape[0]) + 1)), "forward", bisect=True))
+        if self.chunkable:
+            out.append(Setting("weight", ("chunked", "whole"), "both", every_shape=True))
+        return tuple(out)
+
+    def configured(self, choice: Execution) -> "FrozenConvBNAct":
+        """A shallow copy of this layer (its tensors shared) whose ``execution`` is ``choice``."""
+        twin = copy.copy(self)
+        twin.execution = {shape: dict(c) for shape, c in choice.items()}
+        return twin
+
+    def choice(self, name: str, out_shape=None) -> Hashable | None:
+        """The schedule's choice for setting ``name`` at this output shape (or for every
+        call), None where it made none (the default runs)."""
+        if out_shape is not None:
+            shape = tuple(int(d) for d in out_shape)
+            if name in self.execution.get(shape, {}):
+                return self.execution[shape][name]
+        return self.execution.get(None, {}).get(name)
+
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.act_dtype
         if self.weight_scale is None:
@@ -166,8 +200,8 @@ class FrozenConvBNAct(nn.Module):
     @property
     def chunked(self) -> bool:
         """Whether this conv runs on its weight a chunk at a time (``chunkable``, and the
-        schedule did not allow the whole weight for it: ``whole_weight``)."""
-        return not self.whole_weight and self.chunkable
+        schedule did not allow the whole weight for it: setting "weight")."""
+        return self.choice("weight") != "whole" and self.chunkable
 
     @property
     def chunkable(self) -> bool:
@@ -183,7 +217,7 @@ class FrozenConvBNAct(nn.Module):
         whole once per call, as before. That compares the conversions alone, which is what
         matters inside a streamed segment's small micro-batches; where a batch-sized output
         sits next to the weight, the whole weight (held with it) can be the smaller one, and
-        the schedule chooses per conv (``whole_weight``)."""
+        the schedule chooses per conv (setting "weight")."""
         if not (self.pointwise and self.weight.dtype != self.act_dtype):
             return False
         a = _dtype_bytes(self.act_dtype)
@@ -250,8 +284,7 @@ class FrozenConvBNAct(nn.Module):
 
     def mask_chunk(self, out_shape) -> int:
         """Samples per chunk with which the forward packs this output shape's activation mask."""
-        shape = tuple(int(d) for d in out_shape)
-        return max(1, min(self.mask_chunks.get(shape, 1), shape[0]))
+        return max(1, min(self.choice("mask_chunk", out_shape) or 1, int(out_shape[0])))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         momentum = 0.0
@@ -423,11 +456,15 @@ def mask_forward_chunked(m: "FrozenConvBNAct", output_requires_grad: bool, out_s
             and _sample_aligned(out_shape))
 
 
+def _masked_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
+    """Whether the masked backward can run sample by sample: each sample's mask fills whole bytes."""
+    return bool(m.act and needs_input_grad and _sample_aligned(out_shape))
+
+
 def mask_backward_per_sample(m: "FrozenConvBNAct", needs_input_grad: bool, out_shape) -> bool:
-    """Whether the masked backward runs sample by sample: each sample's mask fills whole
-    bytes, and the whole batch was not allowed for this shape (``whole_batch_shapes``)."""
-    return (m.act and needs_input_grad and _sample_aligned(out_shape)
-            and tuple(int(d) for d in out_shape) not in m.whole_batch_shapes)
+    """Whether the masked backward runs sample by sample: it can, and the schedule did not
+    choose the whole batch for this shape (setting "backward")."""
+    return _masked_per_sample(m, needs_input_grad, out_shape) and m.choice("backward", out_shape) != "whole_batch"
 
 
 def _per_sample(ctx) -> bool:
