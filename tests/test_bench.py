@@ -341,8 +341,9 @@ def test_cuda_result_shows_allocated_and_reserved(tmp_path):
 
 
 # ----------------------------------------------------------------------------- another backbone
-# ResNet-18 (issue #42) at 64 px: three stock rows; the lean ResNet layers are checked where they live.
-R18_METHODS, R18_BUDGET = ["repnet-stock", "full", "bias"], 128 * 10**6
+# ResNet-18 (issue #42) at 64 px: three stock rows and the lean Rep-Net; every ResNet configuration
+# of tests/test_resnet_memory.py is predicted to the byte, so the bench's rows are too.
+R18_METHODS, R18_BUDGET = ["repnet-stock", "repnet-lean", "full", "bias"], 128 * 10**6
 
 
 @pytest.fixture(scope="module")
@@ -356,13 +357,12 @@ def resnet18() -> BenchResult:
 def test_resnet18_measured_peak_matches_runtime_accounting(resnet18):
     assert [r.method for r in resnet18.rows] == R18_METHODS and resnet18.arch == "resnet18"
     for r in resnet18.rows:
-        assert abs(r.measured_bytes / r.runtime_bytes - 1) <= 0.05, (r.method, r.measured_bytes, r.runtime_bytes)
+        assert r.measured_bytes == r.runtime_bytes, (r.method, r.measured_bytes, r.runtime_bytes)
     verified = [r for r in resnet18.rows if r.largest_batch_measured_bytes is not None]
-    assert {r.method for r in verified} == {"repnet-stock", "bias"}
+    assert {"repnet-stock", "bias"} <= {r.method for r in verified}  # those small enough to re-measure
     for r in verified:
         assert r.largest_batch_bytes <= R18_BUDGET < r.next_batch_bytes
-        assert r.largest_batch_measured_bytes <= R18_BUDGET
-        assert abs(r.largest_batch_measured_bytes / r.largest_batch_bytes - 1) <= 0.05, r.method
+        assert r.largest_batch_measured_bytes == r.largest_batch_bytes <= R18_BUDGET, r.method
 
 
 def test_resnet18_full_fine_tune_fits_no_batch(resnet18):
@@ -395,7 +395,7 @@ def test_resnet18_trainable_params_equal_independent_count(resnet18):
     head = tv.fc.weight.numel() + tv.fc.bias.numel()
     bn_betas = sum(m.bias.numel() for m in tv.modules() if isinstance(m, torch.nn.BatchNorm2d))
     expected = {"full": sum(p.numel() for p in tv.parameters()), "bias": head + bn_betas,
-                "repnet-stock": head + _resnet_side_params(tv)}
+                "repnet-stock": head + _resnet_side_params(tv), "repnet-lean": head + _resnet_side_params(tv)}
     assert {r.method: r.trainable_params for r in resnet18.rows} == expected
 
 
