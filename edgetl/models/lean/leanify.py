@@ -120,6 +120,15 @@ def lean_layers(layers: list[nn.Module], make: LeanMake, where: str) -> list[nn.
             j, act = i + 2, None
             if j < len(layers) and not isinstance(layers[j], (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d)):
                 act, j = act_kind(layers[j], f"{where}.{j}"), j + 1
+            if act is not None and j < len(layers) and isinstance(layers[j], nn.MaxPool2d):
+                # ResNet's stem: max-pool first, then the activation. ReLU (and ReLU6) is monotone,
+                # so relu(maxpool(y)) equals maxpool(relu(y)) value for value and gradient for
+                # gradient (a window whose max is <= 0 passes no gradient either way), and the
+                # 1-bit mask, its backward and the gradient it returns are a quarter the size
+                out += make.conv_bn(layer, layers[i + 1], None)
+                out += [make.max_pool(layers[j]), make.act(act)]
+                i = j + 1
+                continue
             out += make.conv_bn(layer, layers[i + 1], act)
             i = j
         elif isinstance(layer, nn.MaxPool2d):
