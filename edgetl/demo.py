@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_CLASSES = [0, 1, 2, 3, 4]
 TARGET_CLASSES = [5, 6, 7, 8, 9]
-DEFAULT_ARCH = archs.MOBILENET_V2.name
+DEFAULT_ARCH = archs.DEFAULT_ARCH
 
 
 @dataclass(frozen=True)

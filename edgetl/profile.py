@@ -210,7 +210,7 @@ def plot_profile(report: MemoryReport, path: str | Path) -> None:
 
     idx = list(range(len(report.blocks)))
     labels = [str(b.index) if b.name != "head" else "head" for b in report.blocks]
-    entry = archs.get(report.backbone.get("arch", "mobilenet_v2"))
+    entry = archs.get(report.backbone.get("arch", archs.DEFAULT_ARCH))
     if entry.block_name(0) != "features.0":  # names that say more than the number: "2 layer1.1"
         labels = [f"{b.index}\n{entry.block_name(b.index)}" if b.name != "head" else "head" for b in report.blocks]
     tmp = [b.tmp_bytes / MB for b in report.blocks]

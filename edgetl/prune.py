@@ -53,7 +53,7 @@ MEMORY_NUM_CLASSES = 102
 # ----------------------------------------------------------------------------- deciding
 
 
-def check_plan(blocks: list[int], ratios: list[float], round_to: int = 1, arch: str = "mobilenet_v2") -> None:
+def check_plan(blocks: list[int], ratios: list[float], round_to: int = 1, arch: str = archs.DEFAULT_ARCH) -> None:
     """Raise ConfigError naming the first bad block, ratio or count."""
     entry = archs.get(arch)
     allowed = entry.prunable
@@ -103,12 +103,12 @@ def memory_report(spec: BackboneSpec, *, resolution: int, batch_size: int = MEMO
     return paper_report(net, mode=MEMORY_MODE, resolution=resolution, batch_size=batch_size)
 
 
-def affected_blocks(block: int, arch: str = "mobilenet_v2") -> tuple[int, ...]:
+def affected_blocks(block: int, arch: str = archs.DEFAULT_ARCH) -> tuple[int, ...]:
     """Blocks whose temporary memory changes when ``block``'s hidden channels change."""
     return archs.get(arch).affects(block)
 
 
-def block_tmp_bytes(report, block: int, arch: str = "mobilenet_v2") -> int:
+def block_tmp_bytes(report, block: int, arch: str = archs.DEFAULT_ARCH) -> int:
     """Temporary memory of pruning unit ``block`` (MobileNetV2's block 1 includes the stem it
     shares channels with)."""
     return max(report.block(i).tmp_bytes for i in affected_blocks(block, arch))
@@ -253,7 +253,7 @@ def load_input(*, checkpoint: str | Path | None = None, weights: str | Path | No
         raise ConfigError("--weights is a state_dict for the default backbone; not with --checkpoint")
     if checkpoint is not None and width is not None and not is_weights_name(checkpoint):
         raise ConfigError("--weights and --width describe the default backbone; not with --checkpoint")
-    ref = checkpoint if checkpoint is not None else weights if weights is not None else f"{archs.MOBILENET_V2.name}:{RANDOM_WEIGHTS}"
+    ref = checkpoint if checkpoint is not None else weights if weights is not None else f"{archs.DEFAULT_ARCH}:{RANDOM_WEIGHTS}"
     if weights is not None and not Path(weights).is_file():
         raise DataError(f"weights file {weights} does not exist")
     net, found = open_backbone(ref, width=width, seed=seed)

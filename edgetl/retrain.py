@@ -100,7 +100,6 @@ log = logging.getLogger(__name__)
 
 RETRAIN_FORMAT = "edgetl-retrain/1"
 RETRAIN_FILE = "retrain.json"
-STOCK = "mobilenet_v2"  # the default architecture; any bare architecture name means random init here
 
 
 def _stock_arch(backbone) -> str | None:
@@ -109,7 +108,7 @@ def _stock_arch(backbone) -> str | None:
     import edgetl.models.archs as archs
 
     if backbone is None:
-        return STOCK
+        return archs.DEFAULT_ARCH
     return str(backbone) if str(backbone) in archs.registered() else None
 # Files a retrain run folder may hold; the atomic writers' leftovers are ".<name>.*.tmp".
 RUN_FILES = ("recipe.yaml", "metrics.csv", "metrics.jsonl", "last.pt", "best.pt",

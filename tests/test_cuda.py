@@ -451,14 +451,20 @@ def _accounting_configs():
     from edgetl.models.side import LeanOptions
 
     lean = LeanOptions
+    # name -> (lean options, pruned, architecture, mode)
     return {
-        "stock": (None, False),
-        "stock-pruned": (None, True),
-        "lean-fp32": (lean(pool=1), False),
-        "lean-pruned-k2": (lean(pool=2), True),  # the paper's configuration
-        "lean-bf16": (lean(pool=2, precision="bf16"), False),
-        "lean-pruned-bf16-int8": (lean(pool=2, precision="bf16", frozen_weights="int8"), True),
-        "lean-pruned-fp16-frozen16": (lean(pool=2, precision="fp16", frozen_weights="fp16"), True),
+        "stock": (None, False, "mobilenet_v2", "repnet"),
+        "stock-pruned": (None, True, "mobilenet_v2", "repnet"),
+        "lean-fp32": (lean(pool=1), False, "mobilenet_v2", "repnet"),
+        "lean-pruned-k2": (lean(pool=2), True, "mobilenet_v2", "repnet"),  # the paper's configuration
+        "lean-bf16": (lean(pool=2, precision="bf16"), False, "mobilenet_v2", "repnet"),
+        "lean-pruned-bf16-int8": (lean(pool=2, precision="bf16", frozen_weights="int8"), True, "mobilenet_v2", "repnet"),
+        "lean-pruned-fp16-frozen16": (lean(pool=2, precision="fp16", frozen_weights="fp16"), True, "mobilenet_v2",
+                                      "repnet"),
+        # issue #42: ResNet-18 (the seeds' network), Rep-Net stock and lean, lean full with pooled storage
+        "resnet18-stock": (None, False, "resnet18", "repnet"),
+        "resnet18-lean": (lean(pool=2), False, "resnet18", "repnet"),
+        "resnet18-full-lean-pool2": (lean(storage="pool2"), False, "resnet18", "full"),
     }
 
 
@@ -474,13 +480,13 @@ def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
     from edgetl.models.backbone import BackboneSpec
     from edgetl.models.side import build_network
 
-    lean, pruned = _accounting_configs()[config]
-    spec = BackboneSpec(width=1.0, num_classes=102, hidden=pruned_hidden(1.0, 102) if pruned else {})
+    lean, pruned, arch, mode = _accounting_configs()[config]
+    spec = BackboneSpec(arch=arch, width=1.0, num_classes=102, hidden=pruned_hidden(1.0, 102) if pruned else {})
     torch.manual_seed(0)
-    net = build_network(spec, "repnet", device="cuda", lean=lean)
+    net = build_network(spec, mode, device="cuda", lean=lean)
     if lean is not None:
         prepare_step(net, resolution=224, batch_size=8)
-    runtime = runtime_report(net, mode="repnet", resolution=224, batch_size=8).total_bytes
+    runtime = runtime_report(net, mode=mode, resolution=224, batch_size=8).total_bytes
     ws = step_workspace_bytes(_capability())
     got = measure_training_memory(net, resolution=224, batch_size=8, steps=2, record_trace=True)
     replay = replay_trace(got.trace, cublas_workspace=cublas_workspace_bytes(_capability()),

@@ -17,7 +17,7 @@ from edgetl.models.side import LeanOptions, build_network
 # The FMEC paper's pruning ratios for MobileNetV2's blocks 1-4 (DESIGN 5); at width 1.0 they
 # keep 22/21/77/77 hidden channels. Another architecture's are its entry's ``paper_ratios``.
 PAPER_PRUNING = PAPER_RATIOS
-DEFAULT_ARCH = archs.MOBILENET_V2.name
+DEFAULT_ARCH = archs.DEFAULT_ARCH
 REFERENCE = "repnet-stock"
 PLAN = "plan"
 FROZEN_BITS = 8  # paper accounting: frozen weights stored 8-bit (DESIGN 2a)

@@ -73,7 +73,7 @@ class BenchResult:
     # machine's steps 10-200x slower (benchmarks/busy_cores.json)
     omp_wait_policy: str | None = None
     # the backbone (a registered architecture); files from before the bench took one are MobileNetV2's
-    arch: str = "mobilenet_v2"
+    arch: str = archs.DEFAULT_ARCH
 
     def row(self, method: str) -> BenchRow:
         for r in self.rows:

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="small scale (about a minute; used by the tests)")
-    p.add_argument("--backbone", choices=archs.registered(), default=archs.MOBILENET_V2.name, metavar="ARCH",
+    p.add_argument("--backbone", choices=archs.registered(), default=archs.DEFAULT_ARCH, metavar="ARCH",
                    help=f"the architecture, pretrained from random init: {', '.join(archs.registered())} "
                         "(MobileNetV2 at width 0.35; one without a width multiplier at 1.0)")
     p.add_argument("--data", metavar="PATH", help="Fashion-MNIST folder (default: the Debian package's)")

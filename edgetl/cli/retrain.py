@@ -102,7 +102,7 @@ def resolve_recipe(args, device: str):
         recipe = load_recipe(args.recipe or "imagenet_retrain")
     overrides = dict(parse_override(text) for text in args.overrides)
     if args.backbone is not None:
-        overrides["model.backbone"] = None if args.backbone == "mobilenet_v2" else args.backbone
+        overrides["model.backbone"] = None if args.backbone == archs.DEFAULT_ARCH else args.backbone
     if args.width is not None:
         stock = args.backbone is None or args.backbone in archs.registered() or str(args.backbone).endswith(":random")
         if not stock or (args.backbone is None and recipe.model.backbone):

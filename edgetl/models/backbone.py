@@ -24,7 +24,7 @@ import edgetl.models.archs as archs
 
 # The FMEC 2023 paper's pruning ratios, written once in the MobileNetV2 entry: prune, bench,
 # demo and the figure scripts read them here.
-PAPER_RATIOS = archs.MOBILENET_V2.paper_ratios
+PAPER_RATIOS = archs.get(archs.DEFAULT_ARCH).paper_ratios
 
 
 @dataclass
@@ -41,7 +41,7 @@ class BackboneSpec:
             ResNet's 0.0; the spec holds the resolved value, which to_dict writes).
     """
 
-    arch: str = "mobilenet_v2"
+    arch: str = archs.DEFAULT_ARCH
     width: float = 1.0
     num_classes: int = 1000
     hidden: dict[int, int] = field(default_factory=dict)
@@ -81,7 +81,7 @@ class BackboneSpec:
         return cls(**data)
 
 
-def prunable_blocks(arch: str = "mobilenet_v2") -> range:
+def prunable_blocks(arch: str = archs.DEFAULT_ARCH) -> range:
     """Blocks whose hidden channels can be pruned (MobileNetV2: 1, the stem's output, to 17)."""
     return archs.get(arch).prunable
 
@@ -156,7 +156,7 @@ class EdgeNet(nn.Module):
 
 def hidden_channels(net: EdgeNet | nn.Module, block: int) -> int:
     """Hidden (expanded) channel count of a block of a built network."""
-    arch = archs.get(net.spec.arch if isinstance(net, EdgeNet) else "mobilenet_v2")
+    arch = archs.get(net.spec.arch if isinstance(net, EdgeNet) else archs.DEFAULT_ARCH)
     return arch.hidden_convs(net.features, block)[0].out_channels
 
 
@@ -271,7 +271,8 @@ def load_backbone(folder: str | Path, device: torch.device | str | None = None) 
 # "resnet50:random"); a bare "ARCH" is its entry's default weights.
 
 RANDOM_WEIGHTS = "random"
-DEFAULT_WEIGHTS = "mobilenet_v2:IMAGENET1K_V1"  # the default backbone: torchvision's original ImageNet weights, 71.9 % top-1
+# the default backbone's: torchvision's original ImageNet weights of MobileNetV2, 71.9 % top-1
+DEFAULT_WEIGHTS = f"{archs.DEFAULT_ARCH}:{archs.get(archs.DEFAULT_ARCH).default_weights}"
 OFFLINE_ENV = "EDGETL_OFFLINE"
 
 
@@ -453,7 +454,7 @@ def open_backbone(
 def _missing(ref: str | Path) -> DataError:
     return DataError(f"backbone folder {ref} does not exist; give a backbone folder, a state_dict file, an "
                      f"architecture ({', '.join(archs.registered())}) or a weights name "
-                     f"({', '.join(weights_names(archs.MOBILENET_V2.name))}, ...)")
+                     f"({', '.join(weights_names(archs.DEFAULT_ARCH))}, ...)")
 
 
 def backbone_spec(ref: str | Path | None, *, width: float | None = None) -> BackboneSpec:

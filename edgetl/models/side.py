@@ -20,7 +20,7 @@ from edgetl.models.backbone import EdgeNet, block_shapes, block_strides
 from edgetl.options import MODES, LeanOptions
 from edgetl.units import round_up
 
-TAPS = archs.MOBILENET_V2.taps  # MobileNetV2's; a network's own are its architecture's (taps_of)
+TAPS = archs.get(archs.DEFAULT_ARCH).taps  # the default backbone's; a network's own are its architecture's (taps_of)
 IMAGE_POOL = 4
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 
 from edgetl.errors import BudgetError, ConfigError, DataError
+import edgetl.models.archs as archs
 from edgetl.models.backbone import BackboneSpec, prunable_blocks
 from edgetl.options import (
     CONV_STORAGES, FROZEN_WEIGHTS, MAX_BATCH, POOLS, PRECISIONS, LeanOptions, option_default,
@@ -99,7 +100,7 @@ class _RequestSection:
 class _BackboneSection:
     """plan.backbone: the input backbone's ``BackboneSpec``, less ``hidden`` (block -> channels)."""
 
-    arch: str = "mobilenet_v2"  # a registered architecture (checked by BackboneSpec after parsing)
+    arch: str = archs.DEFAULT_ARCH  # a registered architecture (checked by BackboneSpec after parsing)
     width: float = allowed(gt=0)
     num_classes: int = allowed(ge=1)
     dropout: float = allowed(0.2, ge=0, le=1)

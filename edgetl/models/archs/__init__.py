@@ -19,5 +19,7 @@ from edgetl.models.archs.registry import Architecture, Hidden, Spec, bn_like, co
 from edgetl.models.archs.mobilenet_v2 import MOBILENET_V2  # noqa: E402
 from edgetl.models.archs.resnet import RESNET18, RESNET34, RESNET50  # noqa: E402
 
-__all__ = ["Architecture", "Hidden", "MOBILENET_V2", "RESNET18", "RESNET34", "RESNET50", "Spec",
+DEFAULT_ARCH = MOBILENET_V2.name  # the backbone a command builds when none is named
+
+__all__ = ["DEFAULT_ARCH", "Architecture", "Hidden", "MOBILENET_V2", "RESNET18", "RESNET34", "RESNET50", "Spec",
            "bn_like", "conv_like", "get", "register", "registered"]
