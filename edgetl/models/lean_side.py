@@ -28,6 +28,7 @@ from torch.autograd import Function
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from edgetl.models.lean import ImagePool, LeanAvgPool2d, PooledConv2d, _check_pool
+from edgetl.models.lean.frozen import update_running_stats
 from edgetl.units import round_up
 
 _C = (1, -1, 1, 1)
@@ -55,9 +56,8 @@ def _batch_stats(y, bn: nn.BatchNorm2d, momentum: float):
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(y.shape)}")
     var, mean = torch.var_mean(y, dim=(0, 2, 3), correction=0)
     if bn.track_running_stats:
-        bn.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
         unbiased = n / (n - 1) if n > 1 else 1.0  # (one value: meta only, values unread)
-        bn.running_var.mul_(1 - momentum).add_(var * unbiased, alpha=momentum)
+        update_running_stats((bn.running_mean, bn.running_var), (mean, var * unbiased), momentum)
     return mean, torch.rsqrt(var + bn.eps)
 
 

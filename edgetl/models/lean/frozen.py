@@ -15,7 +15,7 @@ from torch.nn.grad import conv2d_input
 from edgetl.errors import ConfigError
 from edgetl.cost import CallShape, Execution, Setting, dtype_bytes as _dtype_bytes, numel as _numel, repeated
 from edgetl.models.lean.masks import (
-    _fold_bits_,
+    _fold_bits,
     pack_mask_,
     unpack_as,
     unpack_table,
@@ -54,6 +54,14 @@ def check_act(act: str | bool | None) -> str | None:
     if act not in ACT_UPPER:
         raise ConfigError(f"the lean layers have no activation {act!r}; allowed: {', '.join(ACT_UPPER)}, None")
     return act
+
+
+def update_running_stats(running: tuple[torch.Tensor, ...], batch: tuple[torch.Tensor, ...], momentum: float) -> None:
+    """BN's running-statistics update, ``r = r * (1 - momentum) + momentum * b`` for each pair,
+    in place: the arithmetic of ``r.mul_(1 - momentum).add_(b, alpha=momentum)``, in two
+    foreach ops for all pairs (two kernel launches on a GPU instead of two per pair)."""
+    torch._foreach_mul_(list(running), 1 - momentum)
+    torch._foreach_add_(list(running), list(batch), alpha=momentum)
 
 
 def _bn_scale(bn: nn.BatchNorm2d) -> torch.Tensor:
@@ -344,8 +352,7 @@ class _FrozenConvFn(Function):
                 raise ValueError("batch BN needs more than 1 value per channel")
             var, mean = torch.var_mean(y.float(), dim=(0, 2, 3), correction=0)
             invstd = torch.rsqrt(var + m.eps)
-            m.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-            m.running_var.mul_(1 - momentum).add_(var * (n / (n - 1)), alpha=momentum)
+            update_running_stats((m.running_mean, m.running_var), (mean, var * (n / (n - 1))), momentum)
             if need:
                 saved = (y.clone(), mean, invstd)  # the BN input, before it is overwritten below
             scale, shift = _scale_shift(m, mean, invstd, bias)
@@ -445,7 +452,7 @@ def _act_mask(y: torch.Tensor, chunk: int = 1, upper: float | None = 6.0) -> tor
         mask = part > 0
         if upper is not None:
             mask &= part < upper
-        packed[i * step : (i + part.shape[0]) * step] = _fold_bits_(mask.reshape(-1).view(torch.uint8))
+        packed[i * step : (i + part.shape[0]) * step] = _fold_bits(mask.reshape(-1).view(torch.uint8))
         del mask
     return packed
 

@@ -18,21 +18,31 @@ def pack_mask_(mask: torch.Tensor) -> torch.Tensor:
     flat = mask.reshape(-1)
     pad = (-flat.numel()) % 8
     flat = F.pad(flat.view(torch.uint8), (0, pad)) if pad else flat.view(torch.uint8)
-    return _fold_bits_(flat).contiguous()
+    # folded in place (no temporary): the scratch is this function's own
+    return _top_bytes(flat.view(torch.int64).mul_(_GATHER)).contiguous()
 
 
-def _fold_bits_(flat: torch.Tensor) -> torch.Tensor:
-    """Pack contiguous 0/1 bytes (a multiple of 8, overwritten) 8 to a byte: a strided view.
+# Bit 8i of a little-endian int64 group of 8 bytes (its byte i, 0 or 1) times
+# sum_i 2^(56 - 7i) lands at bit 56 + i. Every other product term (byte i times 2^(56 - 7j),
+# i != j) falls at its own position below bit 56 or past bit 63 (wrapped away), so no carry
+# reaches the top byte: it is the packed byte, bit i = byte i.
+_GATHER = sum(1 << (56 - 7 * i) for i in range(8))  # 0x0102040810204080
 
-    Each group of 8 bytes, read as one little-endian int64, holds its element i at bit
-    8i; three shift-ors move bits 8i to bits i of the lowest byte, which is returned.
-    One temporary the size of ``flat`` (the shifted copy); vectorised int64 work, 2-3x
-    faster than multiplying by powers of two and summing each group (on CPU).
+
+def _fold_bits(flat: torch.Tensor) -> torch.Tensor:
+    """Pack contiguous 0/1 bytes (a multiple of 8) 8 to a byte: a strided view into one
+    temporary the size of ``flat`` (the product; ``flat`` is left as it is).
+
+    One int64 multiply per 8 bytes (one kernel, where three shift-ors took six and a
+    temporary of the same size), vectorised: 2-3x faster than multiplying by powers of two
+    and summing each group (on CPU).
     """
-    x = flat.view(torch.int64)
-    for shift in (7, 14, 28):
-        x |= x >> shift
-    return flat.view(-1, 8)[:, 0]
+    return _top_bytes(flat.view(torch.int64) * _GATHER)
+
+
+def _top_bytes(x: torch.Tensor) -> torch.Tensor:
+    """The highest byte of each int64 of ``x`` (little-endian: byte 7 of 8), a strided view."""
+    return x.view(torch.uint8).view(-1, 8)[:, 7]
 
 
 def unpack_mask(packed: torch.Tensor, shape) -> torch.Tensor:
@@ -45,8 +55,8 @@ def unpack_table(dtype: torch.dtype, device: torch.device | str) -> torch.Tensor
     column i (the order of ``pack_mask``). Built where it is used (2048 values), so it
     is never a hidden persistent buffer."""
     codes = torch.arange(256, dtype=torch.uint8, device=device)
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    return torch.bitwise_right_shift(codes.unsqueeze(1), shifts).bitwise_and_(1).to(dtype)
+    # the shifts 0..7 are the codes' first 8: a view, not a second arange (one kernel fewer)
+    return torch.bitwise_right_shift(codes.unsqueeze(1), codes[:8]).bitwise_and_(1).to(dtype)
 
 
 def unpack_as(packed: torch.Tensor, shape, table: torch.Tensor) -> torch.Tensor:
