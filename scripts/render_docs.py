@@ -428,13 +428,15 @@ def render_demo() -> str:
 
 
 def render_step_ops() -> str:
-    """Aten ops per step, one sample at a time against the fitted schedule (``scripts/step_ops.py``)."""
+    """Aten ops per step and the kernels among them, one sample at a time against the fitted
+    schedule, stock Rep-Net first (``scripts/step_ops.py``)."""
     data = json.loads((BENCH / "step_ops_224.json").read_text())
     rows = [[r["label"], r["schedule"], f"{r['forward']:,}", f"{r['backward']:,}", f"{r['optimizer']:,}",
-             f"{r['total']:,}", f"{r['predicted_bytes'] / 1e6:.2f}"] for r in data["rows"]]
+             f"{r['total']:,}", f"{r['kernel_total']:,}", f"{r['predicted_bytes'] / 1e6:.2f}"] for r in data["rows"]]
     return _table([f"method ({data['resolution']} px, batch {data['batch_size']}, {data['num_classes']} classes)",
-                   "schedule", "forward ops", "backward ops", "optimizer ops", "ops/step", "predicted peak MB"],
-                  rows, ["---", "---", "---:", "---:", "---:", "---:", "---:"])
+                   "schedule", "forward ops", "backward ops", "optimizer ops", "ops/step", "kernels/step",
+                   "predicted peak MB"],
+                  rows, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:"])
 
 
 def render_busy_cores() -> str:

@@ -301,26 +301,52 @@ def measure_training_memory(
 
 @dataclass(frozen=True)
 class StepOps:
-    """Aten ops one training step dispatches (each is a kernel launch on a GPU): in the
-    network's forward, from there to the optimizer (loss, hit count, backward), and in
-    the optimizer's step and ``zero_grad``."""
+    """Aten ops one training step dispatches: in the network's forward, from there to the
+    optimizer (loss, hit count, backward), and in the optimizer's step and ``zero_grad``.
+
+    Every dispatched op counts in ``forward``/``backward``/``optimizer`` (what the storage
+    meter sees, so the two counts agree). Not every one is a kernel launch on a GPU: views
+    (``view``, ``slice``, ``expand``, ``detach``...) only write a tensor's metadata, ``empty``
+    only takes a block from the caching allocator, and the profiler's record ops launch
+    nothing. ``kernels`` counts the rest, the ops that launch work on the device (forward,
+    backward, optimizer); None where only the total was counted (the storage meter's).
+    """
 
     forward: int
     backward: int
     optimizer: int
+    kernels: tuple[int, int, int] | None = None
 
     @property
     def total(self) -> int:
         return self.forward + self.backward + self.optimizer
+
+    @property
+    def kernel_total(self) -> int | None:
+        return None if self.kernels is None else sum(self.kernels)
+
+
+# ops that dispatch but launch no kernel: fresh allocations (the caching allocator's blocks),
+# a reshape of a fresh tensor, the profiler's records; views are ``OpOverload.is_view``
+_NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+                        "_record_function_enter", "_record_function_enter_new", "_record_function_exit"})
+
+
+def launches_kernel(func) -> bool:
+    """Whether an aten op launches work on the device (``StepOps.kernels``): not a view, an
+    allocation or a profiler record."""
+    return not (func.is_view or func.overloadpacket.__name__ in _NO_KERNEL)
 
 
 class _OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.op_count = 0
+        self.kernel_count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.op_count += 1
+        self.kernel_count += launches_kernel(func)
         return meta_call(func, args, kwargs or {})
 
 
@@ -338,7 +364,9 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
         plain = dataclasses.replace(step.optim, fused=False, step_in_backward=False)
         unfused = dataclasses.replace(step, optim=plain)
         ops = count_step_ops(net, resolution=resolution, batch_size=batch_size, step=unfused)
-        return StepOps(ops.forward, ops.backward, _fused_update_ops(net, step))
+        update = _fused_update_ops(net, step)
+        return StepOps(ops.forward, ops.backward, update.op_count,
+                       (ops.kernels[0], ops.kernels[1], update.kernel_count))
     meta = copy.deepcopy(net).to("meta")
     opt = step.optimizer(meta)
     set_train_mode(meta, step.bn)
@@ -362,21 +390,25 @@ def _counted_step(net: nn.Module, opt, run: Callable[[], object], counter: Stora
     """The aten ops ``run`` (one training step of ``net`` with ``opt``) dispatches, split at
     ``net``'s forward and at ``opt``'s step, as ``counter`` (a dispatch mode the caller has
     entered: the storage meter, or an op counter) counts them."""
-    marks: dict[str, int] = {}
-    hooks = [net.register_forward_pre_hook(lambda *a: marks.__setitem__("start", counter.op_count)),
-             net.register_forward_hook(lambda *a: marks.__setitem__("forward", counter.op_count)),
-             opt.register_step_pre_hook(lambda *a: marks.__setitem__("backward", counter.op_count))]
+    marks: dict[str, tuple[int, int | None]] = {}
+
+    def counts() -> tuple[int, int | None]:
+        return counter.op_count, getattr(counter, "kernel_count", None)
+
+    hooks = [net.register_forward_pre_hook(lambda *a: marks.__setitem__("start", counts())),
+             net.register_forward_hook(lambda *a: marks.__setitem__("forward", counts())),
+             opt.register_step_pre_hook(lambda *a: marks.__setitem__("backward", counts()))]
     try:
         run()
     finally:
         for h in hooks:
             h.remove()
-    return StepOps(marks["forward"] - marks["start"], marks["backward"] - marks["forward"],
-                   counter.op_count - marks["backward"])
+    (s, ks), (f, kf), (b, kb), (e, ke) = marks["start"], marks["forward"], marks["backward"], counts()
+    return StepOps(f - s, b - f, e - b, None if ks is None else (kf - ks, kb - kf, ke - kb))
 
 
-def _fused_update_ops(net: nn.Module, step: Step) -> int:
-    """The aten ops of a fused optimizer's steady update (the second), run on CPU zeros shaped
+def _fused_update_ops(net: nn.Module, step: Step) -> "_OpCounter":
+    """The aten ops (and kernels) of a fused optimizer's steady update (the second), run on CPU zeros shaped
     like ``net``'s trainable parameters in the step's groups; with ``step_in_backward`` one
     update per parameter, as its hook runs them."""
     optimizer, stand = step.stand_in_optimizer(net)  # CPU zeros: the step is fused
@@ -394,7 +426,7 @@ def _fused_update_ops(net: nn.Module, step: Step) -> int:
                 optimizer.step()
             for p in batch:
                 p.grad = None
-    return counter.op_count
+    return counter
 
 
 def _prepare_cuda(device: torch.device, net: nn.Module, *tensors: torch.Tensor) -> int:

@@ -1,0 +1,127 @@
+"""Ops and kernels per step (``count_step_ops``) against a count written here, the committed
+step-ops table against a recount, and the 1-bit mask packing against a plain packer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from edgetl.bench import METHODS, build_method, pruned_hidden
+from edgetl.memory.meter import count_step_ops
+from edgetl.memory.schedule import prepare_step
+from edgetl.metaop import meta_call
+from edgetl.models.backbone import BackboneSpec
+from edgetl.models.lean.masks import _fold_bits, pack_mask, unpack_mask
+from edgetl.models.side import LeanOptions, build_network
+from edgetl.step import Step, set_train_mode, training_step
+
+ROOT = Path(__file__).resolve().parents[1]
+RES, BATCH = 64, 4
+SPEC = BackboneSpec(width=0.35, num_classes=10)
+# no kernel on a device: metadata-only views, allocator blocks, the profiler's records
+NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "expand", "unsqueeze", "squeeze", "t", "transpose",
+             "permute", "detach", "alias", "as_strided", "_reshape_alias", "empty", "new_empty", "empty_like",
+             "empty_strided", "new_empty_strided", "_record_function_enter_new", "_record_function_exit"}
+
+
+class _Names(TorchDispatchMode):
+    """Every op's name, in order (this test's own count: a name list, no shared rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return meta_call(func, args, kwargs or {})  # runs it (scalars on meta too); counts nothing
+
+
+def _split_step(net) -> dict[str, list[str]]:
+    """The op names of the second plain step of a meta ``net``: forward, to the optimizer, optimizer."""
+    step = Step.plain()
+    opt = step.optimizer(net)
+    set_train_mode(net, step.bn)
+    x = torch.empty(BATCH, 3, RES, RES, device="meta")
+    y = torch.zeros(BATCH, dtype=torch.int64, device="meta")
+    training_step(net, step, opt, x, y)
+    mode = _Names()
+    at: dict[str, int] = {}
+
+    def mark(name):
+        def hook(*args) -> None:  # returns None: a pre-hook's value would replace the input
+            at.setdefault(name, len(mode.names))
+        return hook
+
+    hooks = [net.register_forward_pre_hook(mark("start")), net.register_forward_hook(mark("forward")),
+             opt.register_step_pre_hook(mark("backward"))]
+    with mode:
+        training_step(net, step, opt, x, y)
+    for h in hooks:
+        h.remove()
+    n = mode.names
+    return {"forward": n[at["start"]:at["forward"]], "backward": n[at["forward"]:at["backward"]],
+            "optimizer": n[at["backward"]:]}
+
+
+@pytest.mark.parametrize("lean", [None, LeanOptions(pool=1), LeanOptions(pool=2, precision="bf16",
+                                                                         frozen_weights="int8")])
+def test_ops_and_kernels_match_a_count_by_name(lean):
+    net = build_network(SPEC, "repnet", device="meta", lean=lean)
+    prepare_step(net, resolution=RES, batch_size=BATCH)
+    ops = count_step_ops(net, resolution=RES, batch_size=BATCH)
+    parts = _split_step(net)
+    assert (ops.forward, ops.backward, ops.optimizer) == tuple(len(parts[k]) for k in ("forward", "backward",
+                                                                                      "optimizer"))
+    kernels = tuple(sum(name not in NO_KERNEL for name in parts[k]) for k in ("forward", "backward", "optimizer"))
+    assert ops.kernels == kernels
+    assert 0 < ops.kernel_total < ops.total
+
+
+def test_lean_fitted_step_launches_its_counted_kernels():
+    """MobileNetV2 0.35 lean Rep-Net at 64 px, fitted: the frozen convs' forward is a conv, a bias
+    add, the mask (two compares, an and, one multiply that folds 8 bits into a byte, the copy into
+    the packed mask) and the clamp; no shift-or of the mask packing is left."""
+    net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=1))
+    prepare_step(net, resolution=RES, batch_size=BATCH)
+    parts = _split_step(net)
+    assert "__rshift__" not in parts["forward"] and "bitwise_or_" not in parts["forward"]
+    # one arange per unpack table (the shifts are a view of the codes)
+    tables = parts["backward"].count("bitwise_right_shift")
+    assert tables > 0 and parts["backward"].count("arange") == tables
+
+
+def test_committed_step_ops_table_is_recounted():
+    """benchmarks/step_ops_224.json (docs/lean-runtime.md's table): stock Rep-Net and lean
+    Rep-Net fitted, recounted at 224 px on meta (seconds)."""
+    data = json.loads((ROOT / "benchmarks" / "step_ops_224.json").read_text())
+    rows = {(r["method"], r["schedule"]): r for r in data["rows"]}
+    for name, schedule in (("repnet-stock", "no schedule"), ("repnet-lean", "fitted")):
+        method = METHODS[name]
+        net = build_method(method, width=1.0, num_classes=data["num_classes"], device="meta",
+                           hidden=pruned_hidden(1.0, data["num_classes"]) if method.pruned else None)
+        prepare_step(net, resolution=data["resolution"], batch_size=data["batch_size"])
+        ops = count_step_ops(net, resolution=data["resolution"], batch_size=data["batch_size"])
+        row = rows[(name, schedule)]
+        assert (row["forward"], row["backward"], row["optimizer"], row["total"]) == \
+            (ops.forward, ops.backward, ops.optimizer, ops.total)
+        assert (row["kernels"], row["kernel_total"]) == (list(ops.kernels), ops.kernel_total)
+    stock, lean = rows[("repnet-stock", "no schedule")], rows[("repnet-lean", "fitted")]
+    assert stock["optimizer"] == lean["optimizer"]
+
+
+@pytest.mark.parametrize("numel", [8, 64, 4096, 13, 1001])
+def test_mask_packing_matches_a_plain_packer(numel):
+    g = torch.Generator().manual_seed(numel)
+    for mask in (torch.rand(numel, generator=g) < 0.5, torch.ones(numel, dtype=torch.bool),
+                 torch.zeros(numel, dtype=torch.bool)):
+        bits = torch.nn.functional.pad(mask.to(torch.int64), (0, (-numel) % 8)).view(-1, 8)
+        plain = (bits << torch.arange(8)).sum(1).to(torch.uint8)
+        assert torch.equal(pack_mask(mask), plain)
+        assert torch.equal(unpack_mask(plain, (numel,)), mask)
+        if numel % 8 == 0:
+            flat = mask.to(torch.uint8)
+            assert torch.equal(_fold_bits(flat), plain) and torch.equal(flat, mask.to(torch.uint8))
