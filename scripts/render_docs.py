@@ -37,6 +37,8 @@ Blocks (NAME: source):
   OpenMP wait policy, alone and beside busy processes)
 * ``barley-table1``, ``barley-table1-totals``: ``benchmarks/barley_table1_resnet18.json``
   (``scripts/barley_table1.py``: Barley & Fröning's Table 1 recomputed, the paper's cells beside)
+* ``resnet-peaks``, ``resnet-plans``: ``benchmarks/resnet_peaks_224.json`` (``scripts/resnet_peaks.py``: ResNet-18 full
+  fine-tuning at batch 32 with the seeds' storages, ResNet-50 Rep-Net; measured beside predicted)
 * ``tested-on``: ``benchmarks/jetson_check_summary.json`` through ``scripts/tested_on.py``; a
   one-line placeholder while that file is not committed
 """
@@ -514,6 +516,51 @@ def render_barley_table1_totals() -> str:
                   ["---", "---:", "---:", "---:", "---:", "---:", "---"])
 
 
+RESNET_PAPER = {  # the seeds' own figures beside edgetl's rows (quoted, not computed)
+    "pool2": "29 % lower overall peak (Barley & Fröning, ResNet-18, batch 32)",
+    "pool4": "36 % lower overall peak (Barley & Fröning)",
+}
+
+
+def render_resnet_peaks() -> str:
+    """ResNet-18 full fine-tuning at batch 32 and ResNet-50 Rep-Net, measured beside predicted
+    (``scripts/resnet_peaks.py``)."""
+    data = json.loads((BENCH / "resnet_peaks_224.json").read_text())
+    rows = data["rows"]
+    stock = {r["table"]: r["measured_bytes"] for r in rows if r["lean"] is None}
+    out = []
+    for r in rows:
+        base = stock[r["table"]]
+        below = "-" if r["lean"] is None else f"{1 - r['measured_bytes'] / base:.0%}"
+        same = "=" if r["measured_bytes"] == r["predicted_bytes"] else f"{r['predicted_bytes'] / 1e6:,.2f}"
+        paper = RESNET_PAPER.get((r["lean"] or {}).get("storage", ""), "") if r["arch"] == "resnet18" and \
+            not r["step"] and not (r["lean"] or {}).get("uint8_input") else ""
+        out.append([f"{r['arch']}", r["row"], str(r["batch_size"]), f"{r['stored_bytes'] / 1e6:,.1f}",
+                    f"{r['measured_bytes'] / 1e6:,.2f}", same, below, r["peak_block"], paper])
+    exact = sum(r["measured_bytes"] == r["predicted_bytes"] for r in rows)
+    caption = (f"\n{data['resolution']} px, {data['num_classes']} classes, {data['optimizer'].capitalize()}, CPU, "
+               f"torch {data['torch']}, random weights; MB = 10^6 B; predicted \"=\": the runtime accounting's "
+               f"prediction equals the measured peak to the byte ({exact} of {len(rows)} rows). \"below stock\": "
+               f"against the same table's stock row; \"stored\": kept for backward at the end of the forward; \"peak in\": "
+               f"the block whose backward or forward the peak falls in.\n")
+    return _table(["backbone", "configuration", "batch", "stored MB", "measured peak MB", "predicted MB",
+                   "below stock", "peak in", "the paper's figure"], out,
+                  ["---", "---", "---:", "---:", "---:", "---:", "---:", "---", "---"]) + caption
+
+
+def render_resnet_plans() -> str:
+    """``edgetl plan --verify`` on ResNet-18 and ResNet-50 (``scripts/resnet_peaks.py``)."""
+    data = json.loads((BENCH / "resnet_peaks_224.json").read_text())
+    out = [[p["arch"], f"{p['budget_bytes'] / 1e6:.0f} MB", str(p["batch_size"]), p["chosen"].replace(" | ", "; "),
+            f"{p['predicted_bytes'] / 1e6:.2f}", f"{p['measured_bytes'] / 1e6:.2f}",
+            "yes" if p["measured_bytes"] == p["predicted_bytes"] else "no"] for p in data["plans"]]
+    caption = (f"\n`edgetl plan --backbone ARCH --budget B --batch-size 8 --num-classes {data['num_classes']} "
+               f"--verify` at {data['resolution']} px (random weights, CPU, torch {data['torch']}); measured: 3 real "
+               f"steps of the planned network; MB = 10^6 B.\n")
+    return _table(["backbone", "budget", "batch", "the plan's pick", "predicted MB", "measured MB", "equal"], out,
+                  ["---", "---:", "---:", "---", "---:", "---:", "---"]) + caption
+
+
 def render_tested_on() -> str:
     summary = BENCH / "jetson_check_summary.json"
     if not (summary.is_file() and (SCRIPTS / "tested_on.py").is_file()):
@@ -546,6 +593,8 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "barley-table1": (render_barley_table1, "benchmarks/barley_table1_resnet18.json (scripts/barley_table1.py)"),
     "barley-table1-totals": (render_barley_table1_totals,
                              "benchmarks/barley_table1_resnet18.json (scripts/barley_table1.py)"),
+    "resnet-peaks": (render_resnet_peaks, "benchmarks/resnet_peaks_224.json (scripts/resnet_peaks.py)"),
+    "resnet-plans": (render_resnet_plans, "benchmarks/resnet_peaks_224.json (scripts/resnet_peaks.py)"),
     "tested-on": (render_tested_on, "benchmarks/{jetson,host}_check_summary.json (scripts/tested_on.py)"),
 }
 
