@@ -250,7 +250,8 @@ def load_input(*, checkpoint: str | Path | None = None, weights: str | Path | No
     from edgetl.models.backbone import RANDOM_WEIGHTS, is_weights_name, open_backbone
 
     if checkpoint is not None and weights is not None:
-        raise ConfigError("--weights is a state_dict for the default backbone; not with --checkpoint")
+        raise ConfigError("--weights is a torchvision state_dict file (any registered architecture, recognised by "
+                          "its keys); --checkpoint names its own weights: give one of the two")
     if checkpoint is not None and width is not None and not is_weights_name(checkpoint):
         raise ConfigError("--weights and --width describe the default backbone; not with --checkpoint")
     ref = checkpoint if checkpoint is not None else weights if weights is not None else f"{archs.DEFAULT_ARCH}:{RANDOM_WEIGHTS}"

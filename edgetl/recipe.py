@@ -89,9 +89,11 @@ class ModelConfig(LeanOptions):
 
     Attributes:
         mode: which parameters train (see edgetl.models.side.set_trainable).
-        backbone: a backbone folder (from edgetl prune / retrain); None = the stock
-            architecture with the width below.
-        width: MobileNetV2 width multiplier when no backbone folder is given.
+        backbone: a backbone folder (from edgetl prune / retrain), an architecture or a
+            torchvision weights name ("resnet18", "mobilenet_v2:IMAGENET1K_V2", "resnet50:random")
+            or a torchvision state_dict file; None = the default MobileNetV2 at the width below.
+        width: the width multiplier of an architecture that has one (MobileNetV2) where the
+            backbone is not a folder; 1.0 for one that has none (ResNet).
         runtime: "lean" (edgetl's lean layers), "stock" (torch modules) or "auto" (lean
             wherever the mode allows, except full: see ``edgetl.options.resolve_runtime``).
             On stock modules precision is autocast's (CUDA only for fp16/bf16) and bn

@@ -346,7 +346,7 @@ def retrain(
     if recipe.model.uint8_input:
         raise ConfigError("model.uint8_input is for finetune's lean runtime; retrain trains stock modules on the "
                           "normalised float batch (allowed here: false)")
-    if recipe.model.backbone is not None and weights is not None:
+    if weights is not None and _stock_arch(recipe.model.backbone) is None:
         raise ConfigError("--weights is for a bare architecture name (--backbone mobilenet_v2, resnet18, ...); a backbone folder has its own weights")
     _check_out_dir(out_dir, resume)
 

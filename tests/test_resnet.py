@@ -4,6 +4,8 @@ torchvision's module tree, and through pruning and the Rep-Net side network."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torchvision
@@ -192,15 +194,16 @@ def test_the_side_network_taps_the_stem_and_each_stage():
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
 def test_pruning_a_resnet_block_keeps_the_residual_widths(name):
-    from edgetl.prune import activation_l2_layers, block_out_channels, key_convs, prune
+    from edgetl.prune import activation_l2_layers, key_convs, prune
 
     torch.manual_seed(0)
     net = build_backbone(BackboneSpec(arch=name, num_classes=10)).eval()
     blocks = [1, 4] if name == "resnet18" else [2, 5]
     calib = [torch.randn(4, 3, 64, 64)]
     result = prune(net=net, blocks=blocks, ratios=[0.5, 0.25], calib_batches=calib, resolution=64)
-    widths = block_out_channels(net)
-    assert block_out_channels(result.net) == widths
+    # what torch-pruning changed: only the blocks' hidden layers (conv1, and conv2 in a Bottleneck)
+    hidden = {f"features.{b}.{h}" for b in blocks for h in (("conv1", "conv2") if name == "resnet50" else ("conv1",))}
+    assert {entry[0] for entry in result.history} == hidden and all(entry[1] for entry in result.history)
     for b, r in zip(blocks, (0.5, 0.25)):
         kept = int(hidden_channels(net, b) * (1 - r))
         assert [c.out_channels for c in key_convs(result.net, b)] == [kept] * (2 if name == "resnet50" else 1)
@@ -228,3 +231,81 @@ def test_the_resnet_stem_is_not_prunable_and_says_so():
         check_plan([0], [0.5], arch="resnet18")
     with pytest.raises(ConfigError, match=r"\(MobileNetV2; block 0 is pruned through block 1\)"):
         check_plan([0], [0.5])
+
+
+# --- review findings: a ResNet through the paths that assumed MobileNetV2
+
+
+def _cli(capsys, argv: list[str]) -> tuple[int, str]:
+    from edgetl.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_prune_refuses_a_plan_made_for_another_architecture(tmp_path, capsys):
+    from edgetl.plan import plan
+
+    result = plan(budget_bytes=18 * 10**6, batch_size=2, resolution=64, num_classes=3, stream=0, max_ratio=0.9,
+                  backbone=BackboneSpec(arch="resnet18", num_classes=3))
+    assert result.chosen.kept  # the plan prunes, so only the architecture can stop it
+    result.save(tmp_path / "plan.yaml")
+    code, out = _cli(capsys, ["prune", "--plan", str(tmp_path / "plan.yaml"), "--importance", "weight-l2",
+                              "-o", str(tmp_path / "out")])
+    assert code == 2 and "planned for ResNet-18; this input is MobileNetV2" in out and not (tmp_path / "out").exists()
+
+
+def test_a_plan_naming_a_block_its_resnet_lacks_is_one_line(tmp_path):
+    from edgetl.plan import load_plan, plan
+
+    result = plan(budget_bytes=18 * 10**6, batch_size=2, resolution=64, num_classes=3, stream=0, max_ratio=0.9,
+                  backbone=BackboneSpec(arch="resnet18", num_classes=3))
+    data = result.to_dict()
+    b = data["prune"]["blocks"][0]
+    for key in ("channels", "kept"):  # block 12 exists in MobileNetV2, not in ResNet-18
+        data["prune"][key] = {(12 if int(k) == b else k): v for k, v in data["prune"][key].items()}
+    data["prune"]["blocks"][0] = 12
+    import yaml
+
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"block 12 is not a block the plan's backbone can prune; allowed: 1..8"):
+        load_plan(tmp_path / "plan.yaml")
+
+
+def test_a_recipe_width_on_a_resnet_is_one_line_naming_model_width():
+    with pytest.raises(ConfigError, match=r"ResNet-18 has no width multiplier, and the width given is 0.35 .*model.width=1.0"):
+        backbone_spec("resnet18", width=0.35)
+
+
+def test_a_lean_resnet_block_still_holds_its_input_in_paper_accounting():
+    from edgetl.models.lean.residual import LeanResidualBlock
+
+    entry = archs.get("resnet18")
+    lean = build_network(BackboneSpec(arch="resnet18", num_classes=3), "repnet", device="meta",
+                         lean=__import__("edgetl.options", fromlist=["LeanOptions"]).LeanOptions(pool=1))
+    blocks = [b for b in lean.features if isinstance(b, LeanResidualBlock)]
+    assert len(blocks) == 8 and all(entry.has_skip(b) for b in blocks)
+
+
+def test_retrain_starts_a_resnet_from_a_torchvision_file(tmp_path, capsys):
+    from tests.conftest import make_color_folder
+
+    torch.manual_seed(0)
+    tv = torchvision.models.resnet18(num_classes=3)
+    torch.save(tv.state_dict(), tmp_path / "r18.pth")
+    data = make_color_folder(tmp_path / "data", n_train=4, n_val=2, size=32)
+    code, out = _cli(capsys, ["retrain", "--backbone", "resnet18", "--weights", str(tmp_path / "r18.pth"), "--data",
+                              str(data), "--no-distill", "--epochs", "1", "--batch-size", "4", "--set",
+                              "data.preset=imagefolder", "--set", "data.resolution=32", "--set", "train.workers=0",
+                              "--set", "optim.warmup_epochs=0", "-o", str(tmp_path / "run")])
+    assert code == 0, out
+    spec = json.loads((tmp_path / "run" / "backbone.json").read_text())
+    assert spec["spec"]["arch"] == "resnet18"
+    code, out = _cli(capsys, ["retrain", "--backbone", "resnet34", "--weights", str(tmp_path / "r18.pth"), "--data",
+                              str(data), "--no-distill", "--epochs", "1", "-o", str(tmp_path / "run2")])
+    assert code == 2 and "holds a resnet18 state_dict, not resnet34" in out

@@ -94,7 +94,7 @@ def print_result(result: PruneResult) -> None:
     for b in result.blocks:
         for i in entry.affects(b):
             if i != b and str(i) in mem_b["tmp_bytes"]:
-                rows.append([f"{i} ({entry.block_name(i)}, via {b})", "", "", fmt_mb(mem_b["tmp_bytes"][str(i)]),
+                rows.append([f"{i} ({'stem' if i == 0 else entry.block_name(i)}, via {b})", "", "", fmt_mb(mem_b["tmp_bytes"][str(i)]),
                              fmt_mb(mem_a["tmp_bytes"][str(i)])])
     for b, r in zip(result.blocks, result.ratios):
         rows.append([str(b), f"{r:g}", f"{result.channels_before[b]} -> {result.kept[b]}",
@@ -199,12 +199,16 @@ def run(args) -> int:
 
 def _from_plan(path, spec) -> tuple[list[int], list[float], int]:
     """Blocks, ratios and resolution of a plan, after checking it was made for this input backbone (its
-    width and hidden channels), naming both sides."""
+    architecture, width and hidden channels), naming both sides."""
     from edgetl.models.backbone import BackboneSpec
     from edgetl.plan import load_plan
 
     plan = load_plan(path)
     planned = BackboneSpec.from_dict(plan.backbone)
+    if planned.arch != spec.arch:
+        title = archs.get(planned.arch).title
+        raise ConfigError(f"{path} was planned for {title}; this input is {archs.get(spec.arch).title}: give "
+                          f"--checkpoint {planned.arch} (or a {title} folder or weights name), or plan again")
     if (planned.width, planned.hidden) != (spec.width, spec.hidden):
         raise ConfigError(
             f"{path} was planned for backbone width {planned.width:g} hidden {planned.hidden or 'unpruned'}; "

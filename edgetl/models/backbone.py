@@ -374,6 +374,10 @@ def _imagenet_width(ref: str | Path, width: float | None) -> float:
     """ImageNet weights exist at width 1.0 only: that width, or a one-line ConfigError."""
     if width not in (None, 1.0):
         entry, _ = _split_name(ref)
+        if not entry.width_multiplier:
+            raise ConfigError(f"{entry.title} has no width multiplier, and the width given is {width:g} (--width or "
+                              "model.width: a recipe made for MobileNetV2 sets one); give width 1.0 "
+                              "(--set model.width=1.0)")
         raise ConfigError(f"{ref} exists for width 1.0 only, not {width}; use {entry.name}:random "
                           "for another width, or a backbone folder")
     return 1.0

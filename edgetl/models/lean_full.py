@@ -4,7 +4,8 @@ BN statistics are frozen and folded, as is usual for small-batch transfer: each
 torchvision Conv2dNormActivation (conv, BN, ReLU6) becomes ``Sequential(conv', LeanReLU6)``,
 each project conv + BN a ``conv'``, each BasicBlock / Bottleneck a ``LeanResidualBlock`` of
 ``Sequential(conv', LeanReLU)`` / ``conv'`` layers and a ``LeanReLU`` after the add, and ResNet's
-stem ``Sequential(conv', LeanReLU, LeanMaxPool2d)``, where conv' is the conv with the BN's eval
+stem ``Sequential(conv', LeanMaxPool2d, LeanReLU)`` (max-pool first: exact, and the mask a
+quarter the size), where conv' is the conv with the BN's eval
 statistics folded in (``torch.nn.utils.fusion.fuse_conv_bn_weights``: weight w * s, bias
 beta + (b - mean) * s, s = gamma / sqrt(var + eps)). The folded weight and bias train
 (so Adam's per-element steps act on w * s rather than w; the stock "full" mode keeps BN

@@ -14,6 +14,12 @@ import yaml
 from edgetl.errors import BudgetError, ConfigError, DataError
 import edgetl.models.archs as archs
 from edgetl.models.backbone import BackboneSpec, prunable_blocks
+
+# The blocks any shipped architecture can prune (MobileNetV2: 1..17, ResNet-18: 1..8): the
+# schema's bounds; the plan's own architecture's are checked once its backbone is read
+# (``Plan._check_agreement``).
+_ANY_BLOCK = range(min(prunable_blocks(a).start for a in archs.registered()),
+                   max(prunable_blocks(a).stop for a in archs.registered()))
 from edgetl.options import (
     CONV_STORAGES, FROZEN_WEIGHTS, MAX_BATCH, POOLS, PRECISIONS, LeanOptions, option_default,
 )
@@ -64,7 +70,7 @@ class _FinetuneSection:
 class _PruneSection:
     """plan.prune, less its two mappings of block -> channels (``channels``, ``kept``)."""
 
-    blocks: list[int] = allowed(ge=prunable_blocks().start, le=prunable_blocks().stop - 1)
+    blocks: list[int] = allowed(ge=_ANY_BLOCK.start, le=_ANY_BLOCK.stop - 1)
     ratios: list[float] = allowed(ge=0, lt=1)
 
 
@@ -91,7 +97,7 @@ class _RequestSection:
     stream: int | None = allowed(None, ge=0, le=MAX_BATCH)  # absent before streaming
     fused: bool | None = None  # absent before issue #30
     step_in_backward: bool | None = None
-    blocks: list[int] | None = allowed(ge=prunable_blocks().start, le=prunable_blocks().stop - 1)
+    blocks: list[int] | None = allowed(ge=_ANY_BLOCK.start, le=_ANY_BLOCK.stop - 1)
     max_ratio: float = allowed(ge=0, lt=1)
     max_batch_size: int = allowed(ge=1)
 
@@ -172,9 +178,9 @@ def _int_map(data, where: str, blocks: bool) -> dict:
         if blocks:
             number = key if isinstance(key, int) and not isinstance(key, bool) else (
                 int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None)
-            if number not in prunable_blocks():
+            if number not in _ANY_BLOCK:
                 raise ConfigError(f"{where}: key {show(key)} is not a block that can be pruned; allowed: "
-                                  f"{prunable_blocks().start}..{prunable_blocks().stop - 1}")
+                                  f"{_ANY_BLOCK.start}..{_ANY_BLOCK.stop - 1}")
             name = number
         elif not isinstance(key, str):
             raise ConfigError(f"{where}: key {show(key)} is not a name; allowed: a string")
@@ -327,8 +333,12 @@ class PlanConfig:
         return config
 
     def check_channels(self, hidden: dict[int, int], where: str) -> None:
-        """Refuse channel counts that are not the input backbone's ``hidden`` (block -> channels)."""
+        """Refuse blocks the input backbone cannot prune and channel counts that are not its
+        ``hidden`` (block -> channels)."""
         for b in self.blocks:
+            if b not in hidden:
+                raise ConfigError(f"{where}.prune.blocks: block {b} is not a block the plan's backbone can prune; "
+                                  f"allowed: {min(hidden)}..{max(hidden)} (plan.backbone)")
             if self.channels[b] != hidden[b]:
                 raise ConfigError(f"{where}.prune.channels: block {b} has {self.channels[b]} hidden channels "
                                   f"here but {hidden[b]} in the plan's backbone (plan.backbone)")
@@ -558,6 +568,10 @@ class Plan:
         if batch == "auto" and c.batch_size > r["max_batch_size"]:
             raise ConfigError(f"plan.finetune.batch_size: {c.batch_size} exceeds plan.request.max_batch_size "
                               f"{r['max_batch_size']}")
+        allowed = prunable_blocks(BackboneSpec.from_dict(self.backbone).arch)
+        if r["blocks"] is not None and not set(r["blocks"]) <= set(allowed):
+            raise ConfigError(f"plan.request.blocks: {r['blocks']} names blocks the plan's backbone cannot prune; "
+                              f"allowed: {allowed.start}..{allowed.stop - 1} (plan.backbone)")
         if r["blocks"] is not None and not set(c.blocks) <= set(r["blocks"]):
             raise ConfigError(f"plan.prune.blocks: {c.blocks} prunes blocks plan.request.blocks {r['blocks']} "
                               "does not allow")

@@ -23,6 +23,8 @@ class LeanResidualBlock(nn.Module):
     keeps a 1-bit mask (``LeanReLU``), so the add and the activation keep no map.
     """
 
+    residual = True  # it adds its input back: paper accounting's R term (archs.resnet's has_skip)
+
     def __init__(self, body: nn.Sequential, shortcut: nn.Module | None, act: nn.Module):
         super().__init__()
         names = tuple(name for name, _ in body.named_children())
