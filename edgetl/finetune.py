@@ -181,13 +181,6 @@ def resolve_job(recipe: Recipe, num_classes: int, budget_bytes: int | None = Non
     return Job(recipe, options, step, stock, net, schedule, predicted)
 
 
-def preflight(net: EdgeNet, recipe: Recipe, budget_bytes: int | None) -> MemoryReport:
-    """Predict the peak of the requested batch; refuse (BudgetError) if it exceeds the budget."""
-    report = predict_peak(net, recipe, recipe.train.batch_size)
-    _check_budget(net, recipe, report, budget_bytes)
-    return report
-
-
 def _check_budget(net: EdgeNet, recipe: Recipe, report: MemoryReport, budget_bytes: int | None) -> None:
     batch = recipe.train.batch_size
     if budget_bytes is not None and report.total_bytes > budget_bytes:

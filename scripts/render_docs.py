@@ -17,6 +17,8 @@ Blocks (NAME: source):
 * ``results``: README's summary, rows and columns of ``benchmarks/table1_224.json``
 * ``table1``: the whole bench table of ``benchmarks/table1_224.json`` (``edgetl bench``'s own
   markdown, ``edgetl.bench.to_markdown``)
+* ``table1-resnet18``: the same table on ResNet-18, ``benchmarks/bench_resnet18_224.json``
+  (``edgetl bench --backbone resnet18``)
 * ``cuda-h100``: rows and columns of ``benchmarks/cuda_h100_bench.json``
 * ``cuda-accounting``, ``cuda-parity``: ``benchmarks/cuda_h100_figures.json`` (what the cuda tests measured)
 * ``cuda-allocator``: ``benchmarks/cuda_h100_allocator.json``
@@ -131,6 +133,12 @@ def render_table1() -> str:
     from edgetl.bench import BenchResult, to_markdown
 
     return to_markdown(BenchResult.load_json(BENCH / "table1_224.json"))
+
+
+def render_table1_resnet18() -> str:
+    from edgetl.bench import BenchResult, to_markdown
+
+    return to_markdown(BenchResult.load_json(BENCH / "bench_resnet18_224.json"))
 
 
 def render_cuda() -> str:
@@ -573,6 +581,7 @@ def render_tested_on() -> str:
 RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "results": (render_results, "benchmarks/table1_224.json"),
     "table1": (render_table1, "benchmarks/table1_224.json"),
+    "table1-resnet18": (render_table1_resnet18, "benchmarks/bench_resnet18_224.json (edgetl bench --backbone resnet18)"),
     "cuda-h100": (render_cuda, "benchmarks/cuda_h100_bench.json"),
     "cuda-accounting": (render_cuda_accounting, "benchmarks/cuda_h100_figures.json"),
     "cuda-allocator": (render_cuda_allocator, "benchmarks/cuda_h100_allocator.json"),

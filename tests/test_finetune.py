@@ -7,7 +7,7 @@ import torch
 
 from edgetl.cli import main
 from edgetl.errors import BudgetError
-from edgetl.finetune import build_model, finetune, predict_peak, preflight, stock_state_dict
+from edgetl.finetune import build_model, finetune, predict_peak, resolve_job, stock_state_dict
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.side import LeanOptions, build_network, make_lean
 from edgetl.recipe import load_recipe
@@ -132,16 +132,23 @@ def test_stock_state_dict_inverts_bn_folding():
             assert torch.allclose(stock(x), back(x), atol=1e-4, rtol=1e-3), bn_mode
 
 
-def test_preflight_refuses_over_budget_and_names_the_batch_that_fits(tmp_path):
+def test_the_job_refuses_over_budget_and_names_the_batch_that_fits(tmp_path):
+    """``resolve_job``, the path ``finetune`` takes: the prediction at the recipe's batch against the
+    budget, and the lean network it hands on carrying the schedule that prediction fitted."""
+    from edgetl.memory.schedule import fit_schedule
+
     recipe = load_recipe("fashion_mnist", {"train.batch_size": 32, "model.backbone": "mobilenet_v2:random"})
     net = build_model(recipe, 5)
     at = {b: predict_peak(net, recipe, b).total_bytes for b in (8, 9, 32)}
     assert at[8] < at[9] < at[32]
     budget = (at[8] + at[9]) // 2
     with pytest.raises(BudgetError, match=r"the largest batch that fits is 8 \(--batch-size 8\)"):
-        preflight(net, recipe, budget)
-    assert preflight(net, recipe, at[32]).total_bytes == at[32]
-    assert "not even batch 1 fits" in str(pytest.raises(BudgetError, preflight, net, recipe, 1000).value)
+        resolve_job(recipe, 5, budget)
+    job = resolve_job(recipe, 5, at[32])
+    assert job.predicted.total_bytes == at[32] and job.net is not job.stock
+    refit = fit_schedule(job.net, resolution=recipe.data.resolution, batch_size=32, step=job.step)
+    assert refit.to_dict() == job.schedule.to_dict()  # fitted once, on the meta copy, and applied as is
+    assert "not even batch 1 fits" in str(pytest.raises(BudgetError, resolve_job, recipe, 5, 1000).value)
 
 
 @needs_fmnist

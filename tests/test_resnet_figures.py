@@ -40,3 +40,20 @@ def test_the_committed_rows_and_their_claims():
     assert ROWS["lean, conv inputs pooled 2x2 (Barley & Froening)"]["measured_bytes"] <= 0.71 * stock
     assert ROWS["lean, every lever: pool4, fused Adam, update inside backward"]["measured_bytes"] <= 0.40 * stock
     assert all(p["measured_bytes"] == p["predicted_bytes"] <= p["tensor_budget_bytes"] for p in DATA["plans"])
+
+
+def test_the_committed_resnet18_bench():
+    """benchmarks/bench_resnet18_224.json (docs/bench.md): ResNet-18's rows, every accounted one
+    measured = runtime accounting, no paper-pruned row (its ratios are MobileNetV2's), and the
+    Rep-Net row's runtime figure predicted again here."""
+    from edgetl.bench import BenchResult, build_method, METHODS
+
+    result = BenchResult.load_json(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_resnet18_224.json")
+    assert result.arch == "resnet18" and not any(METHODS[r.method].pruned for r in result.rows)
+    accounted = [r for r in result.rows if r.runtime_bytes is not None]
+    assert len(accounted) == len(result.rows) - 1  # all but gradient checkpointing's
+    assert all(r.measured_bytes == r.runtime_bytes for r in accounted)
+    net = build_method(METHODS["repnet-lean"], arch="resnet18", width=1.0, num_classes=result.num_classes, device="meta")
+    prepare_step(net, resolution=result.resolution, batch_size=result.batch_size)
+    report = runtime_report(net, mode="repnet", resolution=result.resolution, batch_size=result.batch_size)
+    assert report.total_bytes == result.row("repnet-lean").runtime_bytes

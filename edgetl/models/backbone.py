@@ -86,11 +86,6 @@ def prunable_blocks(arch: str = archs.DEFAULT_ARCH) -> range:
     return archs.get(arch).prunable
 
 
-def head_block(net: "EdgeNet") -> int:
-    """The block number the accounting gives the head (global pool, dropout, classifier)."""
-    return len(net.features)
-
-
 class EdgeNet(nn.Module):
     """An architecture's numbered feature blocks, an optional side network, and the head.
 
