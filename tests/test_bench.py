@@ -448,7 +448,7 @@ def test_cli_refuses_a_width_or_pruned_rows_on_resnet(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--backbone", "vgg16"])
     assert exc.value.code == 2
-    assert "(choose from 'mobilenet_v2', 'resnet18', 'resnet34', 'resnet50')" in capsys.readouterr().err
+    assert "invalid choice: 'vgg16' (choose from 'mobilenet_v2', 'resnet18', 'resnet34', 'resnet50'" in capsys.readouterr().err
 
 
 def test_cli_quick_resnet18(tmp_path, capsys):

@@ -33,9 +33,10 @@ SCRATCH_OPS = {
     "aten::native_batch_norm", "aten::native_batch_norm_backward",
     "aten::upsample_bilinear2d",  # source indices and interpolation weights
     # TensorIterator's 0-dim CPU copy of a scalar operand in another dtype (Adam's step math,
-    # the lean runtime's mask packing)
+    # the lean runtime's mask packing, BN running statistics updated with foreach ops)
     "aten::add_", "aten::add", "aten::mul_", "aten::mul", "aten::div", "aten::div_", "aten::sum",
     "aten::mean", "aten::__rshift__", "aten::gt", "aten::lt", "aten::bitwise_and_",
+    "aten::_foreach_mul_", "aten::_foreach_add_",
 }
 
 
