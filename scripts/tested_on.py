@@ -79,7 +79,7 @@ def render(summaries: list[dict]) -> str:
             cells.append(text)
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += ["", "Peaks: measured peak of the training tensors (MB = 10^6 B), equal to edgetl's prediction "
-              "where the check passed; shapes 64 px, MobileNetV2 width 0.35, batch 2."]
+              "where the check passed; shapes 64 px, batch 2, MobileNetV2 width 0.35 (the resnet18 rows: ResNet-18)."]
     return "\n".join(lines) + "\n"
 
 
