@@ -15,9 +15,9 @@ from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.runtime import runtime_report
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.compress import CompressedConv2d
-from edgetl.models.lean import PooledConv2d
+from edgetl.models.lean import LeanMaxPool2d, LeanReLU, PooledConv2d
 from edgetl.options import STORAGES
-from edgetl.models.lean_full import LeanReLU6, full_state_dict, leanify_full
+from edgetl.models.lean_full import full_state_dict, leanify_full
 from edgetl.models.side import LeanOptions, build_network, make_lean
 
 from tests.conftest import FMNIST_REASON, HAVE_FMNIST
@@ -36,12 +36,10 @@ def calibrated(spec=SPEC, seed=0) -> nn.Module:
     return net.eval()
 
 
-def folded_reference(stock: nn.Module) -> nn.Module:
-    """The BN-folded network on plain torch modules (nn.Conv2d with bias, nn.ReLU6): what
-    every storage's forward and input gradients must equal, and exact storage's weight
-    gradients too."""
-    ref = copy.deepcopy(stock)
-    leanify_full(ref, storage="exact")
+def on_torch_leaves(net: nn.Module) -> nn.Module:
+    """A copy of a lean full network on torch's own leaves (nn.Conv2d with bias, nn.ReLU /
+    nn.ReLU6, nn.MaxPool2d): the exact reference of its forward and of every gradient."""
+    ref = copy.deepcopy(net)
     for parent in list(ref.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, PooledConv2d):
@@ -49,10 +47,18 @@ def folded_reference(stock: nn.Module) -> nn.Module:
                                  padding=child.padding, groups=child.groups)
                 conv.load_state_dict(child.state_dict())
                 setattr(parent, name, conv)
-            elif isinstance(child, LeanReLU6):
-                setattr(parent, name, nn.ReLU6())
+            elif isinstance(child, LeanReLU):
+                setattr(parent, name, nn.ReLU() if child.upper is None else nn.ReLU6())
+            elif isinstance(child, LeanMaxPool2d):
+                setattr(parent, name, nn.MaxPool2d(child.kernel_size, child.stride, child.padding))
     ref.pool = nn.AdaptiveAvgPool2d(1)
     return ref
+
+
+def folded_reference(stock: nn.Module) -> nn.Module:
+    """The BN-folded network on plain torch modules: what every storage's forward and input
+    gradients must equal, and exact storage's weight gradients too."""
+    return on_torch_leaves(leanify_full(copy.deepcopy(stock), storage="exact"))
 
 
 def grads(net, x, y):

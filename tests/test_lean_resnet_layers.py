@@ -23,13 +23,13 @@ from edgetl.models.lean import (
     LeanMaxPool2d,
     LeanReLU,
     LeanResidualBlock,
-    PooledConv2d,
     count_saved_bytes,
     leanify_backbone,
 )
 from edgetl.models.lean.maxpool import code_bytes
 from edgetl.models.lean_full import leanify_full
 from edgetl.models.side import LeanOptions, build_network, make_lean
+from tests.test_lean_full import on_torch_leaves
 
 RES, BATCH = 32, 2
 
@@ -108,31 +108,12 @@ def test_frozen_lean_blocks_give_stock_gradients(bn):
         torch.testing.assert_close(lean.features(x), stock.features(x), rtol=1e-4, atol=1e-5)
 
 
-def _plain(net: nn.Module) -> nn.Module:
-    """A lean full network on torch's own leaves (nn.Conv2d, nn.ReLU, nn.MaxPool2d): the exact
-    reference of its forward and of every gradient."""
-    ref = copy.deepcopy(net)
-    for parent in list(ref.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, PooledConv2d):
-                conv = nn.Conv2d(child.in_channels, child.out_channels, child.kernel_size, stride=child.stride,
-                                 padding=child.padding, groups=child.groups)
-                conv.load_state_dict(child.state_dict())
-                setattr(parent, name, conv)
-            elif isinstance(child, LeanReLU):
-                setattr(parent, name, nn.ReLU() if child.upper is None else nn.ReLU6())
-            elif isinstance(child, LeanMaxPool2d):
-                setattr(parent, name, nn.MaxPool2d(child.kernel_size, child.stride, child.padding))
-    ref.pool = nn.AdaptiveAvgPool2d(1)
-    return ref
-
-
 def test_full_lean_blocks_give_the_folded_networks_gradients():
     """Lean full (BN folded, exact storage): forward and every gradient those of the same
     network on torch's own layers; the forward and input gradient those of the stock blocks."""
     stock = calibrated("full")
     lean = leanify_full(copy.deepcopy(stock), storage="exact")
-    ref = _plain(lean)
+    ref = on_torch_leaves(lean)
     assert [n for n, _ in lean.features[2].named_children()] == ["conv1", "conv2", "downsample", "act"]
     assert [type(m).__name__ for m in lean.features[0]] == ["PooledConv2d", "LeanMaxPool2d", "LeanReLU"]
     torch.manual_seed(1)
