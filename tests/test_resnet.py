@@ -27,6 +27,7 @@ from edgetl.models.backbone import (
 )
 from edgetl.models.side import build_network, build_side_network, min_resolution, taps_of
 from edgetl.profile import paper_report
+from tests.test_resnet_pipeline import run_cli_output
 
 DEPTHS = {"resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3), "resnet50": (3, 4, 6, 3)}
 
@@ -236,18 +237,6 @@ def test_the_resnet_stem_is_not_prunable_and_says_so():
 # --- review findings: a ResNet through the paths that assumed MobileNetV2
 
 
-def _cli(capsys, argv: list[str]) -> tuple[int, str]:
-    from edgetl.cli import main
-
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out + out.err
-
-
 def test_prune_refuses_a_plan_made_for_another_architecture(tmp_path, capsys):
     from edgetl.plan import plan
 
@@ -255,7 +244,7 @@ def test_prune_refuses_a_plan_made_for_another_architecture(tmp_path, capsys):
                   backbone=BackboneSpec(arch="resnet18", num_classes=3))
     assert result.chosen.kept  # the plan prunes, so only the architecture can stop it
     result.save(tmp_path / "plan.yaml")
-    code, out = _cli(capsys, ["prune", "--plan", str(tmp_path / "plan.yaml"), "--importance", "weight-l2",
+    code, out = run_cli_output(capsys, ["prune", "--plan", str(tmp_path / "plan.yaml"), "--importance", "weight-l2",
                               "-o", str(tmp_path / "out")])
     assert code == 2 and "planned for ResNet-18; this input is MobileNetV2" in out and not (tmp_path / "out").exists()
 
@@ -299,13 +288,13 @@ def test_retrain_starts_a_resnet_from_a_torchvision_file(tmp_path, capsys):
     tv = torchvision.models.resnet18(num_classes=3)
     torch.save(tv.state_dict(), tmp_path / "r18.pth")
     data = make_color_folder(tmp_path / "data", n_train=4, n_val=2, size=32)
-    code, out = _cli(capsys, ["retrain", "--backbone", "resnet18", "--weights", str(tmp_path / "r18.pth"), "--data",
+    code, out = run_cli_output(capsys, ["retrain", "--backbone", "resnet18", "--weights", str(tmp_path / "r18.pth"), "--data",
                               str(data), "--no-distill", "--epochs", "1", "--batch-size", "4", "--set",
                               "data.preset=imagefolder", "--set", "data.resolution=32", "--set", "train.workers=0",
                               "--set", "optim.warmup_epochs=0", "-o", str(tmp_path / "run")])
     assert code == 0, out
     spec = json.loads((tmp_path / "run" / "backbone.json").read_text())
     assert spec["spec"]["arch"] == "resnet18"
-    code, out = _cli(capsys, ["retrain", "--backbone", "resnet34", "--weights", str(tmp_path / "r18.pth"), "--data",
+    code, out = run_cli_output(capsys, ["retrain", "--backbone", "resnet34", "--weights", str(tmp_path / "r18.pth"), "--data",
                               str(data), "--no-distill", "--epochs", "1", "-o", str(tmp_path / "run2")])
     assert code == 2 and "holds a resnet18 state_dict, not resnet34" in out
