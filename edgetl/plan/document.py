@@ -544,15 +544,16 @@ class Plan:
                 raise ConfigError(f"plan.runners_up[{i}].fits: {str(c.fits).lower()} disagrees with its "
                                   f"predicted_bytes {c.predicted_bytes} against plan.budget.tensor_budget_bytes "
                                   f"{self.tensor_budget_bytes}")
-        self._check_request()
+        self._check_request(prunable_blocks(base.arch))
         try:
             check_options(mode=self.chosen.mode, accounting="runtime", resolution=self.resolution, batch_size=1)
         except ConfigError as exc:
             raise ConfigError(f"plan.resolution: {exc}") from None
 
-    def _check_request(self) -> None:
+    def _check_request(self, allowed: range) -> None:
         """The chosen configuration is what ``request`` asked: its mode, every lever the request
-        fixed, a fixed batch (or one up to max_batch_size), pruning only the blocks it allows."""
+        fixed, a fixed batch (or one up to max_batch_size), pruning only the blocks it allows
+        (``allowed``: those the plan's backbone can prune)."""
         r, c = self.request, self.chosen
         batch = r["batch_size"]
         if batch != "auto" and batch < 1:
@@ -568,7 +569,6 @@ class Plan:
         if batch == "auto" and c.batch_size > r["max_batch_size"]:
             raise ConfigError(f"plan.finetune.batch_size: {c.batch_size} exceeds plan.request.max_batch_size "
                               f"{r['max_batch_size']}")
-        allowed = prunable_blocks(BackboneSpec.from_dict(self.backbone).arch)
         if r["blocks"] is not None and not set(r["blocks"]) <= set(allowed):
             raise ConfigError(f"plan.request.blocks: {r['blocks']} names blocks the plan's backbone cannot prune; "
                               f"allowed: {allowed.start}..{allowed.stop - 1} (plan.backbone)")
