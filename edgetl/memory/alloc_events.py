@@ -255,7 +255,7 @@ def measure_allocator_memory(net: nn.Module, *, resolution: int, batch_size: int
     device = next(net.parameters()).device
     if device.type != "cpu":
         raise ConfigError(f"the allocator events are the CPU allocator's; net is on {device}")
-    from edgetl.memory.meter import _num_classes
+    from edgetl.memory.meter import random_batch
 
     step = resolve_step(step)
     if step.ddp:
@@ -273,13 +273,7 @@ def measure_allocator_memory(net: nn.Module, *, resolution: int, batch_size: int
         # the batch as the meter's measurement draws it, allocated inside the run as there
         opt = step.optimizer(net)
         set_train_mode(net, step.bn)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
-        dtype = getattr(net, "input_dtype", torch.float32)
-        if dtype == torch.uint8:
-            image = image.mul_(64).add_(128).clamp_(0, 255)
-        image = image.to(device, dtype)
-        labels = torch.randint(0, _num_classes(net), (batch_size,), generator=gen)
+        image, labels = random_batch(net, resolution=resolution, batch_size=batch_size, seed=seed, device=device)
         for _ in range(steps):
             training_step(net, step, opt, image, labels)
 

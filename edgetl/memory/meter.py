@@ -214,6 +214,22 @@ class MeasuredMemory:
         return self.allocated_bytes if self.allocated_bytes is not None else self.tensor_bytes
 
 
+def random_batch(net: nn.Module, *, resolution: int, batch_size: int, seed: int, device: torch.device | str,
+                 num_classes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random batch and labels a measured step trains on, drawn from ``seed`` on the CPU: the
+    image in ``net.input_dtype`` when the network has one (lean bf16/fp16 runtime; uint8: the
+    same draw as raw pixels), else fp32, and labels below ``num_classes`` (default: the net's)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
+    dtype = getattr(net, "input_dtype", torch.float32)
+    if dtype == torch.uint8:  # raw images (LeanOptions.uint8_input): the same draw, as pixels
+        image = image.mul_(64).add_(128).clamp_(0, 255)
+    image = image.to(device, dtype)
+    classes = _num_classes(net) if num_classes is None else num_classes
+    labels = torch.randint(0, classes, (batch_size,), generator=gen).to(device)
+    return image, labels
+
+
 def measure_training_memory(
     net: nn.Module,
     *,
@@ -266,13 +282,8 @@ def measure_training_memory(
     step = resolve_step(step, optimizer, lr)
     opt = step.optimizer(net)
     set_train_mode(net, step.bn)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
-    dtype = getattr(net, "input_dtype", torch.float32)
-    if dtype == torch.uint8:  # raw images (LeanOptions.uint8_input): the same draw, as pixels
-        image = image.mul_(64).add_(128).clamp_(0, 255)
-    image = image.to(device, dtype)
-    labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
+    image, labels = random_batch(net, resolution=resolution, batch_size=batch_size, seed=seed, device=device,
+                                 num_classes=num_classes)
     for p in trainable:
         p.grad = None
 
