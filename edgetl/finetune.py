@@ -238,6 +238,7 @@ class FinetuneResult:
     classes: list[str] = field(default_factory=list)
     image_check: ImageCheck | None = None
     skipped: dict[str, str] = field(default_factory=dict)  # images left out while training
+    execution: str = "eager"  # how the step ran (edgetl.train.FitResult.execution)
 
 
 def finetune(
@@ -315,7 +316,7 @@ def finetune(
                         f"--resume to write {MODEL_WEIGHTS} and {MODEL_JSON}",)
             raise
     return FinetuneResult(out_dir, result.best_acc1, result.best_epoch, predicted, measured,
-                          result.history, splits.classes, splits.image_check, result.skipped)
+                          result.history, splits.classes, splits.image_check, result.skipped, result.execution)
 
 
 def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, classes: list[str],

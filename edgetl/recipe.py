@@ -205,6 +205,10 @@ class TrainConfig:
         eval_every: evaluate every this many epochs (and always after the last).
         checkpoint_every: also write last.pt every this many steps inside an epoch
             (0 = only at epoch ends), so a killed run loses little work.
+        cuda_graph: on CUDA, capture the whole training step as CUDA graphs and replay them
+            (edgetl.train.graph) where the step can be captured; false: eager. How the step
+            executes, not what it computes: a run may resume the other way. recipe.yaml
+            records what ran.
     """
 
     epochs: int = allowed(ge=1, le=INT32_MAX)
@@ -214,6 +218,7 @@ class TrainConfig:
     val_batch_size: int | None = allowed(None, ge=1, le=MAX_BATCH)
     eval_every: int = allowed(1, ge=1, le=INT32_MAX)
     checkpoint_every: int = allowed(200, ge=0, le=INT32_MAX)
+    cuda_graph: bool = True
 
     def __post_init__(self) -> None:
         self.check("train")

@@ -16,9 +16,9 @@ default allocator and, on CUDA, once more with
     bench.json / .csv / .png / .md    the bench result (the .md is the docs/bench.md table)
     allocator.json      per method: runtime accounting, measured and replayed allocated/reserved peaks
 
-On CUDA, summary.json also holds the CUDA-graph check (issue #15, item 5): the whole
-training step captured once and replayed, against eager steps: exact or not, and both
-median step times.
+On CUDA, summary.json also holds the CUDA-graph check: the whole training step captured
+as ``edgetl finetune`` captures it (edgetl.train.graph.CapturedStep) and replayed, against
+eager steps: how far the weights end apart, and both median step times.
 
 Eight files at most, so a device call brings every one back. ``--device cpu`` with
 ``--quick`` runs the same code here in seconds (``tests/test_cuda.py``), so the
@@ -181,24 +181,28 @@ def allocator_rows(*, device: str, methods: list[str], resolution: int, width: f
 
 def graph_rows(*, device: str, methods: list[str], resolution: int, width: float, batch_size: int,
                steps: int = 20, num_classes: int = 102, on_row=None) -> dict:
-    """Issue #15, item 5: the whole training step captured as one CUDA graph, against eager.
+    """The whole training step captured as CUDA graphs (edgetl.train.graph.CapturedStep, what
+    ``edgetl finetune`` runs by default on CUDA), against the eager step.
 
-    Per method: two copies of the network from the same weights, each with Adam
-    (capturable, as a graph needs); one runs eager, the other is warmed up eagerly on a side
-    stream, captured once (forward, loss, backward, optimizer step) and replayed. Both see
-    the same fixed batch for the same number of steps; the result says whether the weights
-    end equal and the median step time of each. A capture that fails is reported, not raised.
-    ``on_row(rows)`` is called after each method, as in ``allocator_rows``.
+    Per method: two copies of the network from the same weights, each with the plain step's
+    Adam; one runs ``training_step`` eagerly, the other through ``CapturedStep`` (three eager
+    warm-up steps on a side stream, then captured once and replayed; its Adam capturable).
+    Both see the same fixed batch for the same number of steps; the result says how far the
+    weights end apart and the median step time of each (the captured step's includes copying
+    the batch from pinned host memory into its static buffers). A capture that fails is
+    reported, not raised. ``on_row(rows)`` is called after each method, as in ``allocator_rows``.
     """
     import statistics
 
     import torch
-    import torch.nn.functional as F
 
     from edgetl.bench import METHODS, build_method, pruned_hidden
     from edgetl.memory.schedule import prepare_step
+    from edgetl.step import Step, training_step
+    from edgetl.train.graph import WARMUP_STEPS, CapturedStep
 
     dev = torch.device(device)
+    step = Step()
     rows = []
     for name in methods:
         method = METHODS[name]
@@ -213,51 +217,34 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
         gen = torch.Generator().manual_seed(1)
-        x = torch.randn(batch_size, 3, resolution, resolution, generator=gen).to(
-            dev, getattr(net, "input_dtype", torch.float32))
-        y = torch.randint(0, num_classes, (batch_size,), generator=gen).to(dev)
+        dtype = getattr(net, "input_dtype", torch.float32)
+        x_host = torch.randn(batch_size, 3, resolution, resolution, generator=gen).to(dtype).pin_memory()
+        y_host = torch.randint(0, num_classes, (batch_size,), generator=gen).pin_memory()
+        x, y = x_host.to(dev), y_host.to(dev)
         nets = {"eager": net.train(), "graph": copy.deepcopy(net).train()}
-        opts = {k: torch.optim.Adam([p for p in n.parameters() if p.requires_grad], lr=1e-3, capturable=True)
-                for k, n in nets.items()}
-
-        def step(k):
-            loss = F.cross_entropy(nets[k](x), y)
-            loss.backward()
-            opts[k].step()
-            return loss
-
+        opts = {k: step.optimizer(n) for k, n in nets.items()}
+        captured = CapturedStep(training_step, nets["graph"], step, opts["graph"], dev, dtype=dtype, tensor_lr=False)
         row: dict = {"method": name}
         times: dict[str, list[float]] = {"eager": [], "graph": []}
-        warm = 3
         try:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(warm):
-                    opts["graph"].zero_grad(set_to_none=True)
-                    step("graph")
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            opts["graph"].zero_grad(set_to_none=True)
-            with torch.cuda.graph(graph):
-                step("graph")
+            for _ in range(WARMUP_STEPS + 1):  # warm-up, then the capture and its first replay
+                captured(x_host, y_host)
+            torch.cuda.synchronize(dev)
         except Exception as exc:  # noqa: BLE001 - the finding is the message
             row["capture_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
             continue
-        for _ in range(warm):  # as the graph's copy (capturing records the step, it does not run it)
-            opts["eager"].zero_grad(set_to_none=True)
-            step("eager")
+        for _ in range(WARMUP_STEPS + 1):  # as many steps as the captured copy has taken
+            training_step(nets["eager"], step, opts["eager"], x, y)
         for _ in range(steps):
             torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            opts["eager"].zero_grad(set_to_none=True)
-            step("eager")
+            training_step(nets["eager"], step, opts["eager"], x, y)
             torch.cuda.synchronize(dev)
             t1 = time.perf_counter()
-            graph.replay()
+            captured(x_host, y_host)
             torch.cuda.synchronize(dev)
             t2 = time.perf_counter()
             times["eager"].append(t1 - t0)
@@ -268,7 +255,7 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
         row.update({
             "eager_step_s": statistics.median(times["eager"]), "graph_step_s": statistics.median(times["graph"]),
             "speedup": statistics.median(times["eager"]) / statistics.median(times["graph"]),
-            "max_abs_weight_diff": max(diffs), "exact": max(diffs) == 0.0,
+            "max_abs_weight_diff": max(diffs), "exact": max(diffs) == 0.0, "graphs": captured.describe(),
         })
         rows.append(row)
         if on_row is not None:

@@ -566,6 +566,63 @@ def test_finetune_one_epoch_and_resume_on_cuda_then_export(tmp_path, figures, de
 
 
 @cuda
+def test_finetune_captured_as_cuda_graphs_trains_as_eager_does(tmp_path, figures, deterministic_cudnn):
+    """finetune's default on CUDA (train.cuda_graph): three eager warm-up steps, then the step
+    captured and replayed; the epoch's last batch (4 images of 5) is a second graph in the same
+    pool. The weights end where the eager run's do (as close as two eager runs are, or within
+    capturable Adam's float32 rate arithmetic), recipe.yaml records what ran, and a captured run
+    killed mid-epoch resumes eagerly. Records reserved/allocated peaks of both (the graph pool)."""
+    import yaml
+
+    from edgetl.finetune import finetune
+    from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
+    from edgetl.recipe import load_recipe
+
+    data = _color_data(tmp_path / "data")  # 24 training images: batches 5, 5, 5, 5, 4
+    torch.manual_seed(0)
+    (tmp_path / "backbone").mkdir()
+    save_backbone(tmp_path / "backbone", build_backbone(BackboneSpec(width=0.35, num_classes=3)).eval())
+    values = {"data.root": str(data), "data.resolution": 64, "model.backbone": str(tmp_path / "backbone"),
+              "model.pool": 2, "train.epochs": 2, "train.batch_size": 5, "train.workers": 0,
+              "train.checkpoint_every": 3}
+    graph, eager = (load_recipe("imagefolder", {**values, "train.cuda_graph": on}) for on in (True, False))
+    memory, runs = {}, {}
+    for name, recipe in (("g", graph), ("e", eager), ("e2", eager)):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        runs[name] = finetune(recipe=recipe, out_dir=tmp_path / name, device="cuda", measure=False)
+        memory[name] = {"max_allocated": torch.cuda.max_memory_allocated(),
+                        "max_reserved": torch.cuda.max_memory_reserved()}
+    assert runs["g"].execution == ("CUDA graph: 3 eager warm-up step(s), then 2 captured step(s) replayed "
+                                   "(batch sizes 5, 4)"), runs["g"].execution
+    assert runs["e"].execution == "eager: train.cuda_graph is off (--eager)"
+    for name, on in (("g", True), ("e", False)):
+        assert yaml.safe_load((tmp_path / name / "recipe.yaml").read_text())["train"]["cuda_graph"] is on
+
+    class Killed(Exception):
+        pass
+
+    def kill(info):
+        if info["global_step"] == 9:  # epoch 2 step 4: its last.pt is from epoch 2 step 3
+            raise Killed
+
+    with pytest.raises(Killed):
+        finetune(recipe=graph, out_dir=tmp_path / "k", device="cuda", measure=False, on_step=kill)
+    resumed = finetune(recipe=eager, out_dir=tmp_path / "k", device="cuda", measure=False, resume=True)
+    assert resumed.execution.startswith("eager")
+    g, e, e2, k = (_weights(tmp_path / r / "model.pt") for r in ("g", "e", "e2", "k"))
+    rerun, captured, mixed = _max_diff(e, e2), _max_diff(g, e), _max_diff(g, k)
+    figures["finetune_graph"] = {
+        "rerun_max_abs_diff": rerun, "graph_vs_eager_max_abs_diff": captured, "graph_resumed_eager_max_abs_diff": mixed,
+        "train_loss": {n: [r["train_loss"] for r in runs[n].history] for n in runs}, "memory": memory,
+        "execution": runs["g"].execution}
+    tolerance = max(10 * rerun, 1e-3)
+    assert captured <= tolerance and mixed <= tolerance, figures["finetune_graph"]
+    for a, b in zip(runs["g"].history, runs["e"].history):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
+
+
+@cuda
 def test_retrain_with_autocast_and_gradscaler(tmp_path, figures):
     """``edgetl retrain`` on CUDA in fp16 autocast with a GradScaler: finite loss, fp32 weights
     that moved, the scaler's state in the checkpoint, and a resume that picks it up."""

@@ -87,4 +87,6 @@ def test_readme_walkthrough_runs_end_to_end(tmp_path, monkeypatch, capsys):
     # the printed summaries name what was made
     assert "saved to plan.yaml" in printed["plan"] and "saved to pruned" in printed["prune"]
     assert "backbone: retrained" in printed["finetune"]
+    # the summary says how the step ran: on this CPU eagerly, and why
+    assert "step: eager: CUDA graphs need a CUDA device; this run is on cpu" in printed["finetune"]
     assert weights["features.0.0.weight"].shape[0] == 32  # the stand-in is a width-1.0 file

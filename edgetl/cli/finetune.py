@@ -86,6 +86,10 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", type=override, default=[],
                    metavar="KEY=VALUE", help="any recipe value, e.g. --set optim.lr_side=1e-3")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--eager", action="store_true", default=None,
+                   help="train.cuda_graph false: on CUDA, launch every op of the step from Python instead of "
+                        "capturing the step as CUDA graphs and replaying them (the default where the step can "
+                        "be captured; the summary and recipe.yaml say which ran)")
     p.add_argument("--resume", action="store_true", help="continue the run in -o from its last checkpoint")
     p.add_argument("--no-measure", dest="measure", action="store_false",
                    help="skip the one-step memory measurement before training (CPU)")
@@ -154,6 +158,7 @@ def recipe_from_args(args) -> Request:
              "train.batch_size": args.batch_size, "train.epochs": args.epochs,
              "model.mode": args.mode, "model.runtime": args.runtime, "optim.fused": args.fused,
              "optim.step_in_backward": args.step_in_backward,
+             "train.cuda_graph": None if not getattr(args, "eager", None) else False,
              **{f"model.{name}": getattr(args, name) for name in LeanOptions.names()}}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     recipe = load_recipe(args.recipe, overrides=overrides)
@@ -237,6 +242,7 @@ def run(args) -> int:
     print_table(["epoch", "train loss", "val top-1 %"], rows)
     best = "-" if result.best_acc1 is None else f"{result.best_acc1:.2f}% (epoch {result.best_epoch})"
     print(f"best val top-1: {best}   wall time {time.perf_counter() - start:.0f} s")
+    print(f"step: {result.execution}")
     before = len(result.image_check.bad) if result.image_check and result.image_check.policy == "skip" else 0
     if before or result.skipped:
         n = before + len(result.skipped)

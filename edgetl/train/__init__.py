@@ -20,7 +20,8 @@ the folder it made; one that fails later keeps them and its error says how to re
 Rooms: ``loop`` (the epoch and step loop, evaluation, distillation, resuming), ``checkpoint``
 (last.pt and best.pt: format, size bounds, what a resume may change), ``folder`` (the run
 folder: disk check, recipe.yaml, metrics files, clean-up after a failure), ``schedule`` (the
-learning rate), ``rng`` (seeds and RNG states), ``distributed`` (torchrun, the process group).
+learning rate), ``rng`` (seeds and RNG states), ``distributed`` (torchrun, the process group),
+``graph`` (the step captured as CUDA graphs and replayed, and when it cannot be).
 ``fit`` stays here: it hands the loop ``training_step`` as found in this namespace, where a
 caller (a test) may replace it.
 """
@@ -28,6 +29,8 @@ caller (a test) may replace it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,10 +88,14 @@ from edgetl.train.loop import (
     input_dtype,
     note_skipped,
 )
+from edgetl.train.graph import CapturedStep, rate_changes, why_eager
 from edgetl.train.rng import rng_state, seed_everything, set_rng_state
 from edgetl.train.schedule import build_scheduler, lr_factor, warmup_steps
 
+log = logging.getLogger("edgetl.train")
+
 __all__ = [
+    "CapturedStep",
     "ADDED_SETTINGS",
     "BEST",
     "CHECKPOINT_FORMAT",
@@ -128,6 +135,7 @@ __all__ = [
     "torchrun_env",
     "unwrap",
     "warmup_steps",
+    "why_eager",
 ]
 
 
@@ -182,6 +190,10 @@ def fit(
     amp_precision = recipe.model.precision if amp else "fp32"
     autocast, scaler = _autocast(device, amp_precision)
     check_run_folder(out_dir, resume)
+    eager = why_eager(recipe, device, world=world, scaler=scaler, teacher=teacher)
+    if eager is not None and recipe.train.cuda_graph:  # recipe.yaml records what runs
+        log.info("the training step runs eagerly: %s", eager)
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, cuda_graph=False))
 
     model.to(device)
     if teacher is not None:
@@ -201,6 +213,9 @@ def fit(
                               progress.created)
             progress.saved = (progress.start_epoch, progress.start_step) if resume else None
             net = ddp_wrap(model, step_spec, device) if step_spec.ddp else model
+            captured = None if eager is not None else CapturedStep(
+                training_step, net, step_spec, optimizer, device, dtype=input_dtype(model), autocast=autocast,
+                tensor_lr=rate_changes(recipe))
 
             if progress.rank_rng is not None:
                 set_rng_state(progress.rank_rng)
@@ -216,7 +231,8 @@ def fit(
             )
             loop = _Loop(model=model, net=net, teacher=teacher, train_loader=train_loader, sampler=sampler,
                          val_loader=val_loader, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                         autocast=autocast, run_step=training_step, settings=settings, progress=progress)
+                         autocast=autocast, run_step=training_step, settings=settings, progress=progress,
+                         captured=captured)
             for epoch in range(progress.start_epoch, recipe.train.epochs):
                 t0, seen = loop.train_epoch(epoch)
                 loop.end_epoch(epoch, t0, seen)
@@ -226,4 +242,5 @@ def fit(
             raise failure from None
         raise
     return FitResult(out_dir=out_dir, best_acc1=progress.best_acc1, best_epoch=progress.best_epoch,
-                     history=progress.history, skipped=progress.skipped)
+                     history=progress.history, skipped=progress.skipped,
+                     execution=captured.describe() if captured is not None else f"eager: {eager}")

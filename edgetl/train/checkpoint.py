@@ -25,7 +25,7 @@ CHECKPOINT_FORMAT = "edgetl-checkpoint/1"
 LAST, BEST = "last.pt", "best.pt"
 # Recipe keys that may change between a run and its resume without changing the result.
 # Streaming, recomputing and a uint8 batch change where the bytes go, not what is computed.
-RESUME_MAY_CHANGE = ("data.root", "data.download", "data.on_bad_image", "train.workers",
+RESUME_MAY_CHANGE = ("data.root", "data.download", "data.on_bad_image", "train.workers", "train.cuda_graph",
                      "model.stream", "model.uint8_input", "model.recompute")
 # settings added after checkpoints were first written: one that a checkpoint lacks ran as this
 ADDED_SETTINGS = {"optim.foreach": False, "model.stream": 0, "model.uint8_input": False,

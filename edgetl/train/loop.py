@@ -35,6 +35,7 @@ from edgetl.train.checkpoint import (
 )
 from edgetl.train.distributed import _all_reduce_sum, _gather, is_main_process, torchrun_env, unwrap
 from edgetl.train.folder import RECIPE_FILE, _write_metrics, read_metrics
+from edgetl.train.graph import eager_state_dict
 from edgetl.train.rng import rng_state
 from edgetl.train.schedule import build_scheduler
 
@@ -57,6 +58,7 @@ class FitResult:
     best_epoch: int | None
     history: list[dict] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    execution: str = "eager"  # how the step ran: CUDA graphs (edgetl.train.graph) or eager, and why
 
     @property
     def last_path(self) -> Path:
@@ -261,6 +263,33 @@ class _LoopSettings:
 
 
 @dataclass
+class _Pending:
+    """A step's loss and top-1 hits on their way to the host: copied without waiting for the
+    device, read (``_Loop.settle``) once the next step has been launched, so no step waits for
+    the one before it to finish (a captured step is one launch)."""
+
+    epoch: int
+    step: int
+    count: int
+    values: torch.Tensor  # (loss, correct) in host memory, pinned on CUDA
+    done: torch.cuda.Event | None  # recorded after the copy (CUDA); None: the copy has finished
+    lr: float  # the first group's learning rate after the step (what the progress line shows)
+
+
+def _to_host(loss: torch.Tensor, correct: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """(loss, correct) copied to host memory without a host synchronisation, and the event that
+    says the copy is done (None on CPU, where the copy has finished)."""
+    values = torch.stack((loss.detach().float(), correct.float()))
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+@dataclass
 class _Loop:
     """What a fit call trains with, and its progress; the methods are the loop's parts."""
 
@@ -277,6 +306,15 @@ class _Loop:
     run_step: Callable  # edgetl.step.training_step, as fit found it in edgetl.train
     settings: _LoopSettings
     progress: _Progress
+    captured: Any = None  # edgetl.train.graph.CapturedStep: the step as CUDA graphs; None: eager
+    pending: _Pending | None = None  # the newest step whose loss the host has not read yet
+
+    @property
+    def lr(self) -> float:
+        """The first group's learning rate, as the schedule set it: the LambdaLR's own rule on
+        its numbers (a captured step's rates are device tensors, which a read would wait for)."""
+        sched = self.scheduler
+        return float(sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch))
 
     def diverged(self, where: str, what: str) -> DivergedError:
         """The one-line error of a diverged run, with its likely cause."""
@@ -307,7 +345,7 @@ class _Loop:
         ckpt = {
             "format": CHECKPOINT_FORMAT,
             "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": eager_state_dict(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "epoch": epoch,
@@ -330,6 +368,7 @@ class _Loop:
         """last.pt after step ``step`` (0-based) when ``train.checkpoint_every`` says so."""
         every = self.settings.recipe.train.checkpoint_every
         if every and (step + 1) % every == 0 and step + 1 < self.settings.steps_per_epoch:
+            self.settle()
             self.save(epoch, step + 1)
 
     def train_epoch(self, epoch: int) -> tuple[float, int]:
@@ -351,6 +390,7 @@ class _Loop:
         t0, seen = time.perf_counter(), 0
         for step, batch in enumerate(batches, start=first):
             seen += self.train_step(epoch, step, batch)
+        self.settle()
         return t0, seen
 
     def train_step(self, epoch: int, step: int, batch) -> int:
@@ -369,32 +409,49 @@ class _Loop:
             self.scheduler.step()
             self.save_mid_epoch(epoch, step)
             return 0
-        images = images.to(device, dtype=input_dtype(self.model), non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        mix = None
-        if s.recipe.distill is not None:
-            mix = _distill_mix(s.recipe.distill, self.teacher, images)
-        loss, correct = self.run_step(self.net, s.step_spec, self.optimizer, images, labels,
-                                      autocast=self.autocast, scaler=self.scaler, mix=mix)
+        if self.captured is not None:  # copies the batch into its static buffers
+            loss, correct = self.captured(images, labels)
+        else:
+            images = images.to(device, dtype=input_dtype(self.model), non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            mix = None
+            if s.recipe.distill is not None:
+                mix = _distill_mix(s.recipe.distill, self.teacher, images)
+            loss, correct = self.run_step(self.net, s.step_spec, self.optimizer, images, labels,
+                                          autocast=self.autocast, scaler=self.scaler, mix=mix)
+        values, done = _to_host(loss, correct)
         self.scheduler.step()
-        loss_value = loss.item()
+        self.settle()  # the step before this one, while this one runs
+        self.pending = _Pending(epoch, step, labels.numel(), values, done, self.lr)
+        self.save_mid_epoch(epoch, step)
+        return labels.numel()
+
+    def settle(self) -> None:
+        """Read the pending step's loss and hits (waiting for its copy only): the divergence
+        guard, the epoch's sums and the progress callback, one step after the step ran."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        p, s = self.progress, self.settings
+        if pending.done is not None:
+            pending.done.synchronize()
+        loss_value, correct = (float(v) for v in pending.values.tolist())
         bad = not math.isfinite(loss_value)
         if s.world > 1:  # every rank stops, or none (the others would wait in the next all-reduce)
-            bad = _all_reduce_sum([float(bad)], device)[0] > 0
+            bad = _all_reduce_sum([float(bad)], s.device)[0] > 0
+        epoch, step = pending.epoch, pending.step
         if bad:
             raise self.diverged(f"epoch {epoch + 1} step {step + 1}", f"the loss is {loss_value}")
-        n = labels.numel()
+        n = pending.count
         p.sums[0] += loss_value * n
-        p.sums[1] += correct.item()
+        p.sums[1] += correct
         p.sums[2] += n
         if s.on_step is not None:
             s.on_step({
                 "epoch": epoch, "epochs": s.recipe.train.epochs, "step": step + 1,
                 "steps": s.steps_per_epoch, "global_step": epoch * s.steps_per_epoch + step + 1,
-                "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"],
+                "loss": loss_value, "lr": pending.lr,
             })
-        self.save_mid_epoch(epoch, step)
-        return n
 
     def end_epoch(self, epoch: int, t0: float, seen: int) -> None:
         """The epoch's metrics row (evaluated when due), metrics files, last.pt and best.pt."""
@@ -404,7 +461,7 @@ class _Loop:
         row: dict[str, Any] = {
             "epoch": epoch + 1,
             "global_step": (epoch + 1) * s.steps_per_epoch,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.lr,
             "train_loss": loss_sum / max(count, 1),
             "train_acc1": 100.0 * correct / max(count, 1),
             "val_loss": None,

@@ -1,0 +1,204 @@
+"""The training step captured as CUDA graphs and replayed (``train.cuda_graph``, on by default;
+``edgetl finetune --eager`` turns it off).
+
+An eager step launches every op from Python: thousands of kernel launches per step for the
+lean runtime (see docs/lean-runtime.md), which on a Jetson's Cortex-A78AE cost more than the
+kernels. A CUDA graph records the launches once and replays them as one. ``CapturedStep`` records
+the whole of ``edgetl.step.training_step`` (forward, loss, backward, optimizer step, the
+gradients freed) on static input and label buffers:
+
+* The first ``warmup`` steps run eagerly on a side stream (PyTorch's recipe: cuBLAS and cuDNN
+  handles, the optimizer's state, autograd's streams exist before capture); then the cached
+  blocks those eager steps left are handed back (``empty_cache``), so what the run reserves is
+  the weights and optimizer state, the static buffers, and the graphs' one memory pool.
+* Every later batch is copied into the static buffers and the graph replayed. A batch of
+  another size (the epoch's last, or one with unreadable images left out) is captured once into
+  the same pool; there are at most as many graphs as batch sizes, and they never run at once.
+* The optimizer runs with tensors where a graph needs them: Adam ``capturable`` (its step
+  counts on the device), and each group's learning rate a device tensor that the schedule
+  fills between replays (Adam; SGD with ``optim.fused``). SGD's other kernels read the rate on
+  the host, so an SGD run whose rate changes is not captured (``why_eager`` says so).
+* The checkpoint's optimizer state is written as an eager run's (rates as numbers,
+  ``capturable`` off): a run may resume either way.
+
+``why_eager`` is the one place that decides whether a run can be captured; ``fit`` logs its
+reason and records ``train.cuda_graph: false`` in recipe.yaml when it cannot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edgetl.recipe import Recipe
+from edgetl.step import Step
+
+log = logging.getLogger("edgetl.train")
+
+WARMUP_STEPS = 3  # eager steps before the first capture (PyTorch's whole-network example uses 3)
+
+
+def why_eager(recipe: Recipe, device: torch.device, *, world: int = 1, scaler=None,
+              teacher: nn.Module | None = None) -> str | None:
+    """Why this run's step cannot be captured as a CUDA graph; None when it can.
+
+    The run asked for graphs (``train.cuda_graph``) and the step has no host synchronisation:
+    a CUDA device, one process (DDP's all-reduce hooks run beside backward), no fp16 loss
+    scaling (the scaler reads its inf check on the host), no teacher, and an optimizer that
+    takes its learning rate as a device tensor where the schedule changes it.
+    """
+    o = recipe.optim
+    if not recipe.train.cuda_graph:
+        return "train.cuda_graph is off (--eager)"
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device; this run is on {device.type}"
+    if world > 1:
+        return f"{world} processes under DDP run the step eagerly"
+    if scaler is not None:
+        return "fp16 loss scaling reads its inf check on the host every step (use model.precision bf16)"
+    if teacher is not None:
+        return "distillation runs the teacher eagerly"
+    if o.name == "sgd" and not o.fused and rate_changes(recipe):
+        return ("SGD's unfused update reads a changing learning rate on the host "
+                "(set optim.fused: true, or a constant schedule without warmup)")
+    return None
+
+
+def rate_changes(recipe: Recipe) -> bool:
+    """Whether the schedule changes the learning rate during the run (warmup or cosine)."""
+    return recipe.optim.schedule != "constant" or recipe.optim.warmup_epochs > 0
+
+
+def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device, tensor_lr: bool) -> None:
+    """Set ``optimizer`` up to be captured: Adam ``capturable`` with its step counts on the
+    device (a resumed state's CPU counts moved there), and with ``tensor_lr`` each group's
+    learning rate a 0-d device tensor, filled in place by the schedule (a float rate would be
+    frozen into the graph)."""
+    for group in optimizer.param_groups:
+        if "capturable" in group and not group.get("fused"):
+            group["capturable"] = True
+        if tensor_lr and not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+    for p, state in optimizer.state.items():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.device != p.device:
+            state["step"] = step.to(p.device, torch.float32)
+
+
+def eager_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` as an eager run writes it: learning rates as numbers and
+    ``capturable`` off, so a captured run's checkpoint resumes eagerly, on any device."""
+    state = optimizer.state_dict()
+    groups = []
+    for group in state["param_groups"]:
+        group = dict(group)
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])
+        if group.get("capturable"):
+            group["capturable"] = False
+        groups.append(group)
+    return {**state, "param_groups": groups}
+
+
+def graph_autocast(autocast: Callable) -> Callable:
+    """The loop's autocast factory without autocast's weight-cast cache, which must not outlive
+    a captured region."""
+    probe = autocast()
+    if isinstance(probe, torch.autocast):
+        return lambda: torch.autocast(probe.device, dtype=probe.fast_dtype, cache_enabled=False)
+    return autocast
+
+
+@dataclass
+class _Graph:
+    """One captured step: its graph, the static buffers it reads and the outputs it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    images: torch.Tensor
+    labels: torch.Tensor
+    loss: torch.Tensor
+    correct: torch.Tensor
+
+
+class CapturedStep:
+    """``run_step`` (``edgetl.step.training_step``) on ``net``, captured once per batch size and
+    replayed; called with a batch as the loader gives it (host memory), it copies the batch into
+    the static buffers (the one copy on the device) and returns (loss, correct) as the eager step
+    does, as tensors the next call overwrites (read them before it).
+
+    Args:
+        run_step: the eager step (called as ``run_step(net, step, optimizer, images, labels,
+            autocast=...)``).
+        net, step, optimizer: what it trains; ``optimizer`` is made capturable here.
+        device: the CUDA device.
+        dtype: the dtype the network takes its images in (``edgetl.train.input_dtype``).
+        autocast: the loop's autocast factory (mixed precision), or None.
+        tensor_lr: whether the learning rate becomes a device tensor (``rate_changes``).
+        warmup: eager steps before the first capture.
+    """
+
+    def __init__(self, run_step: Callable, net: nn.Module, step: Step, optimizer: torch.optim.Optimizer,
+                 device: torch.device, *, dtype: torch.dtype = torch.float32, autocast: Callable | None = None,
+                 tensor_lr: bool = True, warmup: int = WARMUP_STEPS) -> None:
+        self.run_step, self.net, self.step, self.optimizer = run_step, net, step, optimizer
+        self.device, self.dtype = device, dtype
+        self.autocast = graph_autocast(autocast) if autocast is not None else None
+        self.warmup = warmup
+        self.eager_steps = 0
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = None
+        make_capturable(optimizer, device, tensor_lr)
+
+    def describe(self) -> str:
+        """What ran, for the run's summary."""
+        sizes = ", ".join(str(k[0][0]) for k in self.graphs) or "none"
+        return (f"CUDA graph: {self.eager_steps} eager warm-up step(s), then {len(self.graphs)} captured "
+                f"step(s) replayed (batch sizes {sizes})")
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        images = images.to(dtype=self.dtype)  # on the host: the device holds one copy, the static one
+        key = (tuple(images.shape), tuple(labels.shape), labels.dtype)
+        g = self.graphs.get(key)
+        if g is None and self.eager_steps < self.warmup:
+            return self._eager(images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
+        if g is None:
+            g = self.graphs[key] = self._capture(images, labels)
+        g.images.copy_(images, non_blocking=True)
+        g.labels.copy_(labels, non_blocking=True)
+        g.graph.replay()
+        return g.loss, g.correct
+
+    def _eager(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eager step on a side stream (warm-up); after the last, the cached blocks go back."""
+        main, side = torch.cuda.current_stream(self.device), torch.cuda.Stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            loss, correct = self.run_step(self.net, self.step, self.optimizer, images, labels,
+                                          autocast=self.autocast)
+        main.wait_stream(side)
+        self.eager_steps += 1
+        if self.eager_steps == self.warmup:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return loss, correct
+
+    def _capture(self, images: torch.Tensor, labels: torch.Tensor) -> _Graph:
+        """Capture the step on static copies of ``images`` and ``labels`` into the shared pool.
+
+        Capturing records the step without running it; ``__call__`` replays it at once."""
+        static_images, static_labels = images.to(self.device), labels.to(self.device)
+        for p in self.net.parameters():  # backward allocates the gradients inside the graph
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            loss, correct = self.run_step(self.net, self.step, self.optimizer, static_images, static_labels,
+                                          autocast=self.autocast)
+        if self.pool is None:
+            self.pool = graph.pool()
+        log.info("captured the training step as a CUDA graph at batch %d", images.shape[0])
+        return _Graph(graph, static_images, static_labels, loss, correct)
+
