@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from edgetl.memory.runtime import runtime_report
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.side import build_network
 
+ROOT = Path(__file__).resolve().parent.parent
 RES, WIDTH, CLASSES, BATCH, BUDGET = 64, 0.35, 102, 8, 24 * 10**6
 # the plan row included: edgetl.plan has landed; db3 and dct run haar's code path with other
 # matrices (tests/test_lean_full.py checks each against the meter), left out to keep this short
@@ -338,6 +340,46 @@ def test_cuda_result_shows_allocated_and_reserved(tmp_path):
     for r in old["rows"]:
         del r["reserved_bytes"], r["tensor_bytes"]
     assert table_rows(BenchResult.from_dict(old))[0][4] == "measured MB"
+
+
+def test_cuda_graph_columns_stand_beside_the_eager_ones(tmp_path):
+    """A CUDA result whose rows were also timed captured (edgetl.train.graph): images/s with
+    graphs, against the reference row's eager images/s (set_ratios), at the largest batch; a row
+    that could not be captured says so and keeps its eager figures. CPU results have no such
+    columns, and a CPU bench refuses graphs in one line."""
+    from edgetl.bench import BenchRow, set_ratios, table_rows
+    from edgetl.bench.result import has_graphs
+    from edgetl.errors import ConfigError
+
+    def row(name, eager, graph, error=None):
+        return BenchRow(method=name, label=METHODS[name].label, mode="repnet", runtime="lean", lean=None,
+                        hidden={}, trainable_params=1, paper_bytes=None, runtime_bytes=10**7, measured_bytes=10**7,
+                        images_per_s=eager, step_seconds=[8 / eager], largest_batch=3, largest_batch_source="runtime",
+                        largest_batch_bytes=None, next_batch_bytes=None, largest_batch_measured_bytes=None,
+                        reserved_bytes=2 * 10**7, tensor_bytes=10**7, graph_images_per_s=graph,
+                        graph_step_seconds=[] if graph is None else [8 / graph],
+                        largest_graph_images_per_s=None if graph is None else 2 * graph, graph_error=error)
+    result = BenchResult(resolution=224, batch_size=8, num_classes=102, width=1.0, budget_bytes=256 * 10**6,
+                         steps=1, warmup=0, optimizer="adam", device="cuda:0", threads=1, torch_version="x",
+                         reference=REFERENCE, rows=[row(REFERENCE, 400.0, 2000.0), row("repnet-lean", 200.0, 1500.0),
+                                                    row("repnet-pruned-pool2", 210.0, None, "RuntimeError: x")])
+    set_ratios(result)
+    assert result.rows[1].graph_throughput_ratio == 1500.0 / 400.0
+    headers, rows = table_rows(result)
+    assert headers[-3:] == ["images/s, CUDA graph", "graph vs Rep-Net eager", "images/s at largest batch, CUDA graph"]
+    assert rows[1][-3:] == ["1500.0", "3.75x", "3000.0"] and rows[2][-3:] == ["not captured", "-", "-"]
+    md = to_markdown(result)
+    assert "captured as CUDA graphs and replayed" in md and "not captured (RuntimeError: x)" in md
+    result.save_json(tmp_path / "g.json")
+    assert BenchResult.load_json(tmp_path / "g.json") == result
+    result.save_csv(tmp_path / "g.csv")
+    saved = list(csv.DictReader((tmp_path / "g.csv").open()))
+    assert saved[1]["graph_step_seconds"] == f"{8 / 1500.0:.4f}" and saved[1]["graph_images_per_s"] == "1500.0"
+    plot_bench(result, tmp_path / "g.png")
+    old = BenchResult.load_json(ROOT / "benchmarks" / "table1_224.json")  # a CPU result from before the columns
+    assert not has_graphs(old) and "images/s, CUDA graph" not in table_rows(old)[0]
+    with pytest.raises(ConfigError, match="^CUDA graphs need a CUDA device; this bench runs on cpu"):
+        bench(methods=["last"], graphs=True)
 
 
 # ----------------------------------------------------------------------------- another backbone

@@ -656,8 +656,11 @@ def test_bench_on_cuda_reports_allocated_and_reserved(tmp_path):
                    verify_images=0)
     for row in result.rows:
         assert row.tensor_bytes <= row.measured_bytes <= row.reserved_bytes
+        # captured by default on CUDA, timed beside the eager step, at the largest batch too
+        assert row.graph_error is None and len(row.graph_step_seconds) == 2, row.graph_error
+        assert row.graph_images_per_s > 0 and row.largest_graph_images_per_s > 0
     headers, _ = table_rows(result)
-    assert "allocated MB" in headers and "reserved MB" in headers
+    assert "allocated MB" in headers and "reserved MB" in headers and "images/s, CUDA graph" in headers
 
 
 def test_cuda_report_answers_the_runtime_accounting_for_a_jetson():

@@ -81,6 +81,39 @@ class _Trainer:
         return time.perf_counter() - start
 
 
+class _GraphTrainer(_Trainer):
+    """The same step captured as CUDA graphs (``edgetl.train.graph.CapturedStep``, what
+    ``edgetl finetune`` runs on CUDA): built, warmed up and captured here; ``step()`` returns
+    seconds of one replay, the batch copied in from pinned host memory included."""
+
+    def __init__(self, net: EdgeNet, **kwargs):
+        from edgetl.train.graph import WARMUP_STEPS, CapturedStep
+
+        super().__init__(net, **kwargs)
+        self.host_image = self.image.cpu().pin_memory()
+        self.host_labels = self.labels.cpu().pin_memory()
+        self.captured = CapturedStep(training_step, net, self.spec, self.opt, self.device,
+                                     dtype=self.image.dtype, tensor_lr=False)
+        for _ in range(WARMUP_STEPS + 1):  # eager warm-up, then the capture and its first replay
+            self.captured(self.host_image, self.host_labels)
+        torch.cuda.synchronize(self.device)
+
+    def step(self) -> float:
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self.captured(self.host_image, self.host_labels)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def _graph_trainer(build: Callable[[], EdgeNet], **kwargs) -> tuple[_GraphTrainer | None, str | None]:
+    """A captured twin of a method's trainer, or the one-line reason it could not be captured."""
+    try:
+        return _GraphTrainer(build(), **kwargs), None
+    except Exception as exc:  # noqa: BLE001 - a row that cannot be captured is a finding, reported in its row
+        return None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+
+
 def interleaved_step_times(trainers: dict[str, _Trainer], *, steps: int, warmup: int) -> dict[str, list[float]]:
     """Round-robin: each round runs one step of every method; warm-up rounds are dropped."""
     times: dict[str, list[float]] = {name: [] for name in trainers}
@@ -134,6 +167,7 @@ def bench(
     largest_steps: int = 3,
     largest_cap: int = 256,
     workers: int = 1,
+    graphs: bool | None = None,
 ) -> BenchResult:
     """Measure every method side by side.
 
@@ -166,6 +200,8 @@ def bench(
             than one must guard its entry point (``if __name__ == "__main__":``). On CUDA
             only 1 (one device, each row's peak measured alone). The timing always runs in
             this process, alone.
+        graphs: also time every row's step captured as CUDA graphs (``edgetl.train.graph``),
+            interleaved with the eager steps, and at the largest batch; None: on CUDA.
     """
     BackboneSpec(arch=arch, width=width, num_classes=num_classes)  # one line for an unknown arch or width
     names = list(methods) if methods is not None else default_methods(arch)
@@ -190,6 +226,9 @@ def bench(
         check_options(mode=METHODS[name].mode, accounting="runtime", resolution=resolution,
                       batch_size=batch_size)
     device = torch.device(device)
+    graphs = device.type == "cuda" if graphs is None else graphs
+    if graphs and device.type != "cuda":
+        raise ConfigError(f"CUDA graphs need a CUDA device; this bench runs on {device.type}: leave graphs off")
     setting = _Setting(arch=arch, resolution=resolution, batch_size=batch_size, num_classes=num_classes, width=width,
                        budget_bytes=budget_bytes, device=str(device), verify_images=verify_images,
                        measure_steps=measure_steps, lr=lr, seed=seed,
@@ -210,14 +249,21 @@ def bench(
     for row, method, fitted in measured:
         builders[row.method] = functools.partial(_build, method, fitted, setting, device)
         result.rows.append(row)
-        trainers[row.method] = _Trainer(builders[row.method](batch_size), resolution=resolution,
-                                        batch_size=batch_size, num_classes=num_classes, device=device,
-                                        lr=lr, seed=seed)
-    log.info("throughput: %d warm-up + %d rounds of %d methods", warmup, steps, len(trainers))
+        kwargs = dict(resolution=resolution, batch_size=batch_size, num_classes=num_classes, device=device,
+                      lr=lr, seed=seed)
+        trainers[row.method] = _Trainer(builders[row.method](batch_size), **kwargs)
+        if graphs:
+            trainers[(row.method, "graph")], row.graph_error = _graph_trainer(
+                functools.partial(builders[row.method], batch_size), **kwargs)
+    trainers = {k: t for k, t in trainers.items() if t is not None}
+    log.info("throughput: %d warm-up + %d rounds of %d steps", warmup, steps, len(trainers))
     times = interleaved_step_times(trainers, steps=steps, warmup=warmup)
     for row in result.rows:
         row.step_seconds = times[row.method]
         row.images_per_s = batch_size / statistics.median(row.step_seconds)
+        if (row.method, "graph") in times:
+            row.graph_step_seconds = times[(row.method, "graph")]
+            row.graph_images_per_s = batch_size / statistics.median(row.graph_step_seconds)
     trainers.clear()
     if largest_steps:
         for row in result.rows:
@@ -225,14 +271,25 @@ def bench(
                 continue
             timed = min(row.largest_batch, largest_cap)
             log.info("%s: %d steps at batch %d (largest %d)", row.method, largest_steps, timed, row.largest_batch)
-            trainer = _Trainer(builders[row.method](timed), resolution=resolution,
-                               batch_size=timed, num_classes=num_classes, device=device, lr=lr, seed=seed)
+            kwargs = dict(resolution=resolution, batch_size=timed, num_classes=num_classes, device=device,
+                          lr=lr, seed=seed)
+            trainer = _Trainer(builders[row.method](timed), **kwargs)
             trainer.step()  # warm-up
             seconds = [trainer.step() for _ in range(largest_steps)]
             row.largest_timed_batch = timed
             row.largest_step_seconds = seconds
             row.largest_images_per_s = timed / statistics.median(seconds)
             del trainer
+            if graphs and row.graph_error is None:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # the eager trainer's blocks: the graph's pool takes their place
+                trainer, error = _graph_trainer(functools.partial(builders[row.method], timed), **kwargs)
+                if trainer is None:
+                    row.graph_error = f"at batch {timed}: {error}"
+                    continue
+                seconds = [trainer.step() for _ in range(largest_steps)]
+                row.largest_graph_images_per_s = timed / statistics.median(seconds)
+                del trainer
     set_ratios(result)
     return result
 

@@ -47,6 +47,12 @@ class BenchRow:
     largest_images_per_s: float | None = None  # throughput at largest_batch (seed 003: what memory buys)
     largest_step_seconds: list[float] = field(default_factory=list)  # the steps it is the median of
     largest_timed_batch: int | None = None  # the batch timed: largest_batch, or the bench's cap
+    # CUDA: the same step captured as CUDA graphs (edgetl.train.graph), timed beside the eager one
+    graph_images_per_s: float | None = None
+    graph_step_seconds: list[float] = field(default_factory=list)
+    graph_throughput_ratio: float | None = None  # graph images/s / the reference row's eager images/s
+    largest_graph_images_per_s: float | None = None  # at largest_timed_batch, captured
+    graph_error: str | None = None  # why the step could not be captured (the row keeps its eager figures)
 
 
 @dataclass
@@ -105,7 +111,7 @@ class BenchResult:
     def save_csv(self, path: str | Path) -> None:
         from edgetl.io import atomic_write_text
 
-        lists = ("step_seconds", "largest_step_seconds")
+        lists = ("step_seconds", "largest_step_seconds", "graph_step_seconds")
         cols = [f.name for f in dataclasses.fields(BenchRow) if f.name not in ("lean", "hidden", *lists)]
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
@@ -129,6 +135,8 @@ def set_ratios(result: BenchResult) -> None:
     for row in result.rows:
         row.memory_ratio = row.measured_bytes / ref.measured_bytes
         row.throughput_ratio = row.images_per_s / ref.images_per_s
+        if row.graph_images_per_s is not None:
+            row.graph_throughput_ratio = row.graph_images_per_s / ref.images_per_s
 
 
 def _set_unstreamed_ratios(result: BenchResult) -> None:
@@ -167,6 +175,18 @@ def _at_largest(row: BenchRow) -> str:
     return f"{row.largest_images_per_s:.1f}{capped}"
 
 
+def has_graphs(result: BenchResult) -> bool:
+    """Whether the result timed captured steps (CUDA graph columns)."""
+    return any(r.graph_images_per_s is not None or r.graph_error for r in result.rows)
+
+
+def _graph_cells(row: BenchRow) -> list[str]:
+    if row.graph_images_per_s is None:
+        return ["not captured", "-", "-"]
+    largest = "-" if row.largest_graph_images_per_s is None else f"{row.largest_graph_images_per_s:.1f}"
+    return [f"{row.graph_images_per_s:.1f}", _ratio(row.graph_throughput_ratio), largest]
+
+
 def has_reserved(result: BenchResult) -> bool:
     """Whether the result comes from a CUDA device (allocated and reserved columns)."""
     return any(r.reserved_bytes is not None for r in result.rows)
@@ -175,13 +195,16 @@ def has_reserved(result: BenchResult) -> bool:
 def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     """Headers and formatted cells (MB = 10^6 B) shared by the terminal and markdown tables.
 
-    On CUDA "measured" is split into the allocator's allocated and reserved peaks.
+    On CUDA "measured" is split into the allocator's allocated and reserved peaks, and where the
+    bench timed captured steps their images/s stand beside the eager ones.
     """
-    cuda = has_reserved(result)
+    cuda, graphs = has_reserved(result), has_graphs(result)
     measured = ["allocated MB", "reserved MB"] if cuda else ["measured MB"]
     headers = ["method", "trainable params", "paper MB", "runtime MB", *measured, "memory vs Rep-Net",
                "images/s", "speed vs Rep-Net", "ops/step (forward)",
                f"largest batch in {result.budget_bytes / MB:g} MB", "images/s at largest batch"]
+    if graphs:
+        headers += ["images/s, CUDA graph", "graph vs Rep-Net eager", "images/s at largest batch, CUDA graph"]
     rows = []
     for r in result.rows:
         batch = str(r.largest_batch) + (" (measured)" if r.largest_batch_source == "measured" else "")
@@ -189,7 +212,7 @@ def table_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
         rows.append([r.label, f"{r.trainable_params:,}", _mb(r.paper_bytes), _mb(r.runtime_bytes),
                      *cells, _ratio(r.memory_ratio), f"{r.images_per_s:.1f}",
                      _ratio(r.throughput_ratio) + _unstreamed(r), _ops(r), batch,
-                     _at_largest(r)])
+                     _at_largest(r), *(_graph_cells(r) if graphs else [])])
     return headers, rows
 
 
@@ -235,7 +258,13 @@ def to_markdown(result: BenchResult) -> str:
                  + " Largest batch by runtime accounting (\"measured\": by the meter); images/s at "
                  "largest batch: the median of a few steps at that batch (at most the bench's cap), each "
                  "method on its own (Liu et al.: what the memory saved buys).")
+    if has_graphs(result):
+        lines.append("CUDA graph: the same step captured as CUDA graphs and replayed, as edgetl finetune runs "
+                     "it on CUDA (3 eager warm-up steps, then one capture; the batch copied in from pinned "
+                     "host memory counts), timed interleaved with the eager steps; \"graph vs Rep-Net eager\": "
+                     "against the reference row's eager images/s.")
     notes = [f"{r.label}: {r.note}" for r in result.rows if r.note]
+    notes += [f"{r.label}: not captured ({r.graph_error})" for r in result.rows if r.graph_error]
     if notes:
         lines.append("Notes: " + "; ".join(notes) + ".")
     if result.command:
@@ -287,6 +316,10 @@ def plot_bench(result: BenchResult, path: str | Path) -> None:
         if r.largest_images_per_s is not None:
             bx.annotate(f"{r.largest_images_per_s:.1f} (b{r.largest_timed_batch})", (r.largest_images_per_s, i + 0.2),
                         va="center", xytext=(3, 0), textcoords="offset points", fontsize=7)
+    gi = [i for i, r in enumerate(rows) if r.graph_images_per_s is not None]
+    if gi:
+        bx.plot([rows[i].graph_images_per_s for i in gi], [i - 0.2 for i in gi], "D", color="#2e6b2e", ms=5,
+                label=f"at batch {result.batch_size}, captured as CUDA graphs")
     bx.legend(fontsize=7, loc="lower right")
     bx.set_yticks(idx, [r.label for r in rows], fontsize=8)
     bx.invert_yaxis()

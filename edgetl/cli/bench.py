@@ -87,6 +87,9 @@ def add_parser(sub) -> None:
                         f"without a width multiplier (ResNet) keeps width 1.0 and budget {QUICK_FIXED_WIDTH['budget']} "
                         "(explicit flags still win)")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
+                   help="on CUDA, time only eager steps (default: every row also captured as CUDA graphs, as "
+                        "edgetl finetune runs it, timed beside its eager step)")
     p.add_argument("--workers", type=positive_int,
                    help="processes that measure the methods' memory side by side before the timing, "
                         f"which runs alone (default: one per CPU core on a CPU, here {cpu_cores()}; 1 on CUDA)")
@@ -115,6 +118,8 @@ def _command(args, pick) -> str:
              "--largest-steps", pick("largest_steps"), "--largest-cap", pick("largest_cap")]
     if args.device != "cpu":
         parts += ["--device", args.device]
+    if args.graphs is False:
+        parts.append("--no-graphs")
     if args.methods is not None:
         parts += ["--methods", ",".join(args.methods)]
     for flag in ("json", "csv", "plot"):
@@ -144,7 +149,7 @@ def run(args) -> int:
             width=pick("width"), budget_bytes=budget, methods=args.methods, steps=pick("steps"),
             warmup=pick("warmup"), device=args.device, verify_images=pick("verify_images"),
             command=_command(args, pick), largest_steps=pick("largest_steps"), largest_cap=pick("largest_cap"),
-            workers=args.workers or (cpu_cores() if args.device == "cpu" else 1),
+            workers=args.workers or (cpu_cores() if args.device == "cpu" else 1), graphs=args.graphs,
         )
     if args.markdown:
         print(to_markdown(result), end="")
