@@ -92,6 +92,26 @@ def test_the_schedule_fills_tensor_rates_in_place_and_the_update_is_the_same():
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(runs[False], runs[True]))
 
 
+def test_rates_reach_the_tensors_the_graphs_read_whatever_the_schedule_does():
+    """torch < 2.6 schedules assign a number to the group (the Jetson image's torch 2.5 does);
+    set_rates copies it into the group's rate tensor and puts the tensor back, so a graph that
+    read the tensor sees every new rate; where the schedule filled the tensor it does nothing."""
+    from edgetl.step import Step
+    from edgetl.train.graph import CapturedStep
+
+    net, opt = _adam()
+    captured = CapturedStep(lambda *a, **k: None, net, Step(), opt, torch.device("cpu"), tensor_lr=True)
+    tensors = list(captured.rates)
+    assert [g["lr"] for g in opt.param_groups] == tensors and all(isinstance(t, torch.Tensor) for t in tensors)
+    opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = 0.5, 0.25  # as torch 2.5's LRScheduler.step
+    captured.set_rates()
+    assert [g["lr"] for g in opt.param_groups] == tensors  # the same tensor objects
+    assert [float(t) for t in tensors] == [0.5, 0.25]
+    tensors[0].fill_(0.125)  # as torch >= 2.6 does in place
+    captured.set_rates()
+    assert float(opt.param_groups[0]["lr"]) == 0.125
+
+
 def test_make_capturable_turns_adam_capturable_and_leaves_fused_and_sgd_alone():
     net, adam = _adam()
     make_capturable(adam, torch.device("cpu"), tensor_lr=False)

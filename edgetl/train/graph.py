@@ -16,7 +16,7 @@ gradients freed) on static input and label buffers:
   the same pool; there are at most as many graphs as batch sizes, and they never run at once.
 * The optimizer runs with tensors where a graph needs them: Adam ``capturable`` (its step
   counts on the device), and each group's learning rate a device tensor that the schedule
-  fills between replays (Adam; SGD with ``optim.fused``). SGD's other kernels read the rate on
+  fills between replays (Adam; SGD with ``optim.fused``; ``CapturedStep.set_rates``). SGD's other kernels read the rate on
   the host, so an SGD run whose rate changes is not captured (``why_eager`` says so).
 * The checkpoint's optimizer state is written as an eager run's (rates as numbers,
   ``capturable`` off): a run may resume either way.
@@ -152,6 +152,17 @@ class CapturedStep:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         make_capturable(optimizer, device, tensor_lr)
+        self.rates = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in optimizer.param_groups]
+
+    def set_rates(self) -> None:
+        """After the schedule's step: each group's rate in its device tensor, the one the graphs
+        read. torch >= 2.6 schedules fill that tensor in place; earlier ones (the Jetson image's
+        2.5) assign a number to the group, which is copied into the tensor here and the tensor
+        put back."""
+        for group, rate in zip(self.optimizer.param_groups, self.rates):
+            if rate is not None and group["lr"] is not rate:
+                rate.fill_(float(group["lr"]))
+                group["lr"] = rate
 
     def describe(self) -> str:
         """What ran, for the run's summary."""

@@ -421,6 +421,8 @@ class _Loop:
                                           autocast=self.autocast, scaler=self.scaler, mix=mix)
         values, done = _to_host(loss, correct)
         self.scheduler.step()
+        if self.captured is not None:
+            self.captured.set_rates()
         self.settle()  # the step before this one, while this one runs
         self.pending = _Pending(epoch, step, labels.numel(), values, done, self.lr)
         self.save_mid_epoch(epoch, step)
