@@ -166,7 +166,7 @@ class CapturedStep:
 
     def describe(self) -> str:
         """What ran, for the run's summary."""
-        sizes = ", ".join(str(k[0][0]) for k in self.graphs) or "none"
+        sizes = ", ".join(str(n) for n in sorted((k[0][0] for k in self.graphs), reverse=True)) or "none"
         return (f"CUDA graph: {self.eager_steps} eager warm-up step(s), then {len(self.graphs)} captured "
                 f"step(s) replayed (batch sizes {sizes})")
 
