@@ -12,7 +12,8 @@ gradients freed) on static input and label buffers:
   blocks those eager steps left are handed back (``empty_cache``), so what the run reserves is
   the weights and optimizer state, the static buffers, and the graphs' one memory pool.
 * Every later batch is copied into the static buffers and the graph replayed. A batch of
-  another size (the epoch's last, or one with unreadable images left out) is captured once into
+  another size (one with unreadable images left out; the loader drops an epoch's ragged last
+  batch, or it is the only one, in a training set smaller than a batch) is captured once into
   the same pool; there are at most as many graphs as batch sizes, and they never run at once.
 * The optimizer runs with tensors where a graph needs them: Adam ``capturable`` (its step
   counts on the device), and each group's learning rate a device tensor that the schedule
