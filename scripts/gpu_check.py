@@ -198,7 +198,7 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
 
     from edgetl.bench import METHODS, build_method, pruned_hidden
     from edgetl.memory.schedule import prepare_step
-    from edgetl.step import Step, training_step
+    from edgetl.step import Step, set_train_mode, training_step
     from edgetl.train.graph import WARMUP_STEPS, CapturedStep
 
     dev = torch.device(device)
@@ -221,7 +221,9 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
         x_host = torch.randn(batch_size, 3, resolution, resolution, generator=gen).to(dtype).pin_memory()
         y_host = torch.randint(0, num_classes, (batch_size,), generator=gen).pin_memory()
         x, y = x_host.to(dev), y_host.to(dev)
-        nets = {"eager": net.train(), "graph": copy.deepcopy(net).train()}
+        nets = {"eager": net, "graph": copy.deepcopy(net)}
+        for n in nets.values():  # frozen BN in eval mode, as finetune trains
+            set_train_mode(n, step.bn)
         opts = {k: step.optimizer(n) for k, n in nets.items()}
         captured = CapturedStep(training_step, nets["graph"], step, opts["graph"], dev, dtype=dtype, tensor_lr=False)
         row: dict = {"method": name}

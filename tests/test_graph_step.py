@@ -34,6 +34,10 @@ def test_a_run_is_captured_only_where_its_step_has_no_host_synchronisation():
     assert "2 processes under DDP" in why_eager(adam, CUDA, world=2)
     assert "fp16 loss scaling" in why_eager(adam, CUDA, scaler=object())
     assert "distillation" in why_eager(adam, CUDA, teacher=nn.Linear(1, 1))
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=None))
+    assert why_eager(adam, CUDA, model=net) == ("1 averages its batch statistics cumulatively (momentum None), "
+                                                "reading its batch count on the host")
+    assert why_eager(adam, CUDA, model=nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))) is None
     sgd = {"optim.name": "sgd", "optim.momentum": 0.9}
     assert rate_changes(_recipe(**sgd))  # the bundled recipe's cosine schedule
     assert "SGD's unfused update" in why_eager(_recipe(**sgd), CUDA)
@@ -92,34 +96,15 @@ def test_the_schedule_fills_tensor_rates_in_place_and_the_update_is_the_same():
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(runs[False], runs[True]))
 
 
-def test_rates_reach_the_tensors_the_graphs_read_whatever_the_schedule_does():
-    """torch < 2.6 schedules assign a number to the group (the Jetson image's torch 2.5 does);
-    set_rates copies it into the group's rate tensor and puts the tensor back, so a graph that
-    read the tensor sees every new rate; where the schedule filled the tensor it does nothing."""
-    from edgetl.step import Step
-    from edgetl.train.graph import CapturedStep
-
-    net, opt = _adam()
-    captured = CapturedStep(lambda *a, **k: None, net, Step(), opt, torch.device("cpu"), tensor_lr=True)
-    tensors = list(captured.rates)
-    assert [g["lr"] for g in opt.param_groups] == tensors and all(isinstance(t, torch.Tensor) for t in tensors)
-    opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = 0.5, 0.25  # as torch 2.5's LRScheduler.step
-    captured.set_rates()
-    assert [g["lr"] for g in opt.param_groups] == tensors  # the same tensor objects
-    assert [float(t) for t in tensors] == [0.5, 0.25]
-    tensors[0].fill_(0.125)  # as torch >= 2.6 does in place
-    captured.set_rates()
-    assert float(opt.param_groups[0]["lr"]) == 0.125
-
-
-def test_make_capturable_turns_adam_capturable_and_leaves_fused_and_sgd_alone():
+def test_make_capturable_turns_adam_capturable_fused_or_not_and_leaves_sgd_alone():
     net, adam = _adam()
     make_capturable(adam, torch.device("cpu"), tensor_lr=False)
     assert all(g["capturable"] for g in adam.param_groups)
     assert all(isinstance(g["lr"], float) for g in adam.param_groups)  # a constant rate stays a number
     fused = torch.optim.Adam(net.parameters(), lr=0.1, fused=True)
     make_capturable(fused, torch.device("cpu"), tensor_lr=True)
-    assert not fused.param_groups[0]["capturable"] and isinstance(fused.param_groups[0]["lr"], torch.Tensor)
+    # fused Adam checks capturable too when a graph captures its step
+    assert fused.param_groups[0]["capturable"] and isinstance(fused.param_groups[0]["lr"], torch.Tensor)
     sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     make_capturable(sgd, torch.device("cpu"), tensor_lr=False)
     assert "capturable" not in sgd.param_groups[0]

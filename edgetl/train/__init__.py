@@ -190,7 +190,7 @@ def fit(
     amp_precision = recipe.model.precision if amp else "fp32"
     autocast, scaler = _autocast(device, amp_precision)
     check_run_folder(out_dir, resume)
-    eager = why_eager(recipe, device, world=world, scaler=scaler, teacher=teacher)
+    eager = why_eager(recipe, device, world=world, scaler=scaler, teacher=teacher, model=model)
     if eager is not None and recipe.train.cuda_graph:  # recipe.yaml records what runs
         log.info("the training step runs eagerly: %s", eager)
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, cuda_graph=False))
@@ -216,6 +216,8 @@ def fit(
             captured = None if eager is not None else CapturedStep(
                 training_step, net, step_spec, optimizer, device, dtype=input_dtype(model), autocast=autocast,
                 tensor_lr=rate_changes(recipe))
+            if captured is not None:  # the graphs go when the loop ends, however it ends
+                stack.callback(captured.release)
 
             if progress.rank_rng is not None:
                 set_rng_state(progress.rank_rng)

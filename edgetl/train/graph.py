@@ -11,13 +11,14 @@ gradients freed) on static input and label buffers:
   handles, the optimizer's state, autograd's streams exist before capture); then the cached
   blocks those eager steps left are handed back (``empty_cache``), so what the run reserves is
   the weights and optimizer state, the static buffers, and the graphs' one memory pool.
-* Every later batch is copied into the static buffers and the graph replayed. A batch of
+* Every later batch is copied into the static buffers and the graph replayed; a batch size's
+  first batch runs eagerly, its second is captured. A batch of
   another size (one with unreadable images left out; the loader drops an epoch's ragged last
   batch, or it is the only one, in a training set smaller than a batch) is captured once into
   the same pool; there are at most as many graphs as batch sizes, and they never run at once.
 * The optimizer runs with tensors where a graph needs them: Adam ``capturable`` (its step
   counts on the device), and each group's learning rate a device tensor that the schedule
-  fills between replays (Adam; SGD with ``optim.fused``; ``CapturedStep.set_rates``). SGD's other kernels read the rate on
+  fills in place between replays (Adam; SGD with ``optim.fused``). SGD's other kernels read the rate on
   the host, so an SGD run whose rate changes is not captured (``why_eager`` says so).
 * The checkpoint's optimizer state is written as an eager run's (rates as numbers,
   ``capturable`` off): a run may resume either way.
@@ -28,6 +29,7 @@ reason and records ``train.cuda_graph: false`` in recipe.yaml when it cannot.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ WARMUP_STEPS = 3  # eager steps before the first capture (PyTorch's whole-networ
 
 
 def why_eager(recipe: Recipe, device: torch.device, *, world: int = 1, scaler=None,
-              teacher: nn.Module | None = None) -> str | None:
+              teacher: nn.Module | None = None, model: nn.Module | None = None) -> str | None:
     """Why this run's step cannot be captured as a CUDA graph; None when it can.
 
     The run asked for graphs (``train.cuda_graph``) and the step has no host synchronisation:
@@ -63,6 +65,11 @@ def why_eager(recipe: Recipe, device: torch.device, *, world: int = 1, scaler=No
         return "fp16 loss scaling reads its inf check on the host every step (use model.precision bf16)"
     if teacher is not None:
         return "distillation runs the teacher eagerly"
+    cumulative = [n for n, m in (model.named_modules() if model is not None else ())
+                  if getattr(m, "momentum", 0.0) is None and getattr(m, "num_batches_tracked", None) is not None]
+    if cumulative:
+        return (f"{cumulative[0]} averages its batch statistics cumulatively (momentum None), reading its "
+                "batch count on the host")
     if o.name == "sgd" and not o.fused and rate_changes(recipe):
         return ("SGD's unfused update reads a changing learning rate on the host "
                 "(set optim.fused: true, or a constant schedule without warmup)")
@@ -80,7 +87,7 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device, tens
     learning rate a 0-d device tensor, filled in place by the schedule (a float rate would be
     frozen into the graph)."""
     for group in optimizer.param_groups:
-        if "capturable" in group and not group.get("fused"):
+        if "capturable" in group:  # Adam, fused or not (fused keeps its step counts on the device anyway)
             group["capturable"] = True
         if tensor_lr and not isinstance(group["lr"], torch.Tensor):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
@@ -136,10 +143,15 @@ class CapturedStep:
             autocast=...)``).
         net, step, optimizer: what it trains; ``optimizer`` is made capturable here.
         device: the CUDA device.
-        dtype: the dtype the network takes its images in (``edgetl.train.input_dtype``).
+        dtype: the dtype the network takes its images in (``edgetl.train.input_dtype``); the
+            static buffer keeps the loader's dtype and the graph converts, as the eager step does.
         autocast: the loop's autocast factory (mixed precision), or None.
         tensor_lr: whether the learning rate becomes a device tensor (``rate_changes``).
-        warmup: eager steps before the first capture.
+        warmup: eager steps before the first capture. A batch size's first batch also runs
+            eagerly (cuDNN and the lean layers meet its shapes outside a capture), and is
+            captured the next time that size comes.
+
+    ``release()`` frees the graphs; ``fit`` calls it when the loop ends, however it ends.
     """
 
     def __init__(self, run_step: Callable, net: nn.Module, step: Step, optimizer: torch.optim.Optimizer,
@@ -150,50 +162,45 @@ class CapturedStep:
         self.autocast = graph_autocast(autocast) if autocast is not None else None
         self.warmup = warmup
         self.eager_steps = 0
+        self.seen: set[tuple] = set()  # batch shapes that have run eagerly once
         self.graphs: dict[tuple, _Graph] = {}
+        self.sizes: list[int] = []  # the batch sizes captured, in order (kept after release)
         self.pool = None
+        self.stream = None  # this step's capture stream, made at its first capture
         make_capturable(optimizer, device, tensor_lr)
-        self.rates = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in optimizer.param_groups]
-
-    def set_rates(self) -> None:
-        """After the schedule's step: each group's rate in its device tensor, the one the graphs
-        read. torch >= 2.6 schedules fill that tensor in place; earlier ones (the Jetson image's
-        2.5) assign a number to the group, which is copied into the tensor here and the tensor
-        put back."""
-        for group, rate in zip(self.optimizer.param_groups, self.rates):
-            if rate is not None and group["lr"] is not rate:
-                rate.fill_(float(group["lr"]))
-                group["lr"] = rate
 
     def describe(self) -> str:
         """What ran, for the run's summary."""
-        sizes = ", ".join(str(n) for n in sorted((k[0][0] for k in self.graphs), reverse=True)) or "none"
-        return (f"CUDA graph: {self.eager_steps} eager warm-up step(s), then {len(self.graphs)} captured "
-                f"step(s) replayed (batch sizes {sizes})")
+        sizes = ", ".join(str(n) for n in sorted(self.sizes, reverse=True)) or "none"
+        return (f"CUDA graph: {self.eager_steps} eager step(s) (warm-up, and each batch size's first), then "
+                f"{len(self.sizes)} graph(s) captured and replayed (batch sizes {sizes})")
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        images = images.to(dtype=self.dtype)  # on the host: the device holds one copy, the static one
-        key = (tuple(images.shape), tuple(labels.shape), labels.dtype)
-        g = self.graphs.get(key)
-        if g is None and self.eager_steps < self.warmup:
-            return self._eager(images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
-        if g is None:
-            g = self.graphs[key] = self._capture(images, labels)
-        g.images.copy_(images, non_blocking=True)
-        g.labels.copy_(labels, non_blocking=True)
-        g.graph.replay()
-        return g.loss, g.correct
+        key = (tuple(images.shape), images.dtype, tuple(labels.shape), labels.dtype)
+        with torch.cuda.device(self.device):
+            g = self.graphs.get(key)
+            if g is None and (self.eager_steps < self.warmup or key not in self.seen):
+                self.seen.add(key)
+                return self._eager(images.to(self.device, non_blocking=True),
+                                   labels.to(self.device, non_blocking=True))
+            if g is None:
+                g = self.graphs[key] = self._capture(images, labels)
+            g.images.copy_(images, non_blocking=True)
+            g.labels.copy_(labels, non_blocking=True)
+            g.graph.replay()
+            return g.loss, g.correct
 
     def _eager(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One eager step on a side stream (warm-up); after the last, the cached blocks go back."""
+        """One eager step on a side stream; after the warm-up's last, and after a new batch
+        size's, the blocks the eager steps cached go back (the graphs' pool takes their place)."""
         main, side = torch.cuda.current_stream(self.device), torch.cuda.Stream(self.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            loss, correct = self.run_step(self.net, self.step, self.optimizer, images, labels,
+            loss, correct = self.run_step(self.net, self.step, self.optimizer, images.to(self.dtype), labels,
                                           autocast=self.autocast)
         main.wait_stream(side)
         self.eager_steps += 1
-        if self.eager_steps == self.warmup:
+        if self.eager_steps >= self.warmup:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         return loss, correct
@@ -201,16 +208,30 @@ class CapturedStep:
     def _capture(self, images: torch.Tensor, labels: torch.Tensor) -> _Graph:
         """Capture the step on static copies of ``images`` and ``labels`` into the shared pool.
 
-        Capturing records the step without running it; ``__call__`` replays it at once."""
+        Capturing records the step without running it; ``__call__`` replays it at once. The
+        capture checks only this thread's CUDA calls (``thread_local``): the loader's pinning
+        thread goes on calling CUDA meanwhile."""
         static_images, static_labels = images.to(self.device), labels.to(self.device)
         for p in self.net.parameters():  # backward allocates the gradients inside the graph
             p.grad = None
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        gc.collect()  # nothing freed by the collector while the capture runs
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            loss, correct = self.run_step(self.net, self.step, self.optimizer, static_images, static_labels,
-                                          autocast=self.autocast)
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            loss, correct = self.run_step(self.net, self.step, self.optimizer, static_images.to(self.dtype),
+                                          static_labels, autocast=self.autocast)
         if self.pool is None:
             self.pool = graph.pool()
+        self.sizes.append(images.shape[0])
         log.info("captured the training step as a CUDA graph at batch %d", images.shape[0])
         return _Graph(graph, static_images, static_labels, loss, correct)
 
+    def release(self) -> None:
+        """Free the graphs and their pool (after the device has finished with them)."""
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            for g in self.graphs.values():
+                g.graph.reset()
+        self.graphs.clear()
+        self.pool = None

@@ -285,7 +285,7 @@ def _to_host(loss: torch.Tensor, correct: torch.Tensor) -> tuple[torch.Tensor, t
     host = torch.empty(2, dtype=torch.float32, pin_memory=True)
     host.copy_(values, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(values.device))
     return host, done
 
 
@@ -421,8 +421,6 @@ class _Loop:
                                           autocast=self.autocast, scaler=self.scaler, mix=mix)
         values, done = _to_host(loss, correct)
         self.scheduler.step()
-        if self.captured is not None:
-            self.captured.set_rates()
         self.settle()  # the step before this one, while this one runs
         self.pending = _Pending(epoch, step, labels.numel(), values, done, self.lr)
         self.save_mid_epoch(epoch, step)
