@@ -166,7 +166,9 @@ class CapturedStep:
         self.graphs: dict[tuple, _Graph] = {}
         self.sizes: list[int] = []  # the batch sizes captured, in order (kept after release)
         self.pool = None
-        self.stream = None  # this step's capture stream, made at its first capture
+        # one side stream for every eager step and one for the captures: cuBLAS keeps a workspace
+        # per stream it has run on, so a fresh stream per step would add a workspace each time
+        self.side = self.stream = None
         make_capturable(optimizer, device, tensor_lr)
 
     def describe(self) -> str:
@@ -193,7 +195,9 @@ class CapturedStep:
     def _eager(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One eager step on a side stream; after the warm-up's last, and after a new batch
         size's, the blocks the eager steps cached go back (the graphs' pool takes their place)."""
-        main, side = torch.cuda.current_stream(self.device), torch.cuda.Stream(self.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        main, side = torch.cuda.current_stream(self.device), self.side
         side.wait_stream(main)
         with torch.cuda.stream(side):
             loss, correct = self.run_step(self.net, self.step, self.optimizer, images.to(self.dtype), labels,
