@@ -36,6 +36,7 @@ construction.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -62,6 +63,21 @@ def owned_gradient_edge(t: torch.Tensor):
     return get_gradient_edge(t if _EDGE_OWNS_NODE else t.view_as(t))
 
 
+@contextlib.contextmanager
+def _not_requiring_grad(params):
+    """The segment's trainable parameters seen as constants for a forward whose graph nothing
+    keeps (a recomputed segment's first pass runs without autograd): a lean layer then saves
+    nothing for backward, e.g. a frozen conv with a trainable bias packs no activation mask
+    (its ``needs_input_grad`` reads ``requires_grad``, not the grad mode)."""
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
 class _Entry(Function):
     """A micro-batch's rows as a graph input that holds nothing (its backward never runs:
     the gradient is taken at its edge)."""
@@ -81,7 +97,11 @@ class _StreamFn(Function):
         n, m = x.shape[0], segment.micro_batch
         ctx.in_shape, ctx.in_dtype = tuple(x.shape), x.dtype
         if segment.recompute:  # keep the input only; backward runs each micro-batch again
-            out = by_micro_batch(x, m, segment.run)
+            # nothing of this pass is kept, so no layer saves (packs masks): neither for the input
+            # (a view of a tensor that requires grad does, even without autograd) nor for the
+            # segment's trainable parameters
+            with _not_requiring_grad(params):
+                out = by_micro_batch(x.detach(), m, segment.run)
             ctx.save_for_backward(x)
             ctx.segment, ctx.params, ctx.edges = segment, params, None
             return out
@@ -128,10 +148,10 @@ class _StreamFn(Function):
             if need_x:
                 gx[start:stop].copy_(grads[0])
                 grads = grads[1:]
-            for acc, g in zip(gps, grads):
-                if g is not None:
-                    acc.add_(g)
-            del grads
+            used = [(acc, g) for acc, g in zip(gps, grads) if g is not None]
+            if used:  # one op for every parameter (bias-only: one per BN bias), the same sums
+                torch._foreach_add_([acc for acc, _ in used], [g for _, g in used])
+            del grads, used
             stop = start
         ctx.edges = None
         return (gx, None, *gps)
