@@ -182,6 +182,40 @@ def test_mask_pack_roundtrip():
     assert torch.equal(unpack_mask(packed, mask.shape), mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("upper", [6.0, None])
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+def test_act_mask_of_the_clamped_output_is_the_comparisons_mask(dtype, upper, chunk):
+    """The frozen layers' mask, built on the clamped output by a conversion to bool and an xor of
+    the bits (``frozen._clamped_mask``), holds the bits of ``(y > 0) & (y < upper)`` on the
+    unclamped y, packed as ``pack_mask`` packs them; the clamped output comes back unchanged
+    bit for bit (the xor is undone). Edge values: +-0, the bound and its neighbours, the
+    smallest subnormals, infinities."""
+    from edgetl.models.lean.frozen import _act_mask
+
+    g = torch.Generator().manual_seed(0)
+    y = (torch.randn(4, 3, 5, 8, generator=g) * 5).to(dtype)
+    six = torch.tensor(6.0, dtype=dtype)
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    edges = torch.stack([torch.tensor(0.0, dtype=dtype), torch.tensor(-0.0, dtype=dtype), six,
+                         torch.nextafter(six, six * 2), torch.nextafter(six, six * 0),
+                         torch.tensor(tiny, dtype=dtype), torch.tensor(-tiny, dtype=dtype),
+                         torch.tensor(float("inf"), dtype=dtype), torch.tensor(float("-inf"), dtype=dtype),
+                         torch.tensor(1e4, dtype=dtype)])
+    y.view(-1)[:edges.numel()] = edges
+    want = (y > 0) & (y < upper) if upper is not None else y > 0
+    clamped = y.clamp(0, upper) if upper is not None else y.clamp(min=0)
+    before = clamped.clone()
+    packed = _act_mask(clamped, chunk, upper)
+    assert torch.equal(packed, pack_mask(want))
+    assert torch.equal(clamped.view(torch.uint8), before.view(torch.uint8))
+    # 3 samples of 150 values: the bytes do not align, the whole tensor is packed at once
+    odd = y[:3, :, :, :5].contiguous()
+    want = (odd > 0) & (odd < upper) if upper is not None else odd > 0
+    assert torch.equal(_act_mask(odd.clamp(0, upper) if upper is not None else odd.clamp(min=0), chunk, upper),
+                       pack_mask(want))
+
+
 def test_lean_avg_pool_saves_nothing_and_is_exact():
     x = torch.randn(2, 3, 9, 8, dtype=torch.double, requires_grad=True)
     pool = LeanAvgPool2d(2)

@@ -18,9 +18,10 @@ class _MaskedReLUFn(Function):
         ctx.mark_dirty(y)
         if shapes_only:  # a meta trace: the same tensor back, no values
             return y
-        if ctx.needs_input_grad[0]:
+        y = y.clamp_(0, upper) if upper is not None else y.clamp_(min=0)
+        if ctx.needs_input_grad[0]:  # the mask of the clamped output (``_act_mask``)
             ctx.save_for_backward(_act_mask(y, chunk, upper))
-        return y.clamp_(0, upper) if upper is not None else y.clamp_(min=0)
+        return y
 
     @staticmethod
     def backward(ctx, gy):
