@@ -186,11 +186,11 @@ def test_mask_pack_roundtrip():
 @pytest.mark.parametrize("upper", [6.0, None])
 @pytest.mark.parametrize("chunk", [1, 2, 4])
 def test_act_mask_of_the_clamped_output_is_the_comparisons_mask(dtype, upper, chunk):
-    """The frozen layers' mask, built on the clamped output by a conversion to bool and an xor of
-    the bits (``frozen._clamped_mask``), holds the bits of ``(y > 0) & (y < upper)`` on the
-    unclamped y, packed as ``pack_mask`` packs them; the clamped output comes back unchanged
-    bit for bit (the xor is undone). Edge values: +-0, the bound and its neighbours, the
-    smallest subnormals, infinities."""
+    """The frozen layers' mask, built on the clamped output by conversions to bool and integer
+    adds on its bits (``frozen._clamped_mask``), holds the bits of ``(y > 0) & (y < upper)`` on
+    the unclamped y, packed as ``pack_mask`` packs them; the clamped output comes back
+    unchanged bit for bit (the subtraction is added back). Edge values: +-0, the bound and its
+    neighbours, the smallest subnormals, infinities."""
     from edgetl.models.lean.frozen import _act_mask
 
     g = torch.Generator().manual_seed(0)

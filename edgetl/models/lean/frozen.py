@@ -464,10 +464,11 @@ _BITS = {4: torch.int32, 2: torch.int16}
 
 def _clamped_mask(y: torch.Tensor, upper: float | None) -> torch.Tensor:
     """0 < y < upper of a tensor clamped to [0, upper], as bool: y != 0, and y's bits != the
-    bits of ``upper`` (compared by an exclusive or of y's bits, undone after).
+    bits of ``upper`` (y's bits less upper's, converted, then added back: integer arithmetic
+    that wraps, so y comes back bit for bit).
 
     Why not ``(y > 0) & (y < upper)``: on CPU a float comparison that writes bools runs a
-    scalar loop, 5-7x slower than a float-to-bool conversion (``!= 0``) or an integer xor, and
+    scalar loop, 5-7x slower than a float-to-bool conversion (``!= 0``) or an integer add, and
     on the clamped tensor the two tests say the same: y > 0 where the clamp left y != 0, y <
     upper where it left y != upper. The same bits for every finite y and infinities (a NaN,
     which the clamp keeps, gets a 1, where a comparison gave a 0; its loss is NaN either way).
@@ -476,9 +477,9 @@ def _clamped_mask(y: torch.Tensor, upper: float | None) -> torch.Tensor:
     if upper is not None:
         bits = y.view(_BITS[y.element_size()])
         code = _upper_bits(upper, y.dtype)
-        bits.bitwise_xor_(code)
+        bits.add_(-code)
         mask &= bits.to(torch.bool)
-        bits.bitwise_xor_(code)
+        bits.add_(code)
     return mask
 
 
