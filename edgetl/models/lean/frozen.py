@@ -447,13 +447,13 @@ def _act_mask(y: torch.Tensor, chunk: int = 1, upper: float | None = 6.0) -> tor
     if chunk >= n:  # one chunk: its folded bytes copied out last, no batch-sized slot to copy into
         # (the packed bytes then live beside the mask and the product, not beside the two
         # masks: the same largest moment, with three ops fewer)
-        return _fold_bits(_clamped_mask(y, upper).view(-1)).contiguous()
+        return _fold_bits(_clamped_mask(y, upper).reshape(-1)).contiguous()
     step = y.numel() // n // 8
     packed = torch.empty(n * step, dtype=torch.uint8, device=y.device)
     for i in repeated(range(0, n, chunk)):
         part = y[i : i + chunk]
         mask = _clamped_mask(part, upper)
-        packed[i * step : (i + part.shape[0]) * step] = _fold_bits(mask.view(-1))
+        packed[i * step : (i + part.shape[0]) * step] = _fold_bits(mask.reshape(-1))
         del mask
     return packed
 
