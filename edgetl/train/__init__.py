@@ -95,10 +95,10 @@ from edgetl.train.schedule import build_scheduler, lr_factor, warmup_steps
 log = logging.getLogger("edgetl.train")
 
 __all__ = [
-    "CapturedStep",
     "ADDED_SETTINGS",
     "BEST",
     "CHECKPOINT_FORMAT",
+    "CapturedStep",
     "FILE_BYTES_FIXED",
     "FILE_BYTES_PER_TENSOR",
     "FitResult",
