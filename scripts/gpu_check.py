@@ -196,13 +196,12 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
 
     import torch
 
-    from edgetl.bench import METHODS, build_method, pruned_hidden
+    # the bench's own trainers: the eager one, and its twin captured through CapturedStep
+    from edgetl.bench import METHODS, _Trainer, _graph_trainer, build_method, interleaved_step_times, pruned_hidden
     from edgetl.memory.schedule import prepare_step
-    from edgetl.step import Step, set_train_mode, training_step
-    from edgetl.train.graph import WARMUP_STEPS, CapturedStep
+    from edgetl.train.graph import WARMUP_STEPS
 
     dev = torch.device(device)
-    step = Step()
     rows = []
     for name in methods:
         method = METHODS[name]
@@ -216,48 +215,27 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
         for m in net.modules():  # dropout draws random masks: eager and replay would differ
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
-        gen = torch.Generator().manual_seed(1)
-        dtype = getattr(net, "input_dtype", torch.float32)
-        x_host = torch.randn(batch_size, 3, resolution, resolution, generator=gen).to(dtype).pin_memory()
-        y_host = torch.randint(0, num_classes, (batch_size,), generator=gen).pin_memory()
-        x, y = x_host.to(dev), y_host.to(dev)
-        nets = {"eager": net, "graph": copy.deepcopy(net)}
-        for n in nets.values():  # frozen BN in eval mode, as finetune trains
-            set_train_mode(n, step.bn)
-        opts = {k: step.optimizer(n) for k, n in nets.items()}
-        captured = CapturedStep(training_step, nets["graph"], step, opts["graph"], dev, dtype=dtype, tensor_lr=False)
+        kwargs = dict(resolution=resolution, batch_size=batch_size, num_classes=num_classes, device=dev,
+                      lr=1e-3, seed=1)
+        graph, error = _graph_trainer(lambda: copy.deepcopy(net), **kwargs)  # warmed up and captured
         row: dict = {"method": name}
-        times: dict[str, list[float]] = {"eager": [], "graph": []}
-        try:
-            for _ in range(WARMUP_STEPS + 1):  # warm-up, then the capture and its first replay
-                captured(x_host, y_host)
-            torch.cuda.synchronize(dev)
-        except Exception as exc:  # noqa: BLE001 - the finding is the message
-            row["capture_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        if graph is None:
+            row["capture_error"] = error
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
             continue
+        eager = _Trainer(net, **kwargs)
         for _ in range(WARMUP_STEPS + 1):  # as many steps as the captured copy has taken
-            training_step(nets["eager"], step, opts["eager"], x, y)
-        for _ in range(steps):
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            training_step(nets["eager"], step, opts["eager"], x, y)
-            torch.cuda.synchronize(dev)
-            t1 = time.perf_counter()
-            captured(x_host, y_host)
-            torch.cuda.synchronize(dev)
-            t2 = time.perf_counter()
-            times["eager"].append(t1 - t0)
-            times["graph"].append(t2 - t1)
+            eager.step()
+        times = interleaved_step_times({"eager": eager, "graph": graph}, steps=steps, warmup=0)
         diffs = [float((a.float() - b.float()).abs().max()) for a, b in
-                 zip(nets["eager"].state_dict().values(), nets["graph"].state_dict().values())
+                 zip(eager.net.state_dict().values(), graph.net.state_dict().values())
                  if a.is_floating_point()]
         row.update({
             "eager_step_s": statistics.median(times["eager"]), "graph_step_s": statistics.median(times["graph"]),
             "speedup": statistics.median(times["eager"]) / statistics.median(times["graph"]),
-            "max_abs_weight_diff": max(diffs), "exact": max(diffs) == 0.0, "graphs": captured.describe(),
+            "max_abs_weight_diff": max(diffs), "exact": max(diffs) == 0.0, "graphs": graph.captured.describe(),
         })
         rows.append(row)
         if on_row is not None:

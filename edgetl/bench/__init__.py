@@ -246,11 +246,11 @@ def bench(
     measured = _memory_rows(names, setting, hidden, min(workers, len(names)))
     trainers: dict[str, _Trainer] = {}
     builders: dict[str, Callable[[int], EdgeNet]] = {}
+    kwargs = dict(resolution=resolution, batch_size=batch_size, num_classes=num_classes, device=device,
+                  lr=lr, seed=seed)
     for row, method, fitted in measured:
         builders[row.method] = functools.partial(_build, method, fitted, setting, device)
         result.rows.append(row)
-        kwargs = dict(resolution=resolution, batch_size=batch_size, num_classes=num_classes, device=device,
-                      lr=lr, seed=seed)
         trainers[row.method] = _Trainer(builders[row.method](batch_size), **kwargs)
         if graphs:
             trainers[(row.method, "graph")], row.graph_error = _graph_trainer(
