@@ -32,6 +32,10 @@ from edgetl.options import MAX_BATCH, MODES, RUNTIMES, LeanOptions, option_defau
 from edgetl.schema import allowed, build, check_fields, parse_value, path_field, set_dotted, show
 
 INT32_MAX = 2**31 - 1  # counts (epochs, samples, steps) stay in 32 bits
+# published MobileNetV2 widths are 0.35-1.4; past 4 the network outgrows any Jetson
+MAX_WIDTH = 4.0
+# the widest classifier a Jetson holds: 1280 x 10**6 float weights are 5.1 GB (ImageNet-21k has 21,841)
+MAX_CLASSES = 10**6
 MAX_WORKERS = 256  # DataLoader processes; more is a typo, and each one copies the dataset's state
 SEED_MAX = 2**32 - 1  # the widest range every RNG edgetl seeds accepts (numpy's)
 
@@ -103,8 +107,7 @@ class ModelConfig(LeanOptions):
 
     mode: Mode
     backbone: str | None = path_field(None)
-    # published MobileNetV2 widths are 0.35-1.4; past 4 the network outgrows any Jetson
-    width: float = allowed(1.0, gt=0, le=4)
+    width: float = allowed(1.0, gt=0, le=MAX_WIDTH)
     runtime: Literal[RUNTIMES] = "auto"
     pool: int = option_default("pool", 1)
 

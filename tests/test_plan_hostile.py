@@ -156,6 +156,10 @@ EDITS = {
     "channels not the backbone's": (_set(("prune", "channels", 1), 17), "channels"),
     # found by the generated edits below: no 6-digit ratio names a kept count of 2**40 channels
     "channels past any network": (_set(("prune", "channels", 1), 2**40), "channels"),
+    # found by the generated edits too: a meta build of width 2**40 overflowed torch's storage size
+    "width past any network": (_set(("backbone", "width"), 2**40), "width"),
+    "classes past any classifier": (_both(_set(("num_classes",), 10**16), _set(("backbone", "num_classes"), 10**16)),
+                                    "num_classes"),
     "a block only in kept": (_set(("prune", "kept", 9), 100), "kept"),
     "a block twice": (lambda d: d["prune"]["blocks"].append(1), "blocks"),
     "block 18": (_set(("prune", "blocks", 0), 18), "blocks"),
@@ -268,6 +272,8 @@ def test_prune_refuses_a_plan_for_another_width(plans, tmp_path, capsys, folder_
     (["--backbone", "FOLDER", "--width", "0.5"], "has its own width (0.5)"),
     (["--backbone", "mobilenet_v2:IMAGENET1K_V1", "--width", "0.35"], "width 1.0 only"),
     (["--width", "inf"], "--width"),
+    (["--width", "1e12"], "width 1e+12 is not allowed; allowed: more than 0, at most 4"),
+    (["--num-classes", str(10**16)], "num_classes 10000000000000000 is not allowed; allowed: 1..1,000,000"),
     (["--batch-size", "8", "--max-batch-size", "16"], "--max-batch-size 16 needs --batch-size auto"),
 ])
 def test_plan_refuses_flags_it_would_ignore(tmp_path, capsys, folder_05, extra, needle):

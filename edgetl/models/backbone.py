@@ -20,6 +20,7 @@ from torch import nn
 
 from edgetl.errors import ConfigError, DataError
 from edgetl.io import load_state, load_torch_file
+from edgetl.recipe import MAX_CLASSES, MAX_WIDTH
 import edgetl.models.archs as archs
 
 # The FMEC 2023 paper's pruning ratios, written once in the MobileNetV2 entry: prune, bench,
@@ -51,12 +52,12 @@ class BackboneSpec:
         arch = archs.get(self.arch)
         if self.dropout is None:
             self.dropout = arch.dropout
-        if not self.width > 0:
-            raise ConfigError(f"width must be > 0, got {self.width}")
+        if not 0 < self.width <= MAX_WIDTH:
+            raise ConfigError(f"width {self.width:g} is not allowed; allowed: more than 0, at most {MAX_WIDTH:g}")
         if self.width != 1.0 and not arch.width_multiplier:
             raise ConfigError(f"{arch.title} has no width multiplier; allowed width: 1.0, got {self.width}")
-        if int(self.num_classes) < 1:
-            raise ConfigError(f"num_classes must be >= 1, got {self.num_classes}")
+        if not 1 <= int(self.num_classes) <= MAX_CLASSES:
+            raise ConfigError(f"num_classes {self.num_classes} is not allowed; allowed: 1..{MAX_CLASSES:,}")
         self.hidden = {int(k): int(v) for k, v in self.hidden.items()}
         for block, channels in self.hidden.items():
             if block not in arch.prunable:

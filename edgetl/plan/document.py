@@ -24,6 +24,7 @@ from edgetl.options import (
     CONV_STORAGES, FROZEN_WEIGHTS, MAX_BATCH, POOLS, PRECISIONS, LeanOptions, option_default,
 )
 from edgetl.plan.devices import DEVICES
+from edgetl.recipe import MAX_CLASSES, MAX_WIDTH
 from edgetl.schema import allowed, build, check_fields, show
 
 PLAN_FORMAT = "edgetl-plan/1"
@@ -107,8 +108,8 @@ class _BackboneSection:
     """plan.backbone: the input backbone's ``BackboneSpec``, less ``hidden`` (block -> channels)."""
 
     arch: str = archs.DEFAULT_ARCH  # a registered architecture (checked by BackboneSpec after parsing)
-    width: float = allowed(gt=0)
-    num_classes: int = allowed(ge=1)
+    width: float = allowed(gt=0, le=MAX_WIDTH)
+    num_classes: int = allowed(ge=1, le=MAX_CLASSES)
     dropout: float = allowed(0.2, ge=0, le=1)
 
 
@@ -119,7 +120,7 @@ class _TopSection:
     format: str
     objective: str = OBJECTIVE
     resolution: int = allowed(ge=1)
-    num_classes: int = allowed(ge=1)
+    num_classes: int = allowed(ge=1, le=MAX_CLASSES)
     notes: list[str] | None = None
 
 
