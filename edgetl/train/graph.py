@@ -12,10 +12,14 @@ gradients freed) on static input and label buffers:
   blocks those eager steps left are handed back (``empty_cache``), so what the run reserves is
   the weights and optimizer state, the static buffers, and the graphs' one memory pool.
 * Every later batch is copied into the static buffers and the graph replayed; a batch size's
-  first batch runs eagerly, its second is captured. A batch of
-  another size (one with unreadable images left out; the loader drops an epoch's ragged last
-  batch, or it is the only one, in a training set smaller than a batch) is captured once into
-  the same pool; there are at most as many graphs as batch sizes, and they never run at once.
+  first batch runs eagerly, its second is captured. A batch of another size (one with
+  unreadable images left out; the loader drops an epoch's ragged last batch, or it is the only
+  one, in a training set smaller than a batch) is captured into the same pool; there are at
+  most as many graphs as batch sizes, and they never run at once.
+* An eager step never runs beside the graphs: its blocks and the pool's would both be held,
+  two steps' memory where a budget counts one. A new size's first batch frees the graphs and
+  their pool first; each size is captured again when it next comes (a capture costs about one
+  eager step, and new sizes are rare).
 * The optimizer runs with tensors where a graph needs them: Adam ``capturable`` (its step
   counts on the device), and each group's learning rate a device tensor that the schedule
   fills in place between replays (Adam; SGD with ``optim.fused``). SGD's other kernels read the rate on
@@ -165,6 +169,8 @@ class CapturedStep:
         self.seen: set[tuple] = set()  # batch shapes that have run eagerly once
         self.graphs: dict[tuple, _Graph] = {}
         self.sizes: list[int] = []  # the batch sizes captured, in order (kept after release)
+        self.captures = 0  # captures made (a size is captured again after its graph was dropped)
+        self.dropped = 0  # times the graphs were dropped for a new batch size's eager step
         self.pool = None
         # one side stream for every eager step and one for the captures: cuBLAS keeps a workspace
         # per stream it has run on, so a fresh stream per step would add a workspace each time
@@ -174,8 +180,10 @@ class CapturedStep:
     def describe(self) -> str:
         """What ran, for the run's summary."""
         sizes = ", ".join(str(n) for n in sorted(self.sizes, reverse=True)) or "none"
+        again = (f"; {self.captures} captures: the graphs were released {self.dropped} time(s) to run a new "
+                 "batch size's first batch eagerly" if self.captures > len(self.sizes) else "")
         return (f"CUDA graph: {self.eager_steps} eager step(s) (warm-up, and each batch size's first), then "
-                f"{len(self.sizes)} graph(s) captured and replayed (batch sizes {sizes})")
+                f"{len(self.sizes)} graph(s) captured and replayed (batch sizes {sizes}){again}")
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (tuple(images.shape), images.dtype, tuple(labels.shape), labels.dtype)
@@ -183,6 +191,8 @@ class CapturedStep:
             g = self.graphs.get(key)
             if g is None and (self.eager_steps < self.warmup or key not in self.seen):
                 self.seen.add(key)
+                if self.graphs:  # an eager step never runs beside the graphs' pool: the run's
+                    self._drop_graphs()  # memory stays that of one step, eager or captured
                 return self._eager(images.to(self.device, non_blocking=True),
                                    labels.to(self.device, non_blocking=True))
             if g is None:
@@ -227,9 +237,20 @@ class CapturedStep:
                                           static_labels, autocast=self.autocast)
         if self.pool is None:
             self.pool = graph.pool()
-        self.sizes.append(images.shape[0])
+        self.captures += 1
+        if images.shape[0] not in self.sizes:
+            self.sizes.append(images.shape[0])
         log.info("captured the training step as a CUDA graph at batch %d", images.shape[0])
         return _Graph(graph, static_images, static_labels, loss, correct)
+
+    def _drop_graphs(self) -> None:
+        """Free the graphs, their pool and static buffers and hand the pool's segments back,
+        before a new batch size's eager step; each size is captured again when it next comes."""
+        n = len(self.graphs)
+        self.release()
+        torch.cuda.empty_cache()
+        self.dropped += 1
+        log.info("released %d CUDA graph(s) to run a new batch size's first batch eagerly", n)
 
     def release(self) -> None:
         """Free the graphs and their pool (after the device has finished with them)."""
