@@ -13,7 +13,7 @@ import yaml
 
 from edgetl.errors import BudgetError, ConfigError, DataError
 import edgetl.models.archs as archs
-from edgetl.models.backbone import BackboneSpec, prunable_blocks
+from edgetl.models.backbone import MAX_CLASSES, MAX_WIDTH, BackboneSpec, prunable_blocks
 
 # The blocks any shipped architecture can prune (MobileNetV2: 1..17, ResNet-18: 1..8): the
 # schema's bounds; the plan's own architecture's are checked once its backbone is read
@@ -24,7 +24,6 @@ from edgetl.options import (
     CONV_STORAGES, FROZEN_WEIGHTS, MAX_BATCH, POOLS, PRECISIONS, LeanOptions, option_default,
 )
 from edgetl.plan.devices import DEVICES
-from edgetl.recipe import MAX_CLASSES, MAX_WIDTH
 from edgetl.schema import allowed, build, check_fields, show
 
 PLAN_FORMAT = "edgetl-plan/1"
