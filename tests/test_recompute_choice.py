@@ -1,0 +1,39 @@
+"""Which streamed segments recompute: the fewest found that keep the peak of recomputing every
+segment whose saved bytes exceed its input, for the paper configuration at 224 px, batch 8."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from edgetl.bench import METHODS, build_method, pruned_hidden
+from edgetl.memory.runtime import runtime_report
+from edgetl.memory.schedule import apply_schedule, prepare_step
+from edgetl.step import Step
+
+RES, BATCH, CLASSES = 224, 8, 102
+# the segments of two or three blocks (5-6, 8-10, 12-13, 15-16), whose masks outweigh the
+# input a recompute keeps: the set recomputed before it was shrunk
+EVERY = (5, 8, 12, 15)
+
+
+@pytest.mark.parametrize("step, chosen, peak", [
+    (Step.plain(), (8,), 16_829_423),  # benchmarks/stream_figures_224.md, "+ recompute"
+    # the update inside backward lowers the other moments: every segment is needed there
+    (Step.plain(step_in_backward=True, fused=True), EVERY, 14_893_719),
+], ids=["plain", "update-in-backward"])
+def test_the_paper_configuration_recomputes_the_fewest_segments_at_the_same_peak(step, chosen, peak):
+    method = METHODS["repnet-pruned-pool2-bf16-int8-stream"]
+    net = build_method(method, width=1.0, num_classes=CLASSES, device="meta",
+                       hidden=pruned_hidden(1.0, CLASSES))
+    schedule = prepare_step(net, resolution=RES, batch_size=BATCH, step=step)
+    assert schedule.recompute == chosen
+
+    def peak_with(again: tuple[int, ...]) -> int:
+        apply_schedule(net, dataclasses.replace(schedule, recompute=again))
+        return runtime_report(net, mode=method.mode, resolution=RES, batch_size=BATCH, step=step).total_bytes
+
+    assert peak_with(chosen) == peak_with(EVERY) == peak
+    for start in chosen:  # none of the chosen can leave: each one dropped raises the peak
+        assert peak_with(tuple(a for a in chosen if a != start)) > peak
