@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from edgetl.memory.cuda import (
     CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_SM90, LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE,
     CUBLASLT_WORKSPACE_DEFAULT, CachingAllocatorModel, cublas_workspace_bytes, cublaslt_workspace_bytes,
-    expandable_segments_enabled, replay_trace, round_block, step_workspace_bytes,
+    expandable_segments_enabled, replay_captured, replay_trace, round_block, step_workspace_bytes,
     rounding_bytes, segment_bytes, should_split,
 )
 from edgetl.memory.meter import measure_training_memory
@@ -144,7 +144,7 @@ def test_replay_of_a_real_training_trace():
     got = measure_training_memory(net, resolution=64, batch_size=4, steps=2, record_trace=True)
     assert got.allocated_bytes is None and got.reserved_bytes is None and got.peak_bytes == got.tensor_bytes
     kinds = {ev[0] for ev in got.trace}
-    assert kinds == {"alloc", "free", "op"}
+    assert kinds == {"alloc", "free", "op", "step", "input"}
     plain = replay_trace(got.trace)
     assert plain.tensor_peak_bytes == plain.peaks.requested_peak_bytes == got.tensor_bytes
     allocs = [ev[2] for ev in got.trace if ev[0] == "alloc"]
@@ -181,6 +181,82 @@ def test_replay_of_a_real_training_trace():
             rounded -= live.pop(ev[1])
     expandable = replay_trace(got.trace, expandable=True)
     assert expandable.peaks.allocated_peak_bytes == peak <= plain.peaks.allocated_peak_bytes
+
+
+def test_empty_cache_gives_back_only_whole_free_segments():
+    m = CachingAllocatorModel()
+    m.malloc("w", 3 * MiB)  # a 20 MiB segment that keeps a live block
+    m.malloc("a", 18 * MiB)  # past the 17 MiB left there: an 18 MiB segment of its own (rounded to 2 MiB)
+    m.malloc("s", 1000)  # a 2 MiB small segment
+    m.free("a")
+    m.free("s")
+    m.empty_cache()
+    assert m.reserved == LARGE_BUFFER and m.allocated == 3 * MiB and m.peaks().segments == 1
+    assert m.reserved_peak == LARGE_BUFFER + 18 * MiB + SMALL_BUFFER  # peaks keep what was held
+    m.malloc("b", 5 * MiB)  # from the kept segment's free rest
+    assert m.reserved == LARGE_BUFFER
+    with pytest.raises(ValueError, match="expandable"):
+        CachingAllocatorModel(expandable=True).empty_cache()
+
+
+def test_replay_captured_step_by_hand():
+    """A warm-up step, then the step captured: the warm-up's free segments given back, the input
+    made again in the default pool, the captured step's blocks in a private pool of their own
+    (figures worked out by hand from the allocator's rules)."""
+    K = 1024
+    trace = [("alloc", "w", 3 * MiB), ("alloc", "x", MiB), ("input", "x"),
+             ("step", 0), ("alloc", "a", 5 * MiB), ("alloc", "b", 600 * K), ("op", "mm", False, False),
+             ("free", "a"), ("free", "b"),
+             ("step", 1), ("alloc", "a2", 5 * MiB), ("alloc", "b2", 600 * K), ("op", "mm", False, False),
+             ("alloc", "loss", 4), ("free", "a2"), ("free", "b2")]
+    got = replay_captured(trace, cublas_workspace=2 * MiB)
+    # warm-up: w opens a 20 MiB segment, a (5 MiB) and the 2 MiB workspace split its rest; x
+    # (1 MiB, small) opens a 2 MiB small segment, where b (600 KiB) fits
+    assert got.warmup.peaks.reserved_peak_bytes == LARGE_BUFFER + SMALL_BUFFER
+    assert got.warmup.peaks.allocated_peak_bytes == 3 * MiB + MiB + 5 * MiB + 600 * K + 2 * MiB
+    assert got.warmup.cublas_workspace_bytes == 2 * MiB
+    # given back: the small segment (x moved out, b freed); kept: the large one (w, the workspace);
+    # x made again: a new 2 MiB small segment
+    assert got.kept_bytes == LARGE_BUFFER + SMALL_BUFFER
+    # captured: a2 opens a 20 MiB segment of the pool, b2 and the 512 B loss a 2 MiB small one; the
+    # workspace is the warm-up's (same thread, same stream)
+    assert got.pool_reserved_bytes == LARGE_BUFFER + SMALL_BUFFER
+    assert got.allocated_bytes == 3 * MiB + 2 * MiB + MiB + 512  # w, workspace, x, loss
+    assert got.reserved_bytes == 2 * (LARGE_BUFFER + SMALL_BUFFER)
+    assert got.reserved_peak_bytes == 2 * (LARGE_BUFFER + SMALL_BUFFER)
+    assert got.allocated_peak_bytes == 3 * MiB + 2 * MiB + MiB + 5 * MiB + 600 * K + 512
+    with pytest.raises(ValueError, match="1 step"):
+        replay_captured(trace[:9])
+
+
+def test_replay_captured_of_a_real_training_trace():
+    """The CPU meter's trace of three steps, captured at the third: what stays allocated while the
+    graph replays is every block live at the trace's end (rounded; large blocks may hold an
+    unsplit rest), and the pool holds at least the step's own blocks."""
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import LeanOptions, build_network
+
+    torch.manual_seed(0)
+    net = build_network(BackboneSpec(width=0.35, num_classes=5), "repnet", lean=LeanOptions(pool=2))
+    got = measure_training_memory(net, resolution=64, batch_size=4, steps=3, record_trace=True)
+    assert [ev[1] for ev in got.trace if ev[0] == "step"] == [0, 1, 2]
+    captured = replay_captured(got.trace)
+    live: dict = {}
+    start = max(i for i, ev in enumerate(got.trace) if ev[0] == "step")
+    step_peak = step_live = 0
+    for i, ev in enumerate(got.trace):
+        if ev[0] == "alloc":
+            live[ev[1]] = round_block(ev[2])
+            if i > start:
+                step_live += live[ev[1]]
+                step_peak = max(step_peak, step_live)
+        elif ev[0] == "free":
+            size = live.pop(ev[1])
+            step_live -= size if i > start else 0
+    assert sum(live.values()) <= captured.allocated_bytes <= sum(live.values()) + SMALL_SIZE * len(live)
+    assert captured.pool_reserved_bytes >= step_peak - got.tensor_bytes  # the step's blocks, freed ones reused
+    assert captured.reserved_bytes == captured.kept_bytes + captured.pool_reserved_bytes
+    assert captured.reserved_peak_bytes >= max(captured.reserved_bytes, captured.warmup.peaks.reserved_peak_bytes)
 
 
 # ============================================================================ the entry point, on CPU
@@ -505,6 +581,58 @@ def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
     assert abs(got.allocated_bytes / predicted - 1) <= 0.05, figures["accounting_224px"][config]
     assert abs(got.allocated_bytes - replay.peaks.allocated_peak_bytes) <= 4 * MiB, figures["accounting_224px"][config]
     assert got.reserved_bytes >= got.allocated_bytes
+
+
+@cuda
+@pytest.mark.parametrize("config", ["stock", "lean-pruned-k2", "lean-pruned-bf16-int8"])
+def test_captured_step_memory_equals_the_model(config, figures):
+    """The step captured by finetune's ``CapturedStep`` (224 px, batch 8): what the allocator holds
+    while the graph replays, against ``replay_captured`` of the same step's trace (recorded eagerly
+    on the device with the optimizer made capturable): allocated and reserved, and the graph's
+    private pool read from the allocator's segments (a second instrument). Within 1 %."""
+    from edgetl.bench import pruned_hidden
+    from edgetl.memory.meter import _prepare_cuda
+    from edgetl.memory.schedule import prepare_step
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import build_network
+    from edgetl.step import Step, training_step
+    from edgetl.train.graph import CapturedStep
+
+    lean, pruned, arch, mode = _accounting_configs()[config]
+    spec = BackboneSpec(arch=arch, width=1.0, num_classes=102, hidden=pruned_hidden(1.0, 102) if pruned else {})
+    torch.manual_seed(0)
+    net = build_network(spec, mode, device="cuda", lean=lean)
+    if lean is not None:
+        prepare_step(net, resolution=224, batch_size=8)
+    probe = copy.deepcopy(net)
+    got = measure_training_memory(probe, resolution=224, batch_size=8, steps=3, record_trace=True, capturable=True)
+    del probe
+    model = replay_captured(got.trace, cublas_workspace=cublas_workspace_bytes(_capability()),
+                            cublaslt_workspace=cublaslt_workspace_bytes())
+    # the measurement's cuBLAS workspaces and cached segments released, peaks reset; other: what
+    # is allocated beside the network (nothing, unless earlier tests left tensors alive)
+    other = _prepare_cuda(torch.device("cuda"), net)
+    step = Step.plain("adam", 1e-3)
+    dtype = getattr(net, "input_dtype", torch.float32)  # the batch as the trace has it: no cast in the graph
+    captured = CapturedStep(training_step, net, step, step.optimizer(net), torch.device("cuda"), dtype=dtype,
+                            tensor_lr=False)
+    images = torch.randn(8, 3, 224, 224).to(dtype).pin_memory()
+    labels = torch.randint(0, 102, (8,)).pin_memory()
+    for _ in range(5):  # 3 eager warm-up steps, the capture (replayed at once), a replay
+        captured(images, labels)
+    torch.cuda.synchronize()
+    pool = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+    row = {"predicted_allocated": model.allocated_bytes, "allocated": torch.cuda.memory_allocated() - other,
+           "predicted_reserved": model.reserved_bytes, "reserved": torch.cuda.memory_reserved(),
+           "predicted_pool": model.pool_reserved_bytes, "pool": pool,
+           "predicted_reserved_peak": model.reserved_peak_bytes, "reserved_peak": torch.cuda.max_memory_reserved(),
+           "predicted_allocated_peak": model.allocated_peak_bytes,
+           "allocated_peak": torch.cuda.max_memory_allocated() - other, "other": other,
+           "execution": captured.describe()}
+    captured.release()
+    figures.setdefault("captured_224px", {})[config] = row
+    for key in ("allocated", "reserved", "pool"):
+        assert abs(row[key] / row[f"predicted_{key}"] - 1) <= 0.01, (key, row)
 
 
 def _color_data(root: Path) -> Path:

@@ -327,6 +327,20 @@ class CachingAllocatorModel:
             block = prev
         self._insert(block)
 
+    def empty_cache(self) -> None:
+        """As ``torch.cuda.empty_cache``: every segment with no live block is given back (a
+        segment holding any live block stays whole). Not modelled with expandable segments,
+        which unmap free pages inside a segment."""
+        if self.expandable:
+            raise ValueError("empty_cache is not modelled with expandable segments")
+        for small in (True, False):
+            for k in [k for k in self._free[small] if k[1] >= 0]:
+                b = self._by_key[k]
+                if b.prev is None and b.next is None:  # the whole segment, free
+                    self._remove(b)
+                    self.reserved -= self._segments[b.segment]
+                    self._segments[b.segment] = 0
+
     @property
     def live_blocks(self) -> int:
         return sum(1 for b, _ in self._live.values() if b is not None)
@@ -337,7 +351,7 @@ class CachingAllocatorModel:
 
     def peaks(self) -> AllocatorPeaks:
         return AllocatorPeaks(self.allocated_peak, self.reserved_peak, self.requested_peak,
-                              len(self._segments), self.expandable)
+                              sum(1 for n in self._segments if n), self.expandable)
 
 
 @dataclass
@@ -366,56 +380,146 @@ def replay_trace(events: Iterable[tuple], *, expandable: bool = False, cublas_wo
             bias_gemm])`` (an aten op ran: a thread's first matrix product allocates its cuBLAS
             workspace, its first bias gemm its cuBLASLt workspace, where the ops autograd's
             engine ran are one thread and the rest another; every convolution holds
-            ``conv_workspace_bytes`` just after its outputs exist) and ``("reset",)`` (peaks
-            restart, as after ``reset_peak_memory_stats``), in order.
+            ``conv_workspace_bytes`` just after its outputs exist), ``("reset",)`` (peaks
+            restart, as after ``reset_peak_memory_stats``), ``("step", i)`` (a training step
+            starts) and ``("input", key...)`` (the batch's blocks), in order.
         expandable: model ``expandable_segments:True``.
         cublas_workspace: bytes of one cuBLAS workspace (``cublas_workspace_bytes``).
         cublaslt_workspace: bytes of one cuBLASLt workspace (``cublaslt_workspace_bytes``).
         conv_workspace_bytes: one convolution's workspace (a measured figure; 0 = unmodelled).
     """
-    model = CachingAllocatorModel(expandable=expandable)
-    live = peak = 0
-    sizes: dict[object, int] = {}
-    inserted = {"cublas": 0, "cublaslt": 0}
-    n_conv = 0
+    run = _Replay(CachingAllocatorModel(expandable=expandable), cublas_workspace, cublaslt_workspace,
+                  conv_workspace_bytes)
     for ev in events:
+        run.feed(ev)
+    return run.result()
+
+
+class _Replay:
+    """A storage trace fed event by event to allocator models: each allocation to the model
+    ``into`` names at that moment, each free to the model that holds the block."""
+
+    def __init__(self, model: CachingAllocatorModel, cublas_workspace: int, cublaslt_workspace: int,
+                 conv_workspace_bytes: int) -> None:
+        self.model = self.into = model
+        self.cublas, self.cublaslt, self.conv = cublas_workspace, cublaslt_workspace, conv_workspace_bytes
+        self.owner: dict[object, CachingAllocatorModel] = {}
+        self.sizes: dict[object, int] = {}
+        self.live = self.peak = 0
+        self.inserted = {"cublas": 0, "cublaslt": 0}
+        self.n_conv = 0
+
+    def malloc(self, key: object, nbytes: int) -> None:
+        self.into.malloc(key, nbytes)
+        self.owner[key] = self.into
+
+    def feed(self, ev: tuple) -> None:
         kind = ev[0]
         if kind == "alloc":
             _, key, nbytes = ev
-            model.malloc(key, nbytes)
-            sizes[key] = nbytes
-            live += nbytes
-            peak = max(peak, live)
+            self.malloc(key, nbytes)
+            self.sizes[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
         elif kind == "free":
-            model.free(ev[1])
-            live -= sizes.pop(ev[1])
+            self.owner.pop(ev[1]).free(ev[1])
+            self.live -= self.sizes.pop(ev[1])
         elif kind == "op":
             name = ev[1]
             thread = "backward" if len(ev) > 2 and ev[2] else "caller"
             wants = []
-            if name in MATMUL_OPS and cublas_workspace:
-                wants.append(("cublas", cublas_workspace))
-            if len(ev) > 3 and ev[3] and cublaslt_workspace:
-                wants.append(("cublaslt", cublaslt_workspace))
+            if name in MATMUL_OPS and self.cublas:
+                wants.append(("cublas", self.cublas))
+            if len(ev) > 3 and ev[3] and self.cublaslt:
+                wants.append(("cublaslt", self.cublaslt))
             for lib, nbytes in wants:
                 key = (lib, "workspace", thread)
-                if key not in sizes:
-                    model.malloc(key, nbytes)
-                    sizes[key] = nbytes
-                    inserted[lib] += nbytes
-            if conv_workspace_bytes and name.startswith("convolution"):
-                n_conv += 1
-                model.malloc(("conv", "workspace", n_conv), conv_workspace_bytes)
-                model.free(("conv", "workspace", n_conv))
+                if key not in self.owner:  # one per thread (and stream), for the life of the process
+                    self.malloc(key, nbytes)
+                    self.inserted[lib] += nbytes
+            if self.conv and name.startswith("convolution"):
+                self.n_conv += 1
+                self.into.malloc(("conv", "workspace", self.n_conv), self.conv)
+                self.into.free(("conv", "workspace", self.n_conv))
         elif kind == "reset":
-            model.reset_peaks()
-            peak = live
-        else:
+            self.model.reset_peaks()
+            self.peak = self.live
+        elif kind not in ("step", "input"):
             raise ValueError(f"unknown trace event {ev!r}")
-    notes = []
-    if cublas_workspace and not inserted["cublas"]:
-        notes.append("no matrix product in the trace: no cuBLAS workspace")
-    return TraceReplay(model.peaks(), peak, inserted["cublas"], conv_workspace_bytes, inserted["cublaslt"], notes)
 
+    def result(self) -> TraceReplay:
+        notes = []
+        if self.cublas and not self.inserted["cublas"]:
+            notes.append("no matrix product in the trace: no cuBLAS workspace")
+        return TraceReplay(self.model.peaks(), self.peak, self.inserted["cublas"], self.conv,
+                           self.inserted["cublaslt"], notes)
+
+
+@dataclass
+class CapturedReplay:
+    """A training step captured as a CUDA graph (``edgetl.train.graph.CapturedStep``), as the
+    allocator would report it (bytes).
+
+    Attributes:
+        warmup: the eager steps before the capture (``replay_trace`` of them).
+        kept_bytes: reserved once the warm-up's free segments are given back (``empty_cache``):
+            the default pool's segments that hold a live block (weights, optimizer state, the
+            static buffers, the library workspaces).
+        pool_reserved_bytes: the graph's private pool: the segments its capture opened, held as
+            long as the graph lives (a replay allocates nothing).
+        allocated_bytes, reserved_bytes: ``memory_allocated``/``memory_reserved`` while the graph
+            replays: the default pool's live blocks and what the capture left live (its outputs).
+        allocated_peak_bytes, reserved_peak_bytes: ``max_memory_allocated``/``max_memory_reserved``
+            over the run: the warm-up's, or the capture's (every pool at once).
+    """
+
+    warmup: TraceReplay
+    kept_bytes: int
+    pool_reserved_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+
+
+def replay_captured(events: Iterable[tuple], *, cublas_workspace: int = 0,
+                    cublaslt_workspace: int = 0) -> CapturedReplay:
+    """A storage trace of eager training steps (``("step", i)`` marks each step's start), replayed
+    as ``CapturedStep`` runs them: every step but the last eagerly (the warm-up), then the
+    cached segments they left given back, the static input buffers made (the trace's
+    ``("input", ...)`` blocks, moved there), then the last step captured into a private pool.
+
+    The private pool is a second :class:`CachingAllocatorModel`: PyTorch's private pools carve
+    their own small and large segments by the same rules, and a capture's allocations come
+    only from its pool while its frees of older blocks go back to theirs (``c10/cuda/
+    CUDACachingAllocator.cpp``, ``PrivatePool``). The capture runs on the warm-up's stream, so
+    it reuses the warm-up's cuBLAS workspaces (they are kept per handle and stream). The
+    statistics add up every pool. Not modelled: expandable segments (the default pool's
+    ``empty_cache`` then unmaps pages inside segments), cuDNN workspaces.
+    """
+    events = list(events)
+    starts = [i for i, ev in enumerate(events) if ev[0] == "step"]
+    if len(starts) < 2:
+        raise ValueError(f"the trace marks {len(starts)} step(s); a captured step needs a warm-up step before it")
+    default = CachingAllocatorModel()
+    run = _Replay(default, cublas_workspace, cublaslt_workspace, 0)
+    for ev in events[:starts[-1]]:
+        run.feed(ev)
+    warmup = run.result()
+    inputs = [key for ev in events if ev[0] == "input" for key in ev[1:] if key in run.owner]
+    for key in inputs:  # the warm-up's batches go; the static buffers come after the segments are given back
+        default.free(key)
+    default.empty_cache()
+    for key in inputs:
+        default.malloc(key, run.sizes[key])
+    kept = default.reserved
+    run.into = pool = CachingAllocatorModel()
+    allocated_peak, reserved_peak = default.allocated_peak, default.reserved_peak
+    for ev in events[starts[-1]:]:
+        run.feed(ev)
+        allocated_peak = max(allocated_peak, default.allocated + pool.allocated)
+        reserved_peak = max(reserved_peak, default.reserved + pool.reserved)
+    return CapturedReplay(warmup, kept, pool.reserved, default.allocated + pool.allocated,
+                          default.reserved + pool.reserved, allocated_peak, reserved_peak)
 
 # ----------------------------------------------------------------------------- the runtime accounting on CUDA

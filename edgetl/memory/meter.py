@@ -54,7 +54,8 @@ class StorageMeter(TorchDispatchMode):
         self.peak_bytes = 0
         self.op_count = 0  # aten ops seen
         # ("alloc", key, nbytes) / ("free", key) / ("op", aten op name, in backward, bias gemm) /
-        # ("reset",), in order; a key is unique for the life of its storage (ids are reused only
+        # ("reset",) / ("step", i) (training step i starts) / ("input", key...) (the batch's
+        # storages, allocated above), in order; a key is unique for the life of its storage (ids are reused only
         # after a free). "in backward": autograd's engine ran the op (on CUDA, its device thread);
         # "bias gemm": an addmm of a 1-D bias and two matrices of more than one row and column
         # (what CUDA runs through cuBLASLt's bias epilogue)
@@ -174,6 +175,8 @@ def _training_steps(net, step: Step, opt, image, labels, steps: int, meter: Stor
     ``counted``'s forward (the network inside ``net``)."""
     ops = None
     for i in range(steps):
+        if meter.trace is not None:  # where each step starts (edgetl.memory.cuda.replay_captured)
+            meter.trace.append(("step", i))
         if i == 1:
             ops = _counted_step(counted, opt, lambda: training_step(net, step, opt, image, labels), meter)
         else:
@@ -242,6 +245,7 @@ def measure_training_memory(
     device: torch.device | str | None = None,
     seed: int = 0,
     record_trace: bool = False,
+    capturable: bool = False,
 ) -> MeasuredMemory:
     """Peak memory over ``steps`` real training steps of ``net``: tensors, and on CUDA the allocator.
 
@@ -268,6 +272,9 @@ def measure_training_memory(
         device: where to run; default: the device of ``net``'s parameters.
         seed: seeds the random batch and labels.
         record_trace: keep the storage trace (for ``edgetl.memory.cuda.replay_trace``).
+        capturable: run the optimizer as a CUDA-graph step does (``edgetl.train.graph.
+            make_capturable``: Adam's step counts on the device), the trace
+            ``edgetl.memory.cuda.replay_captured`` replays. CUDA only.
     """
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
@@ -281,6 +288,12 @@ def measure_training_memory(
         raise ConfigError("nothing trains: no parameter requires grad")
     step = resolve_step(step, optimizer, lr)
     opt = step.optimizer(net)
+    if capturable:
+        if device.type != "cuda":
+            raise ConfigError(f"a capturable optimizer runs on CUDA; asked to measure on {device}")
+        from edgetl.train.graph import make_capturable
+
+        make_capturable(opt, device, tensor_lr=False)
     set_train_mode(net, step.bn)
     image, labels = random_batch(net, resolution=resolution, batch_size=batch_size, seed=seed, device=device,
                                  num_classes=num_classes)
@@ -290,6 +303,8 @@ def measure_training_memory(
     meter = StorageMeter(record_trace=record_trace)
     meter.register_module(net)
     meter.register(image, labels)
+    if meter.trace is not None:  # the step's input: what a captured step keeps in static buffers
+        meter.trace.append(("input", *(id(t.untyped_storage()) for t in (image, labels))))
     cuda = device.type == "cuda"
     other = 0
     if cuda:

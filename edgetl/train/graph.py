@@ -172,9 +172,11 @@ class CapturedStep:
         self.captures = 0  # captures made (a size is captured again after its graph was dropped)
         self.dropped = 0  # times the graphs were dropped for a new batch size's eager step
         self.pool = None
-        # one side stream for every eager step and one for the captures: cuBLAS keeps a workspace
-        # per stream it has run on, so a fresh stream per step would add a workspace each time
-        self.side = self.stream = None
+        # one side stream for every eager step and every capture: cuBLAS keeps a workspace per
+        # handle and stream, so a capture on a stream of its own would add one for this thread
+        # and one for autograd's (8 MiB + 128 KiB each on a Jetson) inside the graph's pool; and
+        # captures on different streams share no memory through a shared pool
+        self.side = None
         make_capturable(optimizer, device, tensor_lr)
 
     def describe(self) -> str:
@@ -228,11 +230,11 @@ class CapturedStep:
         static_images, static_labels = images.to(self.device), labels.to(self.device)
         for p in self.net.parameters():  # backward allocates the gradients inside the graph
             p.grad = None
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
         gc.collect()  # nothing freed by the collector while the capture runs
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
             loss, correct = self.run_step(self.net, self.step, self.optimizer, static_images.to(self.dtype),
                                           static_labels, autocast=self.autocast)
         if self.pool is None:

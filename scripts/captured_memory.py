@@ -1,0 +1,52 @@
+"""Predicted CUDA memory of the training step eager and captured as a CUDA graph, from a storage
+trace recorded on the CPU (``edgetl.memory.cuda.replay_trace`` and ``replay_captured``), for a
+GPU of the given compute capability (default: Jetson Orin, sm87). 224 px, batch 8; docs/cuda.md.
+
+    python scripts/captured_memory.py [--capability 8.7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+from edgetl.bench import pruned_hidden
+from edgetl.memory.cuda import cublas_workspace_bytes, cublaslt_workspace_bytes, replay_captured, replay_trace
+from edgetl.memory.meter import measure_training_memory
+from edgetl.memory.schedule import prepare_step
+from edgetl.models.backbone import BackboneSpec
+from edgetl.models.side import LeanOptions, build_network
+from edgetl.units import MB
+
+CONFIGS = {  # name -> (lean options, pruned backbone)
+    "paper configuration": (LeanOptions(pool=2), True),
+    "paper configuration + bf16 + int8": (LeanOptions(pool=2, precision="bf16", frozen_weights="int8"), True),
+    "stock Rep-Net": (None, False),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--capability", default="8.7", help="compute capability, major.minor (default 8.7)")
+    a = p.parse_args()
+    capability = tuple(int(x) for x in a.capability.split("."))
+    workspaces = {"cublas_workspace": cublas_workspace_bytes(capability), "cublaslt_workspace": cublaslt_workspace_bytes()}
+    torch.set_num_threads(1)
+    print("| configuration | eager reserved | with graphs reserved (kept + pool) |\n|---|---|---|")
+    for name, (lean, pruned) in CONFIGS.items():
+        spec = BackboneSpec(width=1.0, num_classes=102, hidden=pruned_hidden(1.0, 102) if pruned else {})
+        torch.manual_seed(0)
+        net = build_network(spec, "repnet", lean=lean)
+        if lean is not None:
+            prepare_step(net, resolution=224, batch_size=8)
+        trace = measure_training_memory(copy.deepcopy(net), resolution=224, batch_size=8, steps=3,
+                                        record_trace=True).trace
+        eager, captured = replay_trace(trace, **workspaces), replay_captured(trace, **workspaces)
+        print(f"| {name} | {eager.peaks.reserved_peak_bytes / MB:.1f} MB | {captured.reserved_bytes / MB:.1f} MB "
+              f"({captured.kept_bytes / MB:.1f} + {captured.pool_reserved_bytes / MB:.1f}) |")
+
+
+if __name__ == "__main__":
+    main()
