@@ -19,6 +19,7 @@ from edgetl.bench import (
 from edgetl.bench.result import caption
 from edgetl.cli import main
 from edgetl.memory.runtime import runtime_report
+from edgetl.memory.schedule import fit_schedule, predict_step
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.side import build_network
 
@@ -134,6 +135,28 @@ def test_largest_batch_fits_and_next_does_not(result):
         assert (at, nxt) == (row.largest_batch_bytes, row.next_batch_bytes)
         if name == REFERENCE:
             assert runtime_report(net, mode="repnet", resolution=RES, batch_size=BATCH).total_bytes == row.runtime_bytes
+
+
+def test_largest_batch_of_a_recompute_row_is_fitted_at_each_batch(result):
+    """A streamed row that recomputes: its largest batch is that of the step finetune would run
+    there, the schedule (which segments recompute) fitted at that batch. At 64 px the schedule
+    fitted at batch 8 recomputes nothing, too little at a few hundred images: the bench gave
+    370 and 419 here when it ran the batch-8 schedule at every batch."""
+    hidden = pruned_hidden(WIDTH, CLASSES)
+    for name, recompute in (("bias-lean-stream", (0,)), ("repnet-pruned-pool2-bf16-int8-stream", (5, 8, 12, 15))):
+        method, row = METHODS[name], result.row(name)
+        spec = BackboneSpec(width=WIDTH, num_classes=CLASSES, hidden=hidden if method.pruned else {})
+
+        def fitted_peak(b: int) -> int:
+            net = build_network(spec, method.mode, device="meta", lean=method.lean)
+            return predict_step(net, mode=method.mode, resolution=RES, batch_size=b).total_bytes
+
+        at, nxt = fitted_peak(row.largest_batch), fitted_peak(row.largest_batch + 1)
+        assert at <= BUDGET < nxt, name
+        assert (at, nxt) == (row.largest_batch_bytes, row.next_batch_bytes), name
+        net = build_network(spec, method.mode, device="meta", lean=method.lean)
+        assert fit_schedule(net, resolution=RES, batch_size=BATCH).recompute == ()
+        assert fit_schedule(net, resolution=RES, batch_size=row.largest_batch).recompute == recompute
 
 
 def _side_params(tv, taps=(2, 4, 7, 11, 14, 17)) -> int:

@@ -347,27 +347,35 @@ def _start_worker(threads: int, level: int) -> None:
 
 def _build(method: Method, fitted: dict[int, Schedule], setting: _Setting, device, b: int) -> EdgeNet:
     """The network of ``method`` at batch ``b`` on ``device``, its lean step scheduled as
-    ``edgetl finetune`` runs it (whole-batch backward where the peak allows). A schedule is
-    fitted once per batch into ``fitted``: it reads shapes and trainability, never weights
-    or the device, so every build of the method shares it."""
-    from edgetl.memory.schedule import apply_schedule, prepare_step
-
+    ``edgetl finetune`` runs it (``_schedule``)."""
     net = build_method(method, arch=setting.arch, width=setting.width, num_classes=setting.num_classes,
                        device=device, hidden=method.hidden)
+    _schedule(net, method, fitted, setting, b)
+    return net
+
+
+def _schedule(net: EdgeNet, method: Method, fitted: dict[int, Schedule], setting: _Setting, b: int) -> None:
+    """Schedule ``net``'s lean step at batch ``b`` as ``edgetl finetune`` runs it (whole-batch
+    backward where the peak allows, the streamed segments and which of them recompute). A
+    schedule is fitted once per batch into ``fitted``: it reads shapes and trainability,
+    never weights or the device, so every build of the method shares it. Each batch gets its
+    own: one fitted at another batch can keep too little (a recompute set fitted at batch 8
+    is too small at batch 300) and names its layers' settings by that batch's shapes."""
+    from edgetl.memory.schedule import apply_schedule, prepare_step
+
     if method.lean is None:
-        return net
+        return
     if b in fitted:
         apply_schedule(net, fitted[b])
     else:
         fitted[b] = prepare_step(net, resolution=setting.resolution, batch_size=b)
-    return net
 
 
 def _memory_row(name: str, s: _Setting, hidden: dict[int, int]) -> tuple[BenchRow, Method, dict[int, Schedule]]:
     """One method's memory columns: paper and runtime accounting at the batch, the measured
     peak, the largest batch in the budget (re-measured where cheap enough). Returns the row
     (no timing yet), the method (a plan's pick for ``plan``) and its fitted schedules by
-    batch, the timed batches' included."""
+    batch: every batch the largest-batch search tried and the timed batches."""
     from edgetl.memory.meter import measure_training_memory
     from edgetl.memory.runtime import runtime_peak_bytes
     from edgetl.profile import paper_report
@@ -404,6 +412,8 @@ def _memory_row(name: str, s: _Setting, hidden: dict[int, int]) -> tuple[BenchRo
                                    batch_size=s.batch_size, frozen_bits=FROZEN_BITS).total_bytes
 
         def accounted(b: int, meta=meta) -> int:
+            # the step finetune would run at b: its schedule fitted at b, as finetune.largest_batch does
+            _schedule(meta, method, fitted, s, b)
             return runtime_peak_bytes(meta, resolution=s.resolution, batch_size=b)
 
         runtime_bytes = accounted(s.batch_size)
