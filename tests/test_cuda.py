@@ -604,15 +604,16 @@ def test_captured_step_memory_equals_the_model(config, figures):
     net = build_network(spec, mode, device="cuda", lean=lean)
     if lean is not None:
         prepare_step(net, resolution=224, batch_size=8)
+    step = Step.plain("adam", 1e-3)  # the step both run
     probe = copy.deepcopy(net)
-    got = measure_training_memory(probe, resolution=224, batch_size=8, steps=3, record_trace=True, capturable=True)
+    got = measure_training_memory(probe, resolution=224, batch_size=8, steps=3, step=step, record_trace=True,
+                                  capturable=True)
     del probe
     model = replay_captured(got.trace, cublas_workspace=cublas_workspace_bytes(_capability()),
                             cublaslt_workspace=cublaslt_workspace_bytes())
     # the measurement's cuBLAS workspaces and cached segments released, peaks reset; other: what
     # is allocated beside the network (nothing, unless earlier tests left tensors alive)
     other = _prepare_cuda(torch.device("cuda"), net)
-    step = Step.plain("adam", 1e-3)
     dtype = getattr(net, "input_dtype", torch.float32)  # the batch as the trace has it: no cast in the graph
     captured = CapturedStep(training_step, net, step, step.optimizer(net), torch.device("cuda"), dtype=dtype,
                             tensor_lr=False)
