@@ -476,7 +476,7 @@ def test_a_result_saved_before_the_arch_field_is_mobilenet_v2():
     """Committed results have no arch: they load as MobileNetV2 and keep their caption."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "table1_224.json"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_h200_bench.json"
     assert "arch" not in json.loads(path.read_text())
     old = BenchResult.load_json(path)
     assert old.arch == "mobilenet_v2"
