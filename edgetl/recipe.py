@@ -34,7 +34,7 @@ from edgetl.schema import allowed, build, check_fields, parse_value, path_field,
 INT32_MAX = 2**31 - 1  # counts (epochs, samples, steps) stay in 32 bits
 # published MobileNetV2 widths are 0.35-1.4; past 4 the network outgrows any Jetson
 MAX_WIDTH = 4.0
-# the widest classifier a Jetson holds: 1280 x 10**6 float weights are 5.1 GB (ImageNet-21k has 21,841)
+# past any classifier a Jetson trains: 1280 x 10**6 fp32 weights are 5.1 GB (ImageNet-21k has 21,841 classes)
 MAX_CLASSES = 10**6
 MAX_WORKERS = 256  # DataLoader processes; more is a typo, and each one copies the dataset's state
 SEED_MAX = 2**32 - 1  # the widest range every RNG edgetl seeds accepts (numpy's)

@@ -622,7 +622,8 @@ def test_captured_step_memory_equals_the_model(config, figures):
     for _ in range(5):  # 3 eager warm-up steps, the capture (replayed at once), a replay
         captured(images, labels)
     torch.cuda.synchronize()
-    pool = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+    pool = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))  # (0, 0): the default pool
     row = {"predicted_allocated": model.allocated_bytes, "allocated": torch.cuda.memory_allocated() - other,
            "predicted_reserved": model.reserved_bytes, "reserved": torch.cuda.memory_reserved(),
            "predicted_pool": model.pool_reserved_bytes, "pool": pool,

@@ -55,8 +55,8 @@ class StorageMeter(TorchDispatchMode):
         self.op_count = 0  # aten ops seen
         # ("alloc", key, nbytes) / ("free", key) / ("op", aten op name, in backward, bias gemm) /
         # ("reset",) / ("step", i) (training step i starts) / ("input", key...) (the batch's
-        # storages, allocated above), in order; a key is unique for the life of its storage (ids are reused only
-        # after a free). "in backward": autograd's engine ran the op (on CUDA, its device thread);
+        # storages, allocated above), in order; a key is unique for the life of its storage (ids
+        # are reused only after a free). "in backward": autograd's engine ran the op (on CUDA, its device thread);
         # "bias gemm": an addmm of a 1-D bias and two matrices of more than one row and column
         # (what CUDA runs through cuBLASLt's bias epilogue)
         self.trace: list[tuple] | None = [] if record_trace else None
