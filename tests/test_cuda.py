@@ -544,14 +544,10 @@ def _accounting_configs():
     }
 
 
-@cuda
-@pytest.mark.parametrize("config", list(_accounting_configs()))
-def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
-    """Measured allocated peak within 5 % of runtime accounting + the library workspaces (224 px,
-    batch 8); the tensor peak equal to the runtime accounting to the byte; the allocator model's
-    replay of the step within 4 MiB of the allocated peak (the rest: cuDNN workspaces)."""
+def _accounting_net(config: str):
+    """The network of an accounting configuration on CUDA (seed 0), its lean step fitted for
+    224 px, batch 8; and its mode."""
     from edgetl.bench import pruned_hidden
-    from edgetl.memory.runtime import runtime_report
     from edgetl.memory.schedule import prepare_step
     from edgetl.models.backbone import BackboneSpec
     from edgetl.models.side import build_network
@@ -562,6 +558,18 @@ def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
     net = build_network(spec, mode, device="cuda", lean=lean)
     if lean is not None:
         prepare_step(net, resolution=224, batch_size=8)
+    return net, mode
+
+
+@cuda
+@pytest.mark.parametrize("config", list(_accounting_configs()))
+def test_allocated_peak_equals_cuda_accounting_224px(config, figures):
+    """Measured allocated peak within 5 % of runtime accounting + the library workspaces (224 px,
+    batch 8); the tensor peak equal to the runtime accounting to the byte; the allocator model's
+    replay of the step within 4 MiB of the allocated peak (the rest: cuDNN workspaces)."""
+    from edgetl.memory.runtime import runtime_report
+
+    net, mode = _accounting_net(config)
     runtime = runtime_report(net, mode=mode, resolution=224, batch_size=8).total_bytes
     ws = step_workspace_bytes(_capability())
     got = measure_training_memory(net, resolution=224, batch_size=8, steps=2, record_trace=True)
@@ -590,20 +598,11 @@ def test_captured_step_memory_equals_the_model(config, figures):
     while the graph replays, against ``replay_captured`` of the same step's trace (recorded eagerly
     on the device with the optimizer made capturable): allocated and reserved, and the graph's
     private pool read from the allocator's segments (a second instrument). Within 1 %."""
-    from edgetl.bench import pruned_hidden
     from edgetl.memory.meter import _prepare_cuda
-    from edgetl.memory.schedule import prepare_step
-    from edgetl.models.backbone import BackboneSpec
-    from edgetl.models.side import build_network
     from edgetl.step import Step, training_step
     from edgetl.train.graph import CapturedStep
 
-    lean, pruned, arch, mode = _accounting_configs()[config]
-    spec = BackboneSpec(arch=arch, width=1.0, num_classes=102, hidden=pruned_hidden(1.0, 102) if pruned else {})
-    torch.manual_seed(0)
-    net = build_network(spec, mode, device="cuda", lean=lean)
-    if lean is not None:
-        prepare_step(net, resolution=224, batch_size=8)
+    net, _ = _accounting_net(config)
     step = Step.plain("adam", 1e-3)  # the step both run
     probe = copy.deepcopy(net)
     got = measure_training_memory(probe, resolution=224, batch_size=8, steps=3, step=step, record_trace=True,
