@@ -12,18 +12,16 @@ import copy
 
 import torch
 
-from edgetl.bench import pruned_hidden
+from edgetl.bench import METHODS, build_method, pruned_hidden
 from edgetl.memory.cuda import cublas_workspace_bytes, cublaslt_workspace_bytes, replay_captured, replay_trace
 from edgetl.memory.meter import measure_training_memory
 from edgetl.memory.schedule import prepare_step
-from edgetl.models.backbone import BackboneSpec
-from edgetl.models.side import LeanOptions, build_network
 from edgetl.units import MB
 
-CONFIGS = {  # name -> (lean options, pruned backbone)
-    "paper configuration": (LeanOptions(pool=2), True),
-    "paper configuration + bf16 + int8": (LeanOptions(pool=2, precision="bf16", frozen_weights="int8"), True),
-    "stock Rep-Net": (None, False),
+CONFIGS = {  # the table's name -> the bench's method
+    "paper configuration": "repnet-pruned-pool2",
+    "paper configuration + bf16 + int8": "repnet-pruned-pool2-bf16-int8",
+    "stock Rep-Net": "repnet-stock",
 }
 
 
@@ -35,11 +33,12 @@ def main() -> None:
     workspaces = {"cublas_workspace": cublas_workspace_bytes(capability), "cublaslt_workspace": cublaslt_workspace_bytes()}
     torch.set_num_threads(1)
     print("| configuration | eager reserved | with graphs reserved (kept + pool) |\n|---|---|---|")
-    for name, (lean, pruned) in CONFIGS.items():
-        spec = BackboneSpec(width=1.0, num_classes=102, hidden=pruned_hidden(1.0, 102) if pruned else {})
+    for name, key in CONFIGS.items():
+        method = METHODS[key]
         torch.manual_seed(0)
-        net = build_network(spec, "repnet", lean=lean)
-        if lean is not None:
+        net = build_method(method, width=1.0, num_classes=102, device="cpu",
+                           hidden=pruned_hidden(1.0, 102) if method.pruned else None)
+        if method.lean is not None:
             prepare_step(net, resolution=224, batch_size=8)
         trace = measure_training_memory(copy.deepcopy(net), resolution=224, batch_size=8, steps=3,
                                         record_trace=True).trace
