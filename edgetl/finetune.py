@@ -48,6 +48,7 @@ from edgetl.step import Step
 
 if TYPE_CHECKING:
     from edgetl.data import ImageCheck
+    from edgetl.memory.cuda_step import CapturedReport
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class FinetuneResult:
     image_check: ImageCheck | None = None
     skipped: dict[str, str] = field(default_factory=dict)  # images left out while training
     execution: str = "eager"  # how the step ran (edgetl.train.FitResult.execution)
+    graph_memory: CapturedReport | None = None  # a budget run captured as CUDA graphs: its predicted memory
 
 
 def finetune(
@@ -300,13 +302,19 @@ def finetune(
         on_images(splits.image_check)
 
     train_loader, val_loader = loaders_from_recipe(recipe, splits, pin_memory=device.type == "cuda")
+    graphs: list[CapturedReport] = []
+
+    def before_capture(model: nn.Module) -> None:  # the step will run as CUDA graphs: a budget counts their pool
+        if budget_bytes is not None:
+            graphs.append(check_graph_budget(job, torch.cuda.get_device_capability(device), budget_bytes))
+
     # The lean layers run the backbone in the activation dtype themselves; autocast on top
     # would also cast the side network and break the memory plan. The recipe keeps the
     # precision it asked for (recipe.yaml, checkpoints), so --resume continues the same way.
     result = fit(model=net, train_loader=train_loader, val_loader=val_loader, recipe=recipe,
                  out_dir=out_dir, device=device, resume=resume, on_step=on_step, on_epoch=on_epoch,
                  final_files={MODEL_WEIGHTS: saved_file_bytes(stock.state_dict()), MODEL_JSON: 1 << 16},
-                 amp=options is None)
+                 amp=options is None, before_capture=before_capture)
     if is_main_process():
         lean = None if predicted.lean is None else {**predicted.lean, "schedule": job.schedule.to_dict()}
         try:
@@ -316,7 +324,28 @@ def finetune(
                         f"--resume to write {MODEL_WEIGHTS} and {MODEL_JSON}",)
             raise
     return FinetuneResult(out_dir, result.best_acc1, result.best_epoch, predicted, measured,
-                          result.history, splits.classes, splits.image_check, result.skipped, result.execution)
+                          result.history, splits.classes, splits.image_check, result.skipped, result.execution,
+                          graphs[0] if graphs else None)
+
+
+def check_graph_budget(job: Job, capability: tuple[int, int], budget_bytes: int) -> CapturedReport:
+    """The job's step captured as CUDA graphs on a GPU of ``capability``: its predicted memory
+    (the eager step's tensors and what the graph's pool holds beyond them, ``captured_report``:
+    three steps on a CPU copy), refused (BudgetError) beyond ``budget_bytes``."""
+    from edgetl.memory.cuda_step import captured_report
+
+    recipe = job.recipe
+    batch = recipe.train.batch_size
+    log.info("predicting the memory of the step captured as CUDA graphs (three steps on the CPU)")
+    report = captured_report(job.net, runtime_bytes=job.predicted.total_bytes, resolution=recipe.data.resolution,
+                             batch_size=batch, step=job.step, capability=tuple(capability))
+    if report.total_bytes > budget_bytes:
+        raise BudgetError(
+            f"with CUDA graphs the step at batch {batch} holds a predicted {report.total_bytes / MB:.1f} MB "
+            f"({report.runtime_bytes / MB:.1f} MB of tensors + {report.extra_bytes / MB:.1f} MB the graph's memory "
+            f"pool holds beyond them), over the budget {budget_bytes / MB:.1f} MB; --eager runs it in "
+            f"{report.runtime_bytes / MB:.1f} MB")
+    return report
 
 
 def _write_model(out_dir: Path, net: EdgeNet, stock: EdgeNet, recipe: Recipe, classes: list[str],

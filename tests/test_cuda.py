@@ -222,11 +222,47 @@ def test_replay_captured_step_by_hand():
     # workspace is the warm-up's (same thread, same stream)
     assert got.pool_reserved_bytes == LARGE_BUFFER + SMALL_BUFFER
     assert got.allocated_bytes == 3 * MiB + 2 * MiB + MiB + 512  # w, workspace, x, loss
+    assert got.kept_allocated_bytes == 3 * MiB + 2 * MiB + MiB  # the loss is the pool's
+    # held while the graph replays: the kept live blocks and the whole pool; beyond the warm-up's
+    # allocated peak (w, x, a, b, workspace) by what the pool's own segments add
+    assert got.held_bytes == 6 * MiB + LARGE_BUFFER + SMALL_BUFFER
+    assert got.extra_bytes == 6 * MiB + LARGE_BUFFER + SMALL_BUFFER - (11 * MiB + 600 * K)
     assert got.reserved_bytes == 2 * (LARGE_BUFFER + SMALL_BUFFER)
     assert got.reserved_peak_bytes == 2 * (LARGE_BUFFER + SMALL_BUFFER)
     assert got.allocated_peak_bytes == 3 * MiB + 2 * MiB + MiB + 5 * MiB + 600 * K + 512
     with pytest.raises(ValueError, match="1 step"):
         replay_captured(trace[:9])
+
+
+def test_a_budget_counts_the_graph_pool_beyond_the_eager_tensors():
+    """finetune's budget check for a step captured as CUDA graphs (run before anything is written
+    when a --budget run will capture): the eager step's tensors (the runtime accounting) plus what
+    the graph's pool holds beyond the eager step's allocated peak, from the allocator model's
+    replay of three CPU steps; refused in one line naming both parts and --eager."""
+    from edgetl.errors import BudgetError
+    from edgetl.finetune import check_graph_budget, resolve_job
+    from edgetl.recipe import load_recipe
+
+    recipe = load_recipe("fashion_mnist", {"train.batch_size": 4, "data.resolution": 64,
+                                           "model.backbone": "mobilenet_v2:random", "model.width": 0.35})
+    torch.manual_seed(0)
+    job = resolve_job(recipe, 5)
+    got = check_graph_budget(job, (8, 7), 10**12)
+    replay = got.replay
+    assert got.runtime_bytes == job.predicted.total_bytes and got.capability == (8, 7)
+    # the pool's segments hold at least the captured step's blocks; beyond the eager step's peak
+    # by the rounding and the free space of the kept segments the pool cannot use
+    assert got.extra_bytes == replay.kept_allocated_bytes + replay.pool_reserved_bytes - \
+        replay.warmup.peaks.allocated_peak_bytes > 0
+    assert got.total_bytes == got.runtime_bytes + got.extra_bytes
+    assert replay.warmup.cublas_workspace_bytes == 2 * cublas_workspace_bytes((8, 7))  # this thread, autograd's
+    assert check_graph_budget(job, (8, 7), got.total_bytes).total_bytes == got.total_bytes
+    for budget in (got.total_bytes - 1, got.runtime_bytes):  # the eager step fits the second
+        with pytest.raises(BudgetError) as err:
+            check_graph_budget(job, (8, 7), budget)
+        line = str(err.value)
+        assert "\n" not in line and f"{got.total_bytes / 1e6:.1f} MB" in line and "--eager" in line
+        assert f"{got.runtime_bytes / 1e6:.1f} MB of tensors + {got.extra_bytes / 1e6:.1f} MB" in line
 
 
 def test_replay_captured_of_a_real_training_trace():
@@ -256,6 +292,7 @@ def test_replay_captured_of_a_real_training_trace():
     assert sum(live.values()) <= captured.allocated_bytes <= sum(live.values()) + SMALL_SIZE * len(live)
     assert captured.pool_reserved_bytes >= step_peak - got.tensor_bytes  # the step's blocks, freed ones reused
     assert captured.reserved_bytes == captured.kept_bytes + captured.pool_reserved_bytes
+    assert captured.allocated_bytes >= captured.kept_allocated_bytes  # and what the capture left live
     assert captured.reserved_peak_bytes >= max(captured.reserved_bytes, captured.warmup.peaks.reserved_peak_bytes)
 
 
@@ -621,18 +658,22 @@ def test_captured_step_memory_equals_the_model(config, figures):
     for _ in range(5):  # 3 eager warm-up steps, the capture (replayed at once), a replay
         captured(images, labels)
     torch.cuda.synchronize()
-    pool = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))  # (0, 0): the default pool
+    pooled = [seg for seg in torch.cuda.memory_snapshot()
+              if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]  # (0, 0): the default pool
+    pool = sum(seg["total_size"] for seg in pooled)
+    # held (what a --budget counts with graphs): the live blocks outside the pool, and the pool
+    held = torch.cuda.memory_allocated() - other - sum(seg["allocated_size"] for seg in pooled) + pool
     row = {"predicted_allocated": model.allocated_bytes, "allocated": torch.cuda.memory_allocated() - other,
            "predicted_reserved": model.reserved_bytes, "reserved": torch.cuda.memory_reserved(),
            "predicted_pool": model.pool_reserved_bytes, "pool": pool,
+           "predicted_held": model.held_bytes, "held": held,
            "predicted_reserved_peak": model.reserved_peak_bytes, "reserved_peak": torch.cuda.max_memory_reserved(),
            "predicted_allocated_peak": model.allocated_peak_bytes,
            "allocated_peak": torch.cuda.max_memory_allocated() - other, "other": other,
            "execution": captured.describe()}
     captured.release()
     figures.setdefault("captured_224px", {})[config] = row
-    for key in ("allocated", "reserved", "pool"):
+    for key in ("allocated", "reserved", "pool", "held"):
         assert abs(row[key] / row[f"predicted_{key}"] - 1) <= 0.01, (key, row)
 
 
@@ -702,10 +743,12 @@ def test_finetune_captured_as_cuda_graphs_trains_as_eager_does(tmp_path, figures
     graph in the same pool. The weights end where the eager run's do (as close as two eager runs
     are, or within capturable Adam's float32 rate arithmetic), recipe.yaml records what ran, and
     a captured run killed mid-epoch resumes eagerly. Records both runs' allocated and reserved
-    peaks, and what the allocator holds pool by pool while the graphs replay (the data a model
-    of the captured step's memory is built against; none exists yet)."""
+    peaks, and what the allocator holds pool by pool while the graphs replay. With a --budget the
+    captured run predicts its graph's memory, and a budget the eager step fits but the graph's
+    pool does not is refused before anything is written."""
     import yaml
 
+    from edgetl.errors import BudgetError
     from edgetl.finetune import finetune
     from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
     from edgetl.recipe import load_recipe
@@ -743,8 +786,8 @@ def test_finetune_captured_as_cuda_graphs_trains_as_eager_does(tmp_path, figures
 
     for name, recipe in (("g", graph), ("e", eager), ("e2", eager)):
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        runs[name] = run(recipe, name, **({"on_step": by_pool} if name == "g" else {}))
+        torch.cuda.reset_peak_memory_stats()  # a budget makes the captured run predict its graph's memory
+        runs[name] = run(recipe, name, **({"on_step": by_pool, "budget_bytes": 10**10} if name == "g" else {}))
         memory[name] = {"max_allocated": torch.cuda.max_memory_allocated(),
                         "max_reserved": torch.cuda.max_memory_reserved()}
     figures["finetune_graph_pools"] = pools
@@ -757,6 +800,14 @@ def test_finetune_captured_as_cuda_graphs_trains_as_eager_does(tmp_path, figures
     assert runs["g"].execution.startswith("CUDA graph: 3") != runs["g"].execution.endswith("eagerly")
     assert runs["e"].execution == "eager: train.cuda_graph is off (--eager)"
     assert all(len(r.skipped) == 1 for r in runs.values())
+    g_memory = runs["g"].graph_memory
+    assert runs["e"].graph_memory is None and g_memory.runtime_bytes == runs["g"].predicted.total_bytes
+    figures["finetune_graph_budget"] = {"runtime": g_memory.runtime_bytes, "extra": g_memory.extra_bytes,
+                                        "predicted_held": g_memory.replay.held_bytes}
+    if g_memory.extra_bytes:  # a budget the eager step fits and the graph's pool does not: refused, nothing written
+        with pytest.raises(BudgetError, match="with CUDA graphs .* --eager runs it in"):
+            run(graph, "r", budget_bytes=g_memory.total_bytes - 1)
+        assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
     for name, on in (("g", True), ("e", False)):
         assert yaml.safe_load((tmp_path / name / "recipe.yaml").read_text())["train"]["cuda_graph"] is on
 

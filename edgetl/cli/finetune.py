@@ -68,7 +68,8 @@ def add_parser(sub) -> None:
                         "and --budget "
                         "(explicit flags win); checks the backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
-                   help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B)")
+                   help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B); a step "
+                        "captured as CUDA graphs also counts what the graph's memory pool holds beyond them")
     p.add_argument("--batch-size", type=positive_int, help="train.batch_size")
     p.add_argument("--epochs", type=positive_int, help="train.epochs")
     p.add_argument("--mode", choices=MODES, help="model.mode: what trains")
@@ -243,6 +244,11 @@ def run(args) -> int:
     best = "-" if result.best_acc1 is None else f"{result.best_acc1:.2f}% (epoch {result.best_epoch})"
     print(f"best val top-1: {best}   wall time {time.perf_counter() - start:.0f} s")
     print(f"step: {result.execution}")
+    if result.graph_memory is not None:
+        g = result.graph_memory
+        print(f"CUDA graph memory (predicted, counted against --budget): {fmt_mb(g.total_bytes)} MB = "
+              f"{fmt_mb(g.runtime_bytes)} MB of tensors + {fmt_mb(g.extra_bytes)} MB the graph's pool holds beyond "
+              "them")
     before = len(result.image_check.bad) if result.image_check and result.image_check.policy == "skip" else 0
     if before or result.skipped:
         n = before + len(result.skipped)

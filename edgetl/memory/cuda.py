@@ -467,6 +467,8 @@ class CapturedReplay:
             static buffers, the library workspaces).
         pool_reserved_bytes: the graph's private pool: the segments its capture opened, held as
             long as the graph lives (a replay allocates nothing).
+        kept_allocated_bytes: the default pool's live blocks while the graph replays (weights,
+            optimizer state, the static buffers, the library workspaces).
         allocated_bytes, reserved_bytes: ``memory_allocated``/``memory_reserved`` while the graph
             replays: the default pool's live blocks and what the capture left live (its outputs).
         allocated_peak_bytes, reserved_peak_bytes: ``max_memory_allocated``/``max_memory_reserved``
@@ -476,10 +478,24 @@ class CapturedReplay:
     warmup: TraceReplay
     kept_bytes: int
     pool_reserved_bytes: int
+    kept_allocated_bytes: int
     allocated_bytes: int
     reserved_bytes: int
     allocated_peak_bytes: int
     reserved_peak_bytes: int
+
+    @property
+    def held_bytes(self) -> int:
+        """What the step's tensors hold while the graph replays: the live blocks outside the
+        graph and its whole pool (a replay writes its temporaries there, so none of it is free)."""
+        return self.kept_allocated_bytes + self.pool_reserved_bytes
+
+    @property
+    def extra_bytes(self) -> int:
+        """What the graph holds beyond the eager step's allocated peak: the pool's segments are its
+        own, so the space the eager step found free in the kept segments is not reused, and the
+        pool's rounding comes on top (never below 0)."""
+        return max(0, self.held_bytes - self.warmup.peaks.allocated_peak_bytes)
 
 
 def replay_captured(events: Iterable[tuple], *, cublas_workspace: int = 0,
@@ -519,7 +535,7 @@ def replay_captured(events: Iterable[tuple], *, cublas_workspace: int = 0,
         run.feed(ev)
         allocated_peak = max(allocated_peak, default.allocated + pool.allocated)
         reserved_peak = max(reserved_peak, default.reserved + pool.reserved)
-    return CapturedReplay(warmup, kept, pool.reserved, default.allocated + pool.allocated,
+    return CapturedReplay(warmup, kept, pool.reserved, default.allocated, default.allocated + pool.allocated,
                           default.reserved + pool.reserved, allocated_peak, reserved_peak)
 
 # ----------------------------------------------------------------------------- the runtime accounting on CUDA

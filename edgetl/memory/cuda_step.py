@@ -11,11 +11,13 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from edgetl.memory.cuda import (JETSON_ORIN, cublas_workspace_bytes, cublaslt_workspace_bytes,
-                                expandable_segments_enabled, replay_trace, step_workspace_bytes)
+from edgetl.memory.cuda import (JETSON_ORIN, CapturedReplay, cublas_workspace_bytes, cublaslt_workspace_bytes,
+                                expandable_segments_enabled, replay_captured, replay_trace, step_workspace_bytes)
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from edgetl.step import Step
 
 
 @dataclass
@@ -81,3 +83,47 @@ def cuda_report(net: "nn.Module", *, mode: str, resolution: int, batch_size: int
                           cublaslt_workspace=cublaslt_workspace_bytes(env))
     return CudaReport(runtime, replay.workspace_bytes, replay.peaks.allocated_peak_bytes, replay.peaks.reserved_peak_bytes,
                       tuple(capability), expandable)
+
+
+@dataclass
+class CapturedReport:
+    """The training step captured as a CUDA graph (``edgetl.train.graph.CapturedStep``), answered
+    for a CUDA device (bytes): what a ``--budget`` counts when the step runs as graphs.
+
+    Attributes:
+        runtime_bytes: the runtime accounting's tensor peak: what a budget counts for the eager step.
+        replay: the allocator model's replay of the captured step (``replay_captured``).
+        capability: the compute capability the figures are for.
+    """
+
+    runtime_bytes: int
+    replay: CapturedReplay
+    capability: tuple[int, int]
+
+    @property
+    def extra_bytes(self) -> int:
+        """What the graph's memory pool holds beyond the eager step's tensors (``CapturedReplay.extra_bytes``)."""
+        return self.replay.extra_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """What a budget counts for the captured step: the eager step's tensors and the pool's extra."""
+        return self.runtime_bytes + self.extra_bytes
+
+
+def captured_report(net: "nn.Module", *, runtime_bytes: int, resolution: int, batch_size: int,
+                    step: "Step | None" = None, capability: tuple[int, int] = JETSON_ORIN,
+                    env: dict[str, str] | None = None) -> CapturedReport:
+    """The memory of ``net``'s training step captured as a CUDA graph, beside its runtime
+    accounting ``runtime_bytes``: a CPU copy runs three real steps (two warm-up steps, then
+    the step the graph records) to record the storage trace ``replay_captured`` replays for
+    ``capability`` (seconds at 224 px). ``net`` needs real weights, its lean schedule applied."""
+    from edgetl.memory.meter import measure_training_memory
+
+    probe = copy.deepcopy(net).to("cpu")
+    got = measure_training_memory(probe, resolution=resolution, batch_size=batch_size, steps=3, step=step,
+                                  record_trace=True)
+    del probe
+    replay = replay_captured(got.trace, cublas_workspace=cublas_workspace_bytes(capability, env),
+                             cublaslt_workspace=cublaslt_workspace_bytes(env))
+    return CapturedReport(runtime_bytes, replay, tuple(capability))

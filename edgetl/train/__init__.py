@@ -155,6 +155,7 @@ def fit(
     teacher: nn.Module | None = None,
     final_files: dict[str, int] | None = None,
     amp: bool = True,
+    before_capture: Callable[[nn.Module], None] | None = None,
 ) -> FitResult:
     """Train ``model`` per ``recipe``, evaluating every epoch; write the run folder.
 
@@ -178,6 +179,9 @@ def fit(
         amp: run ``model.precision`` as autocast (CUDA). False: the model keeps its own
             dtypes (the lean runtime casts inside its layers) and the recipe still records
             the precision it asked for, so a resumed run continues the same way.
+        before_capture: called with ``model`` (not yet moved) when the step will be captured as
+            CUDA graphs, before anything is written; it may refuse the run by raising
+            (``edgetl.finetune``'s budget check of the graph's memory).
 
     Under torchrun call ``setup_distributed`` before building the loaders; the model is
     then wrapped in DDP and only rank 0 writes.
@@ -194,6 +198,8 @@ def fit(
     if eager is not None and recipe.train.cuda_graph:  # recipe.yaml records what runs
         log.info("the training step runs eagerly: %s", eager)
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, cuda_graph=False))
+    elif before_capture is not None:
+        before_capture(model)
 
     model.to(device)
     if teacher is not None:
