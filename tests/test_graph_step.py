@@ -172,3 +172,21 @@ def test_the_loop_reads_each_loss_one_step_later_and_stops_at_the_step_that_dive
         run(rcp, tmp_path / "nan", model=Poison(), steps=seen)
     assert [s["global_step"] for s in seen] == [1, 2]  # the step that diverged never reached on_step
     assert math.isfinite(seen[-1]["loss"])
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_an_eager_run_never_calls_the_capture_hook(tmp_path, graphs):
+    """fit calls ``before_capture`` (finetune's budget check of the graph's pool) only when the step
+    will be captured: never on the CPU, whether the recipe asks for graphs or --eager turned them off."""
+    from edgetl import train as T
+    from edgetl.data import datasets_from_recipe, loaders_from_recipe
+    from tests.test_train import Tiny, make_toy_folder, recipe
+
+    rcp = recipe(make_toy_folder(tmp_path / "toy"), **{"train.epochs": 1, "train.checkpoint_every": 0,
+                                                       "train.cuda_graph": graphs})
+    splits = datasets_from_recipe(rcp)
+    train_loader, val_loader = loaders_from_recipe(rcp, splits)
+    calls = []
+    result = T.fit(model=Tiny(len(splits.classes)), train_loader=train_loader, val_loader=val_loader, recipe=rcp,
+                   out_dir=tmp_path / "run", before_capture=calls.append)
+    assert calls == [] and result.execution.startswith("eager: ")

@@ -198,7 +198,7 @@ def fit(
     if eager is not None and recipe.train.cuda_graph:  # recipe.yaml records what runs
         log.info("the training step runs eagerly: %s", eager)
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, cuda_graph=False))
-    elif before_capture is not None:
+    if eager is None and before_capture is not None:
         before_capture(model)
 
     model.to(device)
