@@ -304,7 +304,7 @@ def finetune(
     train_loader, val_loader = loaders_from_recipe(recipe, splits, pin_memory=device.type == "cuda")
     graphs: list[CapturedReport] = []
 
-    def before_capture(model: nn.Module) -> None:  # the step will run as CUDA graphs: a budget counts their pool
+    def before_capture(model: nn.Module) -> None:  # the step will run as CUDA graphs: a budget counts their memory
         if budget_bytes is not None:
             graphs.append(check_graph_budget(job, torch.cuda.get_device_capability(device), budget_bytes))
 
@@ -330,7 +330,7 @@ def finetune(
 
 def check_graph_budget(job: Job, capability: tuple[int, int], budget_bytes: int) -> CapturedReport:
     """The job's step captured as CUDA graphs on a GPU of ``capability``: its predicted memory
-    (the eager step's tensors and what the graph's pool holds beyond them, ``captured_report``:
+    (the eager step's tensors and what the graphs reserve beyond an eager run, ``captured_report``:
     three steps on a CPU copy), refused (BudgetError) beyond ``budget_bytes``."""
     from edgetl.memory.cuda_step import captured_report
 
@@ -342,8 +342,8 @@ def check_graph_budget(job: Job, capability: tuple[int, int], budget_bytes: int)
     if report.total_bytes > budget_bytes:
         raise BudgetError(
             f"with CUDA graphs the step at batch {batch} holds a predicted {report.total_bytes / MB:.1f} MB "
-            f"({report.runtime_bytes / MB:.1f} MB of tensors + {report.extra_bytes / MB:.1f} MB the graph's memory "
-            f"pool holds beyond them), over the budget {budget_bytes / MB:.1f} MB; --eager runs it in "
+            f"({report.runtime_bytes / MB:.1f} MB of tensors + {report.extra_bytes / MB:.1f} MB the graphs reserve "
+            f"beyond an eager run), over the budget {budget_bytes / MB:.1f} MB; --eager runs it in "
             f"{report.runtime_bytes / MB:.1f} MB")
     return report
 

@@ -2,7 +2,8 @@
 trace recorded on the CPU (``edgetl.memory.cuda.replay_trace`` and ``replay_captured``), for a
 GPU of the given compute capability (default: Jetson Orin, sm87). 224 px, batch 8; docs/cuda.md.
 The second table is what a ``--budget`` counts: the eager step's tensors (the runtime
-accounting), and with graphs the pool's extra on top (``CapturedReport``, what finetune checks).
+accounting), and with graphs what they reserve beyond an eager run on top (``CapturedReport``,
+what finetune checks).
 
     python scripts/captured_memory.py [--capability 8.7]
 """
@@ -54,7 +55,7 @@ def main() -> None:
         counted = CapturedReport(runtime, captured, capability)
         budget.append(f"| {name} | {runtime / MB:.1f} MB | {counted.total_bytes / MB:.1f} MB "
                       f"({runtime / MB:.1f} + {counted.extra_bytes / MB:.1f}) |")
-    print("\n| configuration | a budget counts, eager | with graphs (tensors + the pool's extra) |\n|---|---|---|")
+    print("\n| configuration | a budget counts, eager | with graphs (tensors + reserved beyond eager) |\n|---|---|---|")
     print("\n".join(budget))
 
 

@@ -223,10 +223,8 @@ def test_replay_captured_step_by_hand():
     assert got.pool_reserved_bytes == LARGE_BUFFER + SMALL_BUFFER
     assert got.allocated_bytes == 3 * MiB + 2 * MiB + MiB + 512  # w, workspace, x, loss
     assert got.kept_allocated_bytes == 3 * MiB + 2 * MiB + MiB  # the loss is the pool's
-    # held while the graph replays: the kept live blocks and the whole pool; beyond the warm-up's
-    # allocated peak (w, x, a, b, workspace) by what the pool's own segments add
-    assert got.held_bytes == 6 * MiB + LARGE_BUFFER + SMALL_BUFFER
-    assert got.extra_bytes == 6 * MiB + LARGE_BUFFER + SMALL_BUFFER - (11 * MiB + 600 * K)
+    # beyond the eager run's reserve: the pool's two segments (the kept ones' free space unused)
+    assert got.extra_bytes == LARGE_BUFFER + SMALL_BUFFER
     assert got.reserved_bytes == 2 * (LARGE_BUFFER + SMALL_BUFFER)
     assert got.reserved_peak_bytes == 2 * (LARGE_BUFFER + SMALL_BUFFER)
     assert got.allocated_peak_bytes == 3 * MiB + 2 * MiB + MiB + 5 * MiB + 600 * K + 512
@@ -234,26 +232,25 @@ def test_replay_captured_step_by_hand():
         replay_captured(trace[:9])
 
 
-def test_a_budget_counts_the_graph_pool_beyond_the_eager_tensors():
+def test_a_budget_counts_what_graphs_reserve_beyond_an_eager_run():
     """finetune's budget check for a step captured as CUDA graphs (run before anything is written
     when a --budget run will capture): the eager step's tensors (the runtime accounting) plus what
-    the graph's pool holds beyond the eager step's allocated peak, from the allocator model's
-    replay of three CPU steps; refused in one line naming both parts and --eager."""
+    the graphs reserve beyond an eager run, from the allocator model's replay of three CPU steps;
+    refused in one line naming both parts and --eager."""
     from edgetl.errors import BudgetError
     from edgetl.finetune import check_graph_budget, resolve_job
     from edgetl.recipe import load_recipe
 
-    recipe = load_recipe("fashion_mnist", {"train.batch_size": 4, "data.resolution": 64,
+    recipe = load_recipe("fashion_mnist", {"train.batch_size": 8, "data.resolution": 96,  # where graphs reserve more
                                            "model.backbone": "mobilenet_v2:random", "model.width": 0.35})
     torch.manual_seed(0)
     job = resolve_job(recipe, 5)
     got = check_graph_budget(job, (8, 7), 10**12)
     replay = got.replay
     assert got.runtime_bytes == job.predicted.total_bytes and got.capability == (8, 7)
-    # the pool's segments hold at least the captured step's blocks; beyond the eager step's peak
-    # by the rounding and the free space of the kept segments the pool cannot use
-    assert got.extra_bytes == replay.kept_allocated_bytes + replay.pool_reserved_bytes - \
-        replay.warmup.peaks.allocated_peak_bytes > 0
+    # the kept segments and the pool while the graph replays, beyond the eager steps' reserve
+    assert got.extra_bytes == replay.kept_bytes + replay.pool_reserved_bytes - \
+        replay.warmup.peaks.reserved_peak_bytes > 0
     assert got.total_bytes == got.runtime_bytes + got.extra_bytes
     assert replay.warmup.cublas_workspace_bytes == 2 * cublas_workspace_bytes((8, 7))  # this thread, autograd's
     assert check_graph_budget(job, (8, 7), got.total_bytes).total_bytes == got.total_bytes
@@ -661,19 +658,19 @@ def test_captured_step_memory_equals_the_model(config, figures):
     pooled = [seg for seg in torch.cuda.memory_snapshot()
               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]  # (0, 0): the default pool
     pool = sum(seg["total_size"] for seg in pooled)
-    # held (what a --budget counts with graphs): the live blocks outside the pool, and the pool
-    held = torch.cuda.memory_allocated() - other - sum(seg["allocated_size"] for seg in pooled) + pool
+    # the live blocks outside the pool (the model's kept_allocated_bytes)
+    kept_allocated = torch.cuda.memory_allocated() - other - sum(seg["allocated_size"] for seg in pooled)
     row = {"predicted_allocated": model.allocated_bytes, "allocated": torch.cuda.memory_allocated() - other,
            "predicted_reserved": model.reserved_bytes, "reserved": torch.cuda.memory_reserved(),
            "predicted_pool": model.pool_reserved_bytes, "pool": pool,
-           "predicted_held": model.held_bytes, "held": held,
+           "predicted_kept_allocated": model.kept_allocated_bytes, "kept_allocated": kept_allocated,
            "predicted_reserved_peak": model.reserved_peak_bytes, "reserved_peak": torch.cuda.max_memory_reserved(),
            "predicted_allocated_peak": model.allocated_peak_bytes,
            "allocated_peak": torch.cuda.max_memory_allocated() - other, "other": other,
            "execution": captured.describe()}
     captured.release()
     figures.setdefault("captured_224px", {})[config] = row
-    for key in ("allocated", "reserved", "pool", "held"):
+    for key in ("allocated", "reserved", "pool", "kept_allocated"):
         assert abs(row[key] / row[f"predicted_{key}"] - 1) <= 0.01, (key, row)
 
 
@@ -744,8 +741,8 @@ def test_finetune_captured_as_cuda_graphs_trains_as_eager_does(tmp_path, figures
     are, or within capturable Adam's float32 rate arithmetic), recipe.yaml records what ran, and
     a captured run killed mid-epoch resumes eagerly. Records both runs' allocated and reserved
     peaks, and what the allocator holds pool by pool while the graphs replay. With a --budget the
-    captured run predicts its graph's memory, and a budget the eager step fits but the graph's
-    pool does not is refused before anything is written."""
+    captured run predicts its graphs' memory, and a budget the eager step fits but the graphs'
+    extra does not is refused before anything is written."""
     import yaml
 
     from edgetl.errors import BudgetError
@@ -803,8 +800,8 @@ def test_finetune_captured_as_cuda_graphs_trains_as_eager_does(tmp_path, figures
     g_memory = runs["g"].graph_memory
     assert runs["e"].graph_memory is None and g_memory.runtime_bytes == runs["g"].predicted.total_bytes
     figures["finetune_graph_budget"] = {"runtime": g_memory.runtime_bytes, "extra": g_memory.extra_bytes,
-                                        "predicted_held": g_memory.replay.held_bytes}
-    if g_memory.extra_bytes:  # a budget the eager step fits and the graph's pool does not: refused, nothing written
+                                        "predicted_reserved": g_memory.replay.reserved_bytes}
+    if g_memory.extra_bytes:  # a budget the eager step fits and the graphs' extra does not: refused, nothing written
         with pytest.raises(BudgetError, match="with CUDA graphs .* --eager runs it in"):
             run(graph, "r", budget_bytes=g_memory.total_bytes - 1)
         assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())

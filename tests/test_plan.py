@@ -191,6 +191,30 @@ def test_verify_measures_within_five_percent():
     assert abs(measured / result.predicted_bytes - 1) <= 0.05
 
 
+def test_verify_for_a_cuda_device_notes_the_graph_pool():
+    """A plan for a Jetson preset, verified: the measured steps' trace replayed as finetune captures
+    the step there says what the graphs reserve beyond an eager run and whether the tensors and that fit
+    the tensor budget (finetune refuses it otherwise); a plan for no device gets no such note."""
+    import re
+
+    plain = tiny_plan(5 * MB)
+    verify_plan(plain, steps=3)
+    assert not any("CUDA graphs" in n for n in plain.notes)
+    verdicts = set()
+    for budget in (5 * MB, 1000 * MB):
+        jetson = tiny_plan(budget, device_preset="orin-nano-8gb")
+        verify_plan(jetson, steps=3)
+        note = jetson.notes[-1]
+        m = re.search(r"reserve a predicted ([\d.]+) MB beyond an eager run, ([\d.]+) MB with the tensors against "
+                      r"the tensor budget ([\d.]+) MB, (within it|over it)", note)
+        extra, total, tb = (float(x) for x in m.groups()[:3])
+        assert extra > 0 and abs(total - (jetson.predicted_bytes / MB + extra)) <= 0.1
+        assert tb == round(jetson.tensor_budget_bytes / MB, 1)
+        assert (m.group(4) == "within it") == (total <= tb) and ("--eager" in note) == (total > tb)
+        verdicts.add(m.group(4))
+    assert verdicts == {"within it", "over it"}
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--budget", "256"], "no unit"),
     (["--budget", "256mb"], "unknown unit"),

@@ -69,7 +69,8 @@ def add_parser(sub) -> None:
                         "(explicit flags win); checks the backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B); a step "
-                        "captured as CUDA graphs also counts what the graph's memory pool holds beyond them")
+                        "captured as CUDA graphs also counts the device memory the graphs reserve beyond an "
+                        "eager run's")
     p.add_argument("--batch-size", type=positive_int, help="train.batch_size")
     p.add_argument("--epochs", type=positive_int, help="train.epochs")
     p.add_argument("--mode", choices=MODES, help="model.mode: what trains")
@@ -247,8 +248,8 @@ def run(args) -> int:
     if result.graph_memory is not None:
         g = result.graph_memory
         print(f"CUDA graph memory (predicted, counted against --budget): {fmt_mb(g.total_bytes)} MB = "
-              f"{fmt_mb(g.runtime_bytes)} MB of tensors + {fmt_mb(g.extra_bytes)} MB the graph's pool holds beyond "
-              "them")
+              f"{fmt_mb(g.runtime_bytes)} MB of tensors + {fmt_mb(g.extra_bytes)} MB the graphs reserve beyond an "
+              "eager run")
     before = len(result.image_check.bad) if result.image_check and result.image_check.policy == "skip" else 0
     if before or result.skipped:
         n = before + len(result.skipped)

@@ -485,17 +485,12 @@ class CapturedReplay:
     reserved_peak_bytes: int
 
     @property
-    def held_bytes(self) -> int:
-        """What the step's tensors hold while the graph replays: the live blocks outside the
-        graph and its whole pool (a replay writes its temporaries there, so none of it is free)."""
-        return self.kept_allocated_bytes + self.pool_reserved_bytes
-
-    @property
     def extra_bytes(self) -> int:
-        """What the graph holds beyond the eager step's allocated peak: the pool's segments are its
-        own, so the space the eager step found free in the kept segments is not reused, and the
-        pool's rounding comes on top (never below 0)."""
-        return max(0, self.held_bytes - self.warmup.peaks.allocated_peak_bytes)
+        """What a captured run reserves beyond an eager one (never below 0): ``reserved_bytes``
+        against the warm-up's reserved peak. The free space in the kept segments cannot serve the
+        pool, and the pool's own segments round up; both are device memory the graph holds and
+        an eager run of the same step would not."""
+        return max(0, self.reserved_bytes - self.warmup.peaks.reserved_peak_bytes)
 
 
 def replay_captured(events: Iterable[tuple], *, cublas_workspace: int = 0,

@@ -102,12 +102,14 @@ class CapturedReport:
 
     @property
     def extra_bytes(self) -> int:
-        """What the graph's memory pool holds beyond the eager step's tensors (``CapturedReplay.extra_bytes``)."""
+        """What the captured run reserves beyond an eager one (``CapturedReplay.extra_bytes``)."""
         return self.replay.extra_bytes
 
     @property
     def total_bytes(self) -> int:
-        """What a budget counts for the captured step: the eager step's tensors and the pool's extra."""
+        """What a budget counts for the captured step: the eager step's tensors, and the device
+        memory the graph holds beyond an eager run's (an eager run's own allocator slack is not
+        counted, as for an eager step)."""
         return self.runtime_bytes + self.extra_bytes
 
 
