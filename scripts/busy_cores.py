@@ -48,9 +48,9 @@ def _child(args) -> None:
 
 
 def _setting(args):
-    from edgetl.bench import _Setting
+    from edgetl.bench import DEFAULT_ARCH, _Setting
 
-    return _Setting(resolution=args.resolution, batch_size=args.batch_size, num_classes=args.num_classes,
+    return _Setting(arch=DEFAULT_ARCH, resolution=args.resolution, batch_size=args.batch_size, num_classes=args.num_classes,
                     width=args.width, budget_bytes=0, device="cpu", verify_images=0, measure_steps=0,
                     lr=1e-3, seed=0, timed_cap=0)
 
