@@ -35,6 +35,8 @@ Blocks (NAME: source):
 * ``step-ops``: ``benchmarks/step_ops_224.json`` (``scripts/step_ops.py --json``)
 * ``plan-verify``: ``benchmarks/plan_verify_224.json`` (``scripts/plan_figures.py``: ``edgetl plan
   --verify`` at each budget)
+* ``step-time-parts``: ``benchmarks/step_time_parts_224.json`` (``scripts/step_time_parts.py``: each
+  step's convolution kernels and the rest, and the speed-up each row allows)
 * ``busy-cores``: ``benchmarks/busy_cores_*.json`` (``scripts/busy_cores.py``: a step under each
   OpenMP wait policy, alone and beside busy processes)
 * ``barley-table1``, ``barley-table1-totals``: ``benchmarks/barley_table1_resnet18.json``
@@ -449,6 +451,11 @@ def render_step_ops() -> str:
                   rows, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:"])
 
 
+def render_step_time_parts() -> str:
+    """Each step's convolution kernels and the rest (``scripts/step_time_parts.py``'s own table)."""
+    return _script("step_time_parts").render(json.loads((BENCH / "step_time_parts_224.json").read_text()))
+
+
 def render_busy_cores() -> str:
     """A step's time under each OpenMP policy, alone and beside busy processes (``scripts/busy_cores.py``):
     per policy and method, the median step of each round, alone / busy, and the worst busy round's
@@ -598,6 +605,8 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "demo": (render_demo, "benchmarks/demo_report.json (edgetl demo's report.json)"),
     "step-ops": (render_step_ops, "benchmarks/step_ops_224.json (scripts/step_ops.py --json)"),
     "plan-verify": (render_plan_verify, "benchmarks/plan_verify_224.json (scripts/plan_figures.py)"),
+    "step-time-parts": (render_step_time_parts,
+                        "benchmarks/step_time_parts_224.json (scripts/step_time_parts.py)"),
     "busy-cores": (render_busy_cores, "benchmarks/busy_cores_*.json (scripts/busy_cores.py)"),
     "barley-table1": (render_barley_table1, "benchmarks/barley_table1_resnet18.json (scripts/barley_table1.py)"),
     "barley-table1-totals": (render_barley_table1_totals,

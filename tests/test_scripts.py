@@ -20,3 +20,33 @@ def test_busy_cores_child_times_both_methods():
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result["seconds"]) == {"repnet-lean", "repnet-lean-stream"}
     assert all(len(s) == 2 and min(s) > 0 for s in result["seconds"].values())
+
+
+def test_step_time_parts_splits_each_step_and_bounds_its_speed(tmp_path):
+    """scripts/step_time_parts.py at tiny scale: each row's convolution kernels are a part of its
+    step, and the speed-up it allows with the rest at 0 is never below the row's measured one."""
+    out = tmp_path / "parts.json"
+    argv = [sys.executable, str(SCRIPTS / "step_time_parts.py"), "--resolution", "64", "--steps", "2",
+            "--warmup", "1", "--profiled", "1", "--methods", "repnet-stock,bias-lean,bias-lean-stream",
+            "--json", str(out)]
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    for name, r in rows.items():
+        assert 0 < r["conv_share"] < 1 and 0 < r["conv_s"] < r["step_s"], name
+        assert r["vs_reference_bound"] > r["vs_reference"], name
+    assert rows["bias-lean-stream"]["vs_twin_bound"] > rows["bias-lean-stream"]["vs_twin"]
+    assert rows["repnet-stock"]["vs_reference"] == 1.0
+
+
+def test_conv_kernels_are_told_from_the_rest():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from step_time_parts import is_conv_kernel
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    for name in ("aten::convolution_backward", "aten::mkldnn_convolution", "aten::_slow_conv2d_forward",
+                 "aten::mm", "aten::addmm", "aten::conv2d"):
+        assert is_conv_kernel(name), name
+    for name in ("aten::copy_", "aten::native_batch_norm", "aten::hardtanh_backward", "aten::index_select",
+                 "_FrozenConvFn", "Optimizer.step#Adam.step", "aten::mul_"):
+        assert not is_conv_kernel(name), name
