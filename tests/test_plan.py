@@ -204,6 +204,8 @@ def test_verify_for_a_cuda_device_notes_the_graph_pool():
     for budget in (5 * MB, 1000 * MB):
         jetson = tiny_plan(budget, device_preset="orin-nano-8gb")
         verify_plan(jetson, steps=3)
+        verify_plan(jetson, steps=3)  # verified again: one note
+        assert sum("CUDA graphs" in n for n in jetson.notes) == 1
         note = jetson.notes[-1]
         m = re.search(r"reserve a predicted ([\d.]+) MB beyond an eager run, ([\d.]+) MB with the tensors against "
                       r"the tensor budget ([\d.]+) MB, (within it|over it)", note)

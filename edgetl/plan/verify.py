@@ -9,6 +9,7 @@ from edgetl.plan.document import Plan
 from edgetl.plan.ladder import plan_step
 
 log = logging.getLogger(__name__)
+GRAPH_NOTE = "on the device finetune captures the step as CUDA graphs"
 
 
 def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 0) -> int:
@@ -22,9 +23,9 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
     import torch
 
     from edgetl.memory.meter import measure_training_memory
-    from edgetl.plan.devices import device_preset
     from edgetl.memory.schedule import prepare_step
     from edgetl.models.side import build_network
+    from edgetl.plan.devices import device_preset
 
     c = plan.chosen
     with torch.random.fork_rng(devices=[]):
@@ -39,8 +40,8 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
                                   step=step, device=device, seed=seed, record_trace=graphs)
     measured = got.peak_bytes
     plan.measured_bytes, plan.verify_steps = int(measured), steps
-    if graphs:
-        plan.notes.append(_graph_note(plan, got.trace))
+    if graphs:  # one such note, however often the plan is verified
+        plan.notes[:] = [n for n in plan.notes if not n.startswith(GRAPH_NOTE)] + [_graph_note(plan, got.trace)]
     log.info("verify: predicted %d, measured %d bytes", plan.predicted_bytes, measured)
     return int(measured)
 
@@ -58,7 +59,7 @@ def _graph_note(plan: Plan, trace: list) -> str:
     budget = plan.tensor_budget_bytes
     verdict = ("within it" if report.total_bytes <= budget else
                "over it: finetune refuses the plan with graphs; add --eager, or plan for the larger figure")
-    return (f"on the device finetune captures the step as CUDA graphs: they reserve a predicted "
+    return (f"{GRAPH_NOTE}: they reserve a predicted "
             f"{report.extra_bytes / MB:.1f} MB beyond an eager run, {report.total_bytes / MB:.1f} MB with the "
             f"tensors against the tensor budget {budget / MB:.1f} MB, {verdict} (Jetson Orin, the --verify "
             "steps' trace)")
