@@ -41,6 +41,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # stock vs lean vs the paper's configuration (pruned 0.3/0.78/0.46/0.46, k=2), and its half version
+# run before the other cuda tests: the captured step's memory against the allocator model, and
+# finetune captured as CUDA graphs (what has never run on a GPU)
+GRAPH_TESTS = ("tests/test_cuda.py::test_captured_step_memory_equals_the_model",
+               "tests/test_cuda.py::test_finetune_captured_as_cuda_graphs_trains_as_eager_does")
 BENCH_METHODS = ["repnet-stock", "repnet-lean", "repnet-pruned-pool2", "repnet-pruned-pool2-bf16-int8"]
 # largest_cap: a streamed row's largest batch runs to hundreds, and its steps at batch 256 took
 # 14 s each on an H100 (per-sample loops): the check times at most batch 32 there
@@ -82,8 +86,9 @@ def facts(device: str) -> dict:
 
 
 def run_part(name: str, argv: list[str], *, log_path: Path | None, timeout_s: float,
-             env: dict[str, str] | None = None) -> dict:
-    """Run one part in a child process (a crash or hang there cannot take the summary down)."""
+             env: dict[str, str] | None = None, append: bool = False) -> dict:
+    """Run one part in a child process (a crash or hang there cannot take the summary down);
+    its output into ``log_path`` (after what is there with ``append``)."""
     start = time.perf_counter()
     print(f"== {name}: {' '.join(argv)}", flush=True)
     try:
@@ -96,7 +101,8 @@ def run_part(name: str, argv: list[str], *, log_path: Path | None, timeout_s: fl
         rc, out = 124, text(exc.stdout) + text(exc.stderr) + f"\n{name}: timed out after {timeout_s:.0f} s\n"
     seconds = round(time.perf_counter() - start, 1)
     if log_path is not None:
-        log_path.write_text(out)
+        with open(log_path, "a" if append else "w") as f:
+            f.write(out)
     tail = out[-3000:]
     print(tail, flush=True)
     return {"argv": argv, "rc": rc, "seconds": seconds, "tail": tail[-1500:]}
@@ -308,18 +314,39 @@ def main(argv: list[str] | None = None) -> int:
         summary["error"] = "--device cuda but torch sees no CUDA device"
     py = sys.executable
 
-    def budget(own: float) -> float:  # what a part may take, so summary.json is always written
-        return max(5.0, min(own, args.deadline - (time.perf_counter() - started)))
+    def budget(own: float, keep: float = 0.0) -> float:  # what a part may take, so summary.json is
+        # always written; ``keep``: seconds left for the parts after it that must run
+        return max(5.0, min(own, args.deadline - (time.perf_counter() - started) - keep))
+
+    # the CUDA graph check right after the tests (it is what has never been measured), then the
+    # bench and the allocator check with whatever time is left
+    graphs_first = cuda and not args.no_graphs
 
     if not args.no_tests:
-        junit = out / "junit.xml"
-        part = run_part("tests", [py, "-m", "pytest", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
-                                  f"--junitxml={junit}", *args.tests.split()],
-                        log_path=out / "pytest.log", timeout_s=budget(args.test_timeout),
-                        env={"EDGETL_CUDA_FIGURES": str(out / "cuda-figures.json")})
-        part["counts"] = junit_counts(junit)
-        junit.unlink(missing_ok=True)  # its figures are in summary.json: fewer files to bring back
-        summary["parts"]["tests"] = part
+        # the CUDA-graph tests first (with the default test paths), then every other cuda test;
+        # one log, one figures file (each run adds to it)
+        first = list(GRAPH_TESTS) if cuda and args.tests == "tests" else []
+        runs = [("tests (CUDA graphs)", first)] if first else []
+        runs.append(("tests", [*args.tests.split(), *(f"--deselect={t}" for t in first)]))
+        for i, (name, paths) in enumerate(runs):
+            junit = out / "junit.xml"
+            part = run_part(name, [py, "-m", "pytest", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
+                                   f"--junitxml={junit}", *paths],
+                            log_path=out / "pytest.log", append=i > 0,
+                            timeout_s=budget(args.test_timeout, keep=min(args.graphs_timeout, 60) if graphs_first else 0),
+                            env={"EDGETL_CUDA_FIGURES": str(out / "cuda-figures.json")})
+            part["counts"] = junit_counts(junit)
+            junit.unlink(missing_ok=True)  # its figures are in summary.json: fewer files to bring back
+            summary["parts"][name] = part
+
+    if cuda and not args.no_graphs:  # results go into summary.json: the device returns 8 files at most
+        tmp = out / ".graphs.json"
+        part = run_part("CUDA graph of the whole step", [
+            py, str(Path(__file__).resolve()), "--device", args.device, "--methods", methods,
+            "--batch-size", str(args.batch_size), "--graphs-json", str(tmp)] + (["--quick"] if args.quick else []),
+            log_path=None, timeout_s=budget(args.graphs_timeout))
+        summary.update(_child_result("graphs", part, tmp))
+        summary["parts"]["graphs"] = part
 
     if not args.no_bench:
         common = [py, "-m", "edgetl", "bench", "--device", args.device, "--methods", methods,
@@ -348,15 +375,6 @@ def main(argv: list[str] | None = None) -> int:
             summary["parts"][f"allocator-{key}"] = part
             merged.update(_child_result(key, part, tmp))
         (out / "allocator.json").write_text(json.dumps(merged, indent=2) + "\n")
-
-    if cuda and not args.no_graphs:  # results go into summary.json: the device returns 8 files at most
-        tmp = out / ".graphs.json"
-        part = run_part("CUDA graph of the whole step", [
-            py, str(Path(__file__).resolve()), "--device", args.device, "--methods", methods,
-            "--batch-size", str(args.batch_size), "--graphs-json", str(tmp)] + (["--quick"] if args.quick else []),
-            log_path=None, timeout_s=budget(args.graphs_timeout))
-        summary.update(_child_result("graphs", part, tmp))
-        summary["parts"]["graphs"] = part
 
     summary["seconds"] = round(time.perf_counter() - started, 1)
     ok = "error" not in summary and all(p["rc"] == 0 for p in summary["parts"].values())

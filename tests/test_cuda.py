@@ -299,6 +299,18 @@ def test_replay_captured_of_a_real_training_trace():
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
+def test_the_graph_tests_gpu_check_runs_first_exist():
+    """scripts/gpu_check.py runs the CUDA-graph tests first by node id: each names a test here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for node in module.GRAPH_TESTS:
+        path, name = node.split("::")
+        assert path == "tests/test_cuda.py" and callable(globals().get(name)), node
+
+
 def test_gpu_check_runs_on_cpu(tmp_path):
     """scripts/gpu_check.sh end to end at tiny scale: the same driver a GPU session launches."""
     out = tmp_path / "out"
@@ -356,13 +368,24 @@ def test_gpu_check_runs_on_cpu(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def figures():
-    """Figures measured by the CUDA tests; written to $EDGETL_CUDA_FIGURES at the end, pass or fail."""
-    data: dict = {}
-    yield data
+def _all_figures() -> dict:
+    """What this run's tests measure, added to what an earlier run of the same check wrote
+    (scripts/gpu_check.py runs the CUDA-graph tests first, then the others, into one file)."""
     path = os.environ.get("EDGETL_CUDA_FIGURES")
-    if path and data:
-        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
+
+
+@pytest.fixture
+def figures(_all_figures):
+    """Figures measured by the CUDA tests; written to $EDGETL_CUDA_FIGURES after each test that
+    records some, pass or fail, so a test run stopped at its deadline keeps what its finished
+    tests measured."""
+    yield _all_figures
+    path = os.environ.get("EDGETL_CUDA_FIGURES")
+    if path and _all_figures:
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(_all_figures, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
 
 
 @pytest.fixture
