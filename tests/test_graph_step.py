@@ -38,6 +38,22 @@ def test_a_run_is_captured_only_where_its_step_has_no_host_synchronisation():
     assert why_eager(adam, CUDA, model=net) == ("1 averages its batch statistics cumulatively (momentum None), "
                                                 "reading its batch count on the host")
     assert why_eager(adam, CUDA, model=nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))) is None
+    # compressed storage: a transform's matrices come from host memory at every call (no copy
+    # from pageable memory may run inside a capture); thresholding has no transform
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import LeanOptions, build_network
+
+    spec = BackboneSpec(width=0.35, num_classes=3)
+    for storage in ("haar", "db3", "dct", "threshold"):
+        net = build_network(spec, "full", lean=LeanOptions(storage=storage, keep=0.1))
+        reason = why_eager(adam, CUDA, model=net)
+        assert (reason is None) == (storage == "threshold"), (storage, reason)
+        assert storage == "threshold" or f"through the {storage} transform" in reason
+    from edgetl.bench import _graph_trainer  # the bench does not try such a row: its reason instead
+
+    trainer, error = _graph_trainer(lambda: build_network(spec, "full", lean=LeanOptions(storage="dct", keep=0.1)),
+                                    resolution=32, batch_size=2, num_classes=3, device=CUDA, lr=1e-3, seed=0)
+    assert trainer is None and error.startswith("not captured: ") and "dct transform" in error
     sgd = {"optim.name": "sgd", "optim.momentum": 0.9}
     assert rate_changes(_recipe(**sgd))  # the bundled recipe's cosine schedule
     assert "SGD's unfused update" in why_eager(_recipe(**sgd), CUDA)

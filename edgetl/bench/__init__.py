@@ -107,9 +107,16 @@ class _GraphTrainer(_Trainer):
 
 
 def _graph_trainer(build: Callable[[], EdgeNet], **kwargs) -> tuple[_GraphTrainer | None, str | None]:
-    """A captured twin of a method's trainer, or the one-line reason it could not be captured."""
+    """A captured twin of a method's trainer, or the one-line reason it could not be captured
+    (a network ``edgetl.train.graph.uncapturable`` refuses is not tried)."""
+    from edgetl.train.graph import uncapturable
+
     try:
-        return _GraphTrainer(build(), **kwargs), None
+        net = build()
+        reason = uncapturable(net)
+        if reason is not None:
+            return None, f"not captured: {reason}"
+        return _GraphTrainer(net, **kwargs), None
     except Exception as exc:  # noqa: BLE001 - a row that cannot be captured is a finding, reported in its row
         return None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
 

@@ -55,8 +55,9 @@ def why_eager(recipe: Recipe, device: torch.device, *, world: int = 1, scaler=No
 
     The run asked for graphs (``train.cuda_graph``) and the step has no host synchronisation:
     a CUDA device, one process (DDP's all-reduce hooks run beside backward), no fp16 loss
-    scaling (the scaler reads its inf check on the host), no teacher, and an optimizer that
-    takes its learning rate as a device tensor where the schedule changes it.
+    scaling (the scaler reads its inf check on the host), no teacher, no BN that counts its
+    batches on the host, no compressed storage whose transform comes from the host, and an
+    optimizer that takes its learning rate as a device tensor where the schedule changes it.
     """
     o = recipe.optim
     if not recipe.train.cuda_graph:
@@ -69,14 +70,30 @@ def why_eager(recipe: Recipe, device: torch.device, *, world: int = 1, scaler=No
         return "fp16 loss scaling reads its inf check on the host every step (use model.precision bf16)"
     if teacher is not None:
         return "distillation runs the teacher eagerly"
-    cumulative = [n for n, m in (model.named_modules() if model is not None else ())
+    held = uncapturable(model) if model is not None else None
+    if held is not None:
+        return held
+    if o.name == "sgd" and not o.fused and rate_changes(recipe):
+        return ("SGD's unfused update reads a changing learning rate on the host "
+                "(set optim.fused: true, or a constant schedule without warmup)")
+    return None
+
+
+def uncapturable(model: nn.Module) -> str | None:
+    """What in ``model`` reads the host inside the step (``why_eager``'s rules on the network
+    alone; the bench asks it before capturing a row): a BN that averages its batch statistics
+    cumulatively, or compressed storage whose transform matrices come from host memory."""
+    cumulative = [n for n, m in model.named_modules()
                   if getattr(m, "momentum", 0.0) is None and getattr(m, "num_batches_tracked", None) is not None]
     if cumulative:
         return (f"{cumulative[0]} averages its batch statistics cumulatively (momentum None), reading its "
                 "batch count on the host")
-    if o.name == "sgd" and not o.fused and rate_changes(recipe):
-        return ("SGD's unfused update reads a changing learning rate on the host "
-                "(set optim.fused: true, or a constant schedule without warmup)")
+    transformed = [(n, m.compressor.name) for n, m in model.named_modules()
+                   if getattr(getattr(m, "compressor", None), "transforms", False)]
+    if transformed:
+        name, kind = transformed[0]
+        return (f"{name} stores its input through the {kind} transform, whose matrices are copied from the "
+                "host at every call (storage threshold has none)")
     return None
 
 
