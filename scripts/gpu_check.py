@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # run before the other cuda tests: the captured step's memory against the allocator model, and
 # finetune captured as CUDA graphs (what has never run on a GPU)
 GRAPH_TESTS = ("tests/test_cuda.py::test_captured_step_memory_equals_the_model",
-               "tests/test_cuda.py::test_finetune_captured_as_cuda_graphs_trains_as_eager_does")
+               "tests/test_cuda.py::test_finetune_captured_as_cuda_graphs_trains_as_eager_does",
+               "tests/test_cuda.py::test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why")
 BENCH_METHODS = ["repnet-stock", "repnet-lean", "repnet-pruned-pool2", "repnet-pruned-pool2-bf16-int8"]
 # largest_cap: a streamed row's largest batch runs to hundreds, and its steps at batch 256 took
 # 14 s each on an H100 (per-sample loops): the check times at most batch 32 there

@@ -697,6 +697,31 @@ def test_captured_step_memory_equals_the_model(config, figures):
         assert abs(row[key] / row[f"predicted_{key}"] - 1) <= 0.01, (key, row)
 
 
+@cuda
+def test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why():
+    """A capture that fails anyway (here a forward hook reads the logits on the host, which no
+    capture allows) costs the run nothing: the graphs go, the batch whose capture failed trains
+    eagerly, every later one too, the thread is back on its own stream, and describe() says what
+    failed and at which batch."""
+    from edgetl.models.backbone import BackboneSpec
+    from edgetl.models.side import LeanOptions, build_network
+    from edgetl.step import Step, training_step
+    from edgetl.train.graph import WARMUP_STEPS, CapturedStep
+
+    torch.manual_seed(0)
+    net = build_network(BackboneSpec(width=0.35, num_classes=3), "repnet", device="cuda", lean=LeanOptions(pool=2))
+    net.classifier.register_forward_hook(lambda module, args, out: float(out.sum()))  # a host read
+    step = Step.plain("adam", 1e-3)
+    captured = CapturedStep(training_step, net, step, step.optimizer(net), torch.device("cuda"), tensor_lr=False)
+    images, labels = torch.randn(4, 3, 64, 64).pin_memory(), torch.randint(0, 3, (4,)).pin_memory()
+    losses = [float(captured(images, labels)[0]) for _ in range(WARMUP_STEPS + 3)]
+    assert torch.isfinite(torch.tensor(losses)).all()
+    assert captured.failed is not None and captured.failed_at == 4 and not captured.graphs
+    assert captured.eager_steps == WARMUP_STEPS + 3  # the failed capture's batch trained eagerly
+    assert captured.describe().startswith("CUDA graph: the capture at batch 4 failed (")
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
 def _color_data(root: Path) -> Path:
     from tests.conftest import make_color_folder
 

@@ -24,6 +24,9 @@ gradients freed) on static input and label buffers:
   counts on the device), and each group's learning rate a device tensor that the schedule
   fills in place between replays (Adam; SGD with ``optim.fused``). SGD's other kernels read the rate on
   the host, so an SGD run whose rate changes is not captured (``why_eager`` says so).
+* A capture that fails anyway (something in the step reads the host where ``why_eager`` did not
+  look, or the pool finds no memory) frees the graphs, logs a warning, and the run goes on
+  eagerly from that batch, which it trains; the summary says what failed and where.
 * The checkpoint's optimizer state is written as an eager run's (rates as numbers,
   ``capturable`` off): a run may resume either way.
 
@@ -189,6 +192,8 @@ class CapturedStep:
         self.captures = 0  # captures made (a size is captured again after its graph was dropped)
         self.dropped = 0  # times the graphs were dropped for a new batch size's eager step
         self.pool = None
+        self.failed: str | None = None  # why a capture failed: every later step runs eagerly
+        self.failed_at = 0  # the batch size whose capture failed
         # one side stream for every eager step and every capture: cuBLAS keeps a workspace per
         # handle and stream, so a capture on a stream of its own would add one for this thread
         # and one for autograd's (8 MiB + 128 KiB each on a Jetson) inside the graph's pool; and
@@ -198,6 +203,10 @@ class CapturedStep:
 
     def describe(self) -> str:
         """What ran, for the run's summary."""
+        if self.failed is not None:
+            return (f"CUDA graph: the capture at batch {self.failed_at} failed ({self.failed}); the step ran "
+                    f"eagerly from then on ({self.eager_steps} eager step(s), {len(self.sizes)} graph(s) replayed "
+                    "before)")
         sizes = ", ".join(str(n) for n in sorted(self.sizes, reverse=True)) or "none"
         again = (f"; {self.captures} captures: the graphs were released {self.dropped} time(s) to run a new "
                  "batch size's first batch eagerly" if self.captures > len(self.sizes) else "")
@@ -207,6 +216,9 @@ class CapturedStep:
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (tuple(images.shape), images.dtype, tuple(labels.shape), labels.dtype)
         with torch.cuda.device(self.device):
+            if self.failed is not None:
+                return self._eager(images.to(self.device, non_blocking=True),
+                                   labels.to(self.device, non_blocking=True))
             g = self.graphs.get(key)
             if g is None and (self.eager_steps < self.warmup or key not in self.seen):
                 self.seen.add(key)
@@ -215,7 +227,12 @@ class CapturedStep:
                 return self._eager(images.to(self.device, non_blocking=True),
                                    labels.to(self.device, non_blocking=True))
             if g is None:
-                g = self.graphs[key] = self._capture(images, labels)
+                try:
+                    g = self.graphs[key] = self._capture(images, labels)
+                except Exception as exc:  # noqa: BLE001 - the run goes on eagerly; the summary says why
+                    self._give_up(exc, int(images.shape[0]))
+                    return self._eager(images.to(self.device, non_blocking=True),
+                                       labels.to(self.device, non_blocking=True))
             g.images.copy_(images, non_blocking=True)
             g.labels.copy_(labels, non_blocking=True)
             g.graph.replay()
@@ -233,7 +250,7 @@ class CapturedStep:
                                           autocast=self.autocast)
         main.wait_stream(side)
         self.eager_steps += 1
-        if self.eager_steps >= self.warmup:
+        if self.eager_steps >= self.warmup and self.failed is None:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         return loss, correct
@@ -244,16 +261,24 @@ class CapturedStep:
         Capturing records the step without running it; ``__call__`` replays it at once. The
         capture checks only this thread's CUDA calls (``thread_local``): the loader's pinning
         thread goes on calling CUDA meanwhile."""
-        static_images, static_labels = images.to(self.device), labels.to(self.device)
+        # copies, never the caller's own tensors (a batch already on the device would be aliased)
+        static_images, static_labels = images.to(self.device, copy=True), labels.to(self.device, copy=True)
         for p in self.net.parameters():  # backward allocates the gradients inside the graph
             p.grad = None
         if self.side is None:
             self.side = torch.cuda.Stream(self.device)
         gc.collect()  # nothing freed by the collector while the capture runs
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
-            loss, correct = self.run_step(self.net, self.step, self.optimizer, static_images.to(self.dtype),
-                                          static_labels, autocast=self.autocast)
+        main = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
+                loss, correct = self.run_step(self.net, self.step, self.optimizer, static_images.to(self.dtype),
+                                              static_labels, autocast=self.autocast)
+        except BaseException:
+            # torch < 2.6 ends the capture before it leaves the side stream: a failed end would
+            # leave this thread on it
+            torch.cuda.set_stream(main)
+            raise
         if self.pool is None:
             self.pool = graph.pool()
         self.captures += 1
@@ -261,6 +286,18 @@ class CapturedStep:
             self.sizes.append(images.shape[0])
         log.info("captured the training step as a CUDA graph at batch %d", images.shape[0])
         return _Graph(graph, static_images, static_labels, loss, correct)
+
+    def _give_up(self, exc: Exception, batch: int) -> None:
+        """A capture failed (the step reads the host somewhere ``why_eager`` does not know, or the
+        graph's pool found no memory): the graphs go, and every later step runs eagerly. Nothing of
+        the failed capture ran, so the batch is trained eagerly next, and the run loses no step."""
+        self.failed = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        self.failed_at = batch
+        log.warning("capturing the training step as a CUDA graph at batch %d failed (%s); the step runs "
+                    "eagerly from here on", batch, self.failed)
+        self.release()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
 
     def _drop_graphs(self) -> None:
         """Free the graphs, their pool and static buffers and hand the pool's segments back,
