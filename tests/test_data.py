@@ -458,6 +458,26 @@ def test_skip_policy_drops_a_sample_that_fails_in_a_worker(tmp_path):
     assert sorted(len(labels) for _, labels in batches) == [2, 3, 3]
 
 
+def test_a_batch_keeps_what_it_skipped_through_pinning_on_every_torch():
+    """A Batch is neither a tuple nor a sequence, so DataLoader(pin_memory=True) pins it through
+    its own method on every torch (torch 2.5, the Jetson image's, turns a tuple subclass into a
+    list before looking for one, which would drop ``skipped``); it unpacks, indexes and
+    pickles (to and from loader workers) as the pair it stands for."""
+    import collections.abc
+    import pickle
+
+    skipped = (D.Skipped("a.png", "truncated"),)
+    batch = D.Batch(torch.zeros(2, 3), torch.tensor([0, 1]), skipped)
+    assert not isinstance(batch, (tuple, collections.abc.Sequence, collections.abc.Mapping))
+    assert hasattr(batch, "pin_memory")
+    images, labels = batch
+    assert images is batch[0] and labels is batch[1] and len(batch) == 2 and batch == (images, labels)
+    again = pickle.loads(pickle.dumps(batch))
+    assert again.skipped == skipped and torch.equal(again[0], images) and torch.equal(again[1], labels)
+    empty = D.Batch(None, None, skipped)
+    assert empty.pin_memory() is empty  # nothing to pin: every sample was skipped
+
+
 class _KillsItsWorker(torch.utils.data.Dataset):
     """A dataset whose worker process is killed by SIGKILL, as the kernel's OOM killer does."""
 

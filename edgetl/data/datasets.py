@@ -172,28 +172,43 @@ class TransformedDataset(Dataset):
         return self.transform(img), label
 
 
-class Batch(tuple):
+class Batch:
     """``(images, labels)`` plus ``skipped``: the Skipped samples left out of this batch.
 
-    Unpacks like the usual pair. ``images`` and ``labels`` are None when every sample of
-    the batch was skipped.
+    Unpacks and indexes like the usual pair. ``images`` and ``labels`` are None when every
+    sample of the batch was skipped. Not a tuple: DataLoader(pin_memory=True) calls a batch's
+    own ``pin_memory`` (torch >= 2.6 first of all; torch 2.5, the Jetson image's, only for a
+    type that is neither a tuple nor a sequence, and turns a tuple subclass into a list, which
+    would lose ``skipped``).
     """
 
-    skipped: tuple[Skipped, ...]
+    __slots__ = ("images", "labels", "skipped")
 
-    def __new__(cls, images, labels, skipped=()):
-        batch = super().__new__(cls, (images, labels))
-        batch.skipped = tuple(skipped)
-        return batch
+    def __init__(self, images, labels, skipped=()):
+        self.images, self.labels, self.skipped = images, labels, tuple(skipped)
+
+    def __iter__(self):
+        return iter((self.images, self.labels))
+
+    def __getitem__(self, i):
+        return (self.images, self.labels)[i]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, (Batch, tuple)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Batch(images={self.images!r}, labels={self.labels!r}, skipped={self.skipped!r})"
 
     def __reduce__(self):
-        return (Batch, (self[0], self[1], self.skipped))
+        return (Batch, (self.images, self.labels, self.skipped))
 
-    def pin_memory(self):  # DataLoader(pin_memory=True) calls this on custom batch types
-        images, labels = self
-        if images is None:
+    def pin_memory(self, device=None):  # DataLoader(pin_memory=True) calls this on custom batch types
+        if self.images is None:
             return self
-        return Batch(images.pin_memory(), labels.pin_memory(), self.skipped)
+        return Batch(self.images.pin_memory(), self.labels.pin_memory(), self.skipped)
 
 
 def collate(samples: list) -> Batch:
