@@ -331,12 +331,12 @@ def finetune(
 def check_graph_budget(job: Job, capability: tuple[int, int], budget_bytes: int) -> CapturedReport:
     """The job's step captured as CUDA graphs on a GPU of ``capability``: its predicted memory
     (the eager step's tensors and what the graphs reserve beyond an eager run, ``captured_report``:
-    three steps on a CPU copy), refused (BudgetError) beyond ``budget_bytes``."""
+    three steps on a meta copy), refused (BudgetError) beyond ``budget_bytes``."""
     from edgetl.memory.cuda_step import captured_report
 
     recipe = job.recipe
     batch = recipe.train.batch_size
-    log.info("predicting the memory of the step captured as CUDA graphs (three steps on the CPU)")
+    log.info("predicting the memory of the step captured as CUDA graphs")
     report = captured_report(job.net, runtime_bytes=job.predicted.total_bytes, resolution=recipe.data.resolution,
                              batch_size=batch, step=job.step, capability=tuple(capability))
     if report.total_bytes > budget_bytes:

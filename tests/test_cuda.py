@@ -254,6 +254,11 @@ def test_a_budget_counts_what_graphs_reserve_beyond_an_eager_run():
     assert got.total_bytes == got.runtime_bytes + got.extra_bytes
     assert replay.warmup.cublas_workspace_bytes == 2 * cublas_workspace_bytes((8, 7))  # this thread, autograd's
     assert check_graph_budget(job, (8, 7), got.total_bytes).total_bytes == got.total_bytes
+    # traced on the meta device: the same replay as three real CPU steps' trace
+    cpu = measure_training_memory(copy.deepcopy(job.net), resolution=96, batch_size=8, steps=3, step=job.step,
+                                  record_trace=True)
+    assert replay_captured(cpu.trace, cublas_workspace=cublas_workspace_bytes((8, 7)),
+                           cublaslt_workspace=cublaslt_workspace_bytes()) == replay
     for budget in (got.total_bytes - 1, got.runtime_bytes):  # the eager step fits the second
         with pytest.raises(BudgetError) as err:
             check_graph_budget(job, (8, 7), budget)

@@ -117,14 +117,16 @@ def captured_report(net: "nn.Module", *, runtime_bytes: int, resolution: int, ba
                     step: "Step | None" = None, capability: tuple[int, int] = JETSON_ORIN,
                     env: dict[str, str] | None = None) -> CapturedReport:
     """The memory of ``net``'s training step captured as a CUDA graph, beside its runtime
-    accounting ``runtime_bytes``: a CPU copy runs three real steps (two warm-up steps, then
-    the step the graph records) to record the storage trace ``replay_captured`` replays for
-    ``capability`` (seconds at 224 px). ``net`` needs real weights, its lean schedule applied."""
+    accounting ``runtime_bytes``: a meta copy runs three steps (two warm-up steps, then the step
+    the graph records) to record the storage trace ``replay_captured`` replays for
+    ``capability``. On the meta device nothing is computed (under a second at 224 px, on a
+    Jetson's CPU too); the trace is a CPU run's, event for event (tests/test_cuda.py). ``net``:
+    its lean schedule applied."""
     from edgetl.memory.meter import measure_training_memory
 
-    probe = copy.deepcopy(net).to("cpu")
+    probe = copy.deepcopy(net).to("meta")
     got = measure_training_memory(probe, resolution=resolution, batch_size=batch_size, steps=3, step=step,
-                                  record_trace=True)
+                                  record_trace=True, device="meta")
     del probe
     replay = replay_captured(got.trace, cublas_workspace=cublas_workspace_bytes(capability, env),
                              cublaslt_workspace=cublaslt_workspace_bytes(env))
