@@ -661,11 +661,15 @@ def test_captured_step_memory_equals_the_model(config, figures):
     on the device with the optimizer made capturable): allocated and reserved, and the graph's
     private pool read from the allocator's segments (a second instrument). Within 1 %."""
     from edgetl.memory.meter import _prepare_cuda
-    from edgetl.step import Step, training_step
+    from edgetl.step import Step, set_train_mode, training_step
     from edgetl.train.graph import CapturedStep
 
     net, _ = _accounting_net(config)
     step = Step.plain("adam", 1e-3)  # the step both run
+    set_train_mode(net, step.bn)  # as the measurement sets its probe
+    net.cpu()  # and back: the weights packed anew, without the holes the lean conversion left
+    torch.cuda.empty_cache()
+    net.cuda()
     probe = copy.deepcopy(net)
     got = measure_training_memory(probe, resolution=224, batch_size=8, steps=3, step=step, record_trace=True,
                                   capturable=True)
