@@ -191,26 +191,39 @@ def test_verify_measures_within_five_percent():
     assert abs(measured / result.predicted_bytes - 1) <= 0.05
 
 
-def test_verify_for_a_cuda_device_notes_the_graph_pool():
-    """A plan for a Jetson preset, verified: the measured steps' trace replayed as finetune captures
-    the step there says what the graphs reserve beyond an eager run and whether the tensors and that fit
-    the tensor budget (finetune refuses it otherwise); a plan for no device gets no such note."""
+def test_a_plan_for_a_cuda_device_notes_what_graphs_reserve():
+    """A plan for a Jetson preset says what the graphs finetune captures there reserve beyond an
+    eager run (its network traced on the meta device, replayed as captured) and whether the
+    tensors and that still fit the tensor budget (finetune refuses it otherwise); the figure is
+    the replay of three real CPU steps of the planned network (what --verify measures). A plan
+    for no device gets no such note."""
     import re
 
-    plain = tiny_plan(5 * MB)
-    verify_plan(plain, steps=3)
-    assert not any("CUDA graphs" in n for n in plain.notes)
+    import torch
+
+    from edgetl.memory.cuda import JETSON_ORIN, cublas_workspace_bytes, cublaslt_workspace_bytes, replay_captured
+    from edgetl.memory.meter import measure_training_memory
+    from edgetl.memory.schedule import prepare_step
+
+    assert not any("CUDA graphs" in n for n in tiny_plan(5 * MB).notes)
     verdicts = set()
     for budget in (5 * MB, 1000 * MB):
         jetson = tiny_plan(budget, device_preset="orin-nano-8gb")
-        verify_plan(jetson, steps=3)
-        verify_plan(jetson, steps=3)  # verified again: one note
-        assert sum("CUDA graphs" in n for n in jetson.notes) == 1
-        note = jetson.notes[-1]
+        (note,) = [n for n in jetson.notes if "CUDA graphs" in n]
         m = re.search(r"reserve a predicted ([\d.]+) MB beyond an eager run, ([\d.]+) MB with the tensors against "
                       r"the tensor budget ([\d.]+) MB, (within it|over it)", note)
         extra, total, tb = (float(x) for x in m.groups()[:3])
-        assert extra > 0 and abs(total - (jetson.predicted_bytes / MB + extra)) <= 0.1
+        c = jetson.chosen
+        torch.manual_seed(0)
+        net = build_network(jetson.spec, c.mode, lean=c.lean)
+        step = step_of(c)
+        prepare_step(net, resolution=RES, batch_size=c.batch_size, step=step)
+        trace = measure_training_memory(net, resolution=RES, batch_size=c.batch_size, steps=3, step=step,
+                                        record_trace=True).trace
+        cpu = replay_captured(trace, cublas_workspace=cublas_workspace_bytes(JETSON_ORIN),
+                              cublaslt_workspace=cublaslt_workspace_bytes())
+        assert extra == round(cpu.extra_bytes / MB, 1)
+        assert total == round((jetson.predicted_bytes + cpu.extra_bytes) / MB, 1)
         assert tb == round(jetson.tensor_budget_bytes / MB, 1)
         assert (m.group(4) == "within it") == (total <= tb) and ("--eager" in note) == (total > tb)
         verdicts.add(m.group(4))

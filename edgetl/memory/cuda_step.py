@@ -120,13 +120,15 @@ def captured_report(net: "nn.Module", *, runtime_bytes: int, resolution: int, ba
     accounting ``runtime_bytes``: a meta copy runs three steps (two warm-up steps, then the step
     the graph records) to record the storage trace ``replay_captured`` replays for
     ``capability``. On the meta device nothing is computed (under a second at 224 px, on a
-    Jetson's CPU too); the trace is a CPU run's, event for event (tests/test_cuda.py). ``net``:
+    Jetson's CPU too); the trace is a CPU run's, event for event (tests/test_cuda.py). Fused
+    optimizer kernels have no meta implementation: their step runs on a CPU copy. ``net``:
     its lean schedule applied."""
     from edgetl.memory.meter import measure_training_memory
 
-    probe = copy.deepcopy(net).to("meta")
+    device = "cpu" if step is not None and step.optim.fused else "meta"
+    probe = copy.deepcopy(net).to(device)
     got = measure_training_memory(probe, resolution=resolution, batch_size=batch_size, steps=3, step=step,
-                                  record_trace=True, device="meta")
+                                  record_trace=True, device=device)
     del probe
     replay = replay_captured(got.trace, cublas_workspace=cublas_workspace_bytes(capability, env),
                              cublaslt_workspace=cublaslt_workspace_bytes(env))

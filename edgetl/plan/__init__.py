@@ -50,6 +50,7 @@ from edgetl.plan.document import (
     OPTIMIZER, PLAN_FORMAT, PLAN_MODES, POOLS, PRECISIONS, VERIFY_TOLERANCE, Candidate, Plan, PlanConfig,
     PlanImpossible, Storage, _check_storage, load_plan, ratio_for,
 )
+from edgetl.plan.graphs import graph_note
 from edgetl.plan.ladder import _stored_pools_of, half_precision, plan_step, storage_ladder
 from edgetl.plan.path import _Evaluator, _fastest_stream, _fewest_optimizer_levers, _runners_up, _Search
 from edgetl.plan.verify import verify_plan
@@ -241,7 +242,7 @@ def plan(
     elapsed = time.perf_counter() - start
     log.info("plan: %s, predicted %d bytes, %d evaluations in %.1f s", chosen.describe(),
              report.total_bytes, ev.count, elapsed)
-    return Plan(
+    result = Plan(
         budget_bytes=budget_bytes, budget_scope=budget_scope, tensor_budget_bytes=tensor_budget,
         device=preset.name, overheads=overheads, device_process_limit_bytes=limit,
         resolution=resolution, num_classes=num_classes, request=request,
@@ -249,6 +250,9 @@ def plan(
         predicted_bytes=report.total_bytes, breakdown=dict(report.breakdown), runners_up=runners,
         evaluations=ev.count, search_seconds=elapsed, notes=notes,
     )
+    if preset.cuda_context_bytes:  # a CUDA device: finetune captures the step as graphs there
+        result.notes.append(graph_note(result))
+    return result
 
 
 def _impossible(total: int, cfg: PlanConfig, budget: int, tensor_budget: int, scope: str,
