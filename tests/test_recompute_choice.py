@@ -37,3 +37,32 @@ def test_the_paper_configuration_recomputes_the_fewest_segments_at_the_same_peak
     assert peak_with(chosen) == peak_with(EVERY) == peak
     for start in chosen:  # none of the chosen can leave: each one dropped raises the peak
         assert peak_with(tuple(a for a in chosen if a != start)) > peak
+
+
+@pytest.mark.parametrize("step, taken", [
+    (Step.plain(), 8),
+    (Step.plain(step_in_backward=True, fused=True), 5),  # the 15 MB configuration: blocks 17-18 stay chunked
+], ids=["plain", "update-in-backward"])
+def test_convs_inside_streamed_segments_take_whole_weights_where_the_peak_stays(step, taken):
+    """The schedule's last pass: each chunkable 1x1 conv inside a streamed segment (the segment is
+    one leaf to the simulation, so no other pass scores them) converts its weight whole where the
+    whole step keeps the peak of every one chunked; each one left chunked would raise it. Fewer
+    ops a step (one conv per micro-batch for a matrix product per chunk and sample)."""
+    from edgetl.memory.meter import count_step_ops
+    from edgetl.models.lean import FrozenConvBNAct
+
+    method = METHODS["repnet-pruned-pool2-bf16-int8-stream"]
+    net = build_method(method, width=1.0, num_classes=CLASSES, device="meta", hidden=pruned_hidden(1.0, CLASSES))
+    schedule = prepare_step(net, resolution=RES, batch_size=BATCH, step=step)
+    chunkable = [n for n, m in net.named_modules() if isinstance(m, FrozenConvBNAct) and m.chunkable]
+    assert len(schedule.whole_weight) == taken and set(schedule.whole_weight) <= set(chunkable) and len(chunkable) == 8
+
+    def run(whole: tuple[str, ...]) -> tuple[int, int]:
+        apply_schedule(net, dataclasses.replace(schedule, whole_weight=whole))
+        peak = runtime_report(net, mode=method.mode, resolution=RES, batch_size=BATCH, step=step).total_bytes
+        return peak, count_step_ops(net, resolution=RES, batch_size=BATCH, step=step).total
+
+    (peak, ops), (chunked_peak, chunked_ops) = run(schedule.whole_weight), run(())
+    assert peak == chunked_peak and ops < chunked_ops
+    for name in set(chunkable) - set(schedule.whole_weight):
+        assert run((*schedule.whole_weight, name))[0] > peak, name
