@@ -50,9 +50,9 @@ def _child(args) -> None:
 def _setting(args):
     from edgetl.bench import DEFAULT_ARCH, _Setting
 
-    return _Setting(arch=DEFAULT_ARCH, resolution=args.resolution, batch_size=args.batch_size, num_classes=args.num_classes,
-                    width=args.width, budget_bytes=0, device="cpu", verify_images=0, measure_steps=0,
-                    lr=1e-3, seed=0, timed_cap=0)
+    return _Setting(arch=DEFAULT_ARCH, resolution=args.resolution, batch_size=args.batch_size,
+                    num_classes=args.num_classes, width=args.width, budget_bytes=0, device="cpu",
+                    verify_images=0, measure_steps=0, lr=1e-3, seed=0, timed_cap=0)
 
 
 def _measure(args, name: str, busy: bool) -> dict:

@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         # the CUDA-graph tests first (with the default test paths), then every other cuda test;
         # one log, one figures file (each run adds to it)
         first = list(GRAPH_TESTS) if cuda and args.tests == "tests" else []
+        keep = min(args.graphs_timeout, 60) if graphs_first else 0
         runs = [("tests (CUDA graphs)", first)] if first else []
         runs.append(("tests", [*args.tests.split(), *(f"--deselect={t}" for t in first)]))
         for i, (name, paths) in enumerate(runs):
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             part = run_part(name, [py, "-m", "pytest", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
                                    f"--junitxml={junit}", *paths],
                             log_path=out / "pytest.log", append=i > 0,
-                            timeout_s=budget(args.test_timeout, keep=min(args.graphs_timeout, 60) if graphs_first else 0),
+                            timeout_s=budget(args.test_timeout, keep=keep),
                             env={"EDGETL_CUDA_FIGURES": str(out / "cuda-figures.json")})
             part["counts"] = junit_counts(junit)
             junit.unlink(missing_ok=True)  # its figures are in summary.json: fewer files to bring back

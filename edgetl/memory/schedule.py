@@ -37,9 +37,10 @@ outweigh its input (``_fit_recompute``). Last, each chunkable conv inside a stre
 gets its whole weight where the whole step, simulated with it (and the ones taken before it),
 keeps the default peak (``_fit_segment_weights``): one conv kernel per micro-batch instead of
 a matrix product per chunk and sample (streamed paper configuration at 224 px, batch 8: all
-eight, the peak unchanged, 24,654 -> 22,022 ops a step, 3 % faster on a CPU). A ``Schedule`` stores these three as it
-always has (``whole_batch_backward``, ``forward_mask_chunks``, ``whole_weight_convs``), so
-schedules stored with runs load.
+eight, the peak unchanged, 24,654 -> 22,022 ops a step, 3 % faster on a CPU). A ``Schedule``
+stores these three as it always has (``whole_batch_backward``, ``forward_mask_chunks``,
+``whole_weight_convs``, the last now with convs inside segments), so schedules stored with
+runs load.
 """
 
 from __future__ import annotations
