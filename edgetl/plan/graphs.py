@@ -4,33 +4,22 @@ plan says in a note whether its tensors and that still fit the tensor budget."""
 
 from __future__ import annotations
 
-import copy
-
 from edgetl.plan.document import Plan
-from edgetl.plan.ladder import plan_step
+from edgetl.plan.verify import planned_network
 from edgetl.units import MB
 
 GRAPH_NOTE = "on the device finetune captures the step as CUDA graphs"
 
 
 def graph_note(plan: Plan) -> str:
-    """The note for ``plan`` on a Jetson Orin (sm87): the planned network built (random weights,
-    the global random state untouched), its step traced on the meta device (no arithmetic) and
-    replayed as ``CapturedStep`` runs it."""
-    import torch
-
+    """The note for ``plan`` on a Jetson Orin (sm87): the planned network (``planned_network``),
+    its step traced on the meta device (no arithmetic) and replayed as ``CapturedStep`` runs it."""
     from edgetl.memory.cuda import JETSON_ORIN
     from edgetl.memory.cuda_step import captured_report
-    from edgetl.memory.schedule import prepare_step
-    from edgetl.models.side import build_network
 
-    c = plan.chosen
-    with torch.random.fork_rng(devices=[]):
-        net = build_network(copy.deepcopy(plan.spec), c.mode, device="cpu", lean=c.lean)
-    step = plan_step(c.storage)
-    prepare_step(net, resolution=plan.resolution, batch_size=c.batch_size, step=step)
+    net, step = planned_network(plan)
     report = captured_report(net, runtime_bytes=plan.predicted_bytes, resolution=plan.resolution,
-                             batch_size=c.batch_size, step=step, capability=JETSON_ORIN)
+                             batch_size=plan.chosen.batch_size, step=step, capability=JETSON_ORIN)
     budget = plan.tensor_budget_bytes
     verdict = ("within it" if report.total_bytes <= budget else
                "over it: finetune refuses the plan with graphs; add --eager, or plan for the larger figure")

@@ -11,14 +11,13 @@ from edgetl.plan.ladder import plan_step
 log = logging.getLogger(__name__)
 
 
-def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 0) -> int:
-    """Build the planned network (random weights) and measure real training steps; returns bytes.
-
-    Also stores the measurement in ``plan.measured_bytes``.
-    """
+def planned_network(plan: Plan, *, device: str = "cpu", seed: int = 0):
+    """The planned network (random weights drawn from ``seed``, the global random state
+    untouched) with the step the plan predicted (and finetune runs): its schedule fitted and
+    applied, its optimizer fused and updating inside backward where the plan says so.
+    Returns (network, step)."""
     import torch
 
-    from edgetl.memory.meter import measure_training_peak
     from edgetl.memory.schedule import prepare_step
     from edgetl.models.side import build_network
 
@@ -26,10 +25,20 @@ def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_network(copy.deepcopy(plan.spec), c.mode, device=device, lean=c.lean)
-    # the step the plan predicted (and finetune runs): its schedule fitted and applied, its
-    # optimizer fused and updating inside backward where the plan says so
     step = plan_step(c.storage)
     prepare_step(net, resolution=plan.resolution, batch_size=c.batch_size, step=step)
+    return net, step
+
+
+def verify_plan(plan: Plan, *, steps: int = 3, device: str = "cpu", seed: int = 0) -> int:
+    """Build the planned network (random weights) and measure real training steps; returns bytes.
+
+    Also stores the measurement in ``plan.measured_bytes``.
+    """
+    from edgetl.memory.meter import measure_training_peak
+
+    net, step = planned_network(plan, device=device, seed=seed)
+    c = plan.chosen
     measured = measure_training_peak(net, resolution=plan.resolution, batch_size=c.batch_size,
                                      steps=steps, step=step, device=device, seed=seed)
     plan.measured_bytes, plan.verify_steps = int(measured), steps

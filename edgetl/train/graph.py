@@ -217,30 +217,30 @@ class CapturedStep:
         key = (tuple(images.shape), images.dtype, tuple(labels.shape), labels.dtype)
         with torch.cuda.device(self.device):
             if self.failed is not None:
-                return self._eager(images.to(self.device, non_blocking=True),
-                                   labels.to(self.device, non_blocking=True))
+                return self._eager(images, labels)
             g = self.graphs.get(key)
             if g is None and (self.eager_steps < self.warmup or key not in self.seen):
                 self.seen.add(key)
                 if self.graphs:  # an eager step never runs beside the graphs' pool: the run's
                     self._drop_graphs()  # memory stays that of one step, eager or captured
-                return self._eager(images.to(self.device, non_blocking=True),
-                                   labels.to(self.device, non_blocking=True))
+                return self._eager(images, labels)
             if g is None:
                 try:
                     g = self.graphs[key] = self._capture(images, labels)
                 except Exception as exc:  # noqa: BLE001 - the run goes on eagerly; the summary says why
                     self._give_up(exc, int(images.shape[0]))
-                    return self._eager(images.to(self.device, non_blocking=True),
-                                       labels.to(self.device, non_blocking=True))
+                    return self._eager(images, labels)
             g.images.copy_(images, non_blocking=True)
             g.labels.copy_(labels, non_blocking=True)
             g.graph.replay()
             return g.loss, g.correct
 
     def _eager(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One eager step on a side stream; after the warm-up's last, and after a new batch
-        size's, the blocks the eager steps cached go back (the graphs' pool takes their place)."""
+        """One eager step on a side stream, the batch (as the loader gives it) copied to the device
+        first; after the warm-up's last, and after a new batch size's, the blocks the eager steps
+        cached go back (the graphs' pool takes their place)."""
+        images = images.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
         if self.side is None:
             self.side = torch.cuda.Stream(self.device)
         main, side = torch.cuda.current_stream(self.device), self.side
