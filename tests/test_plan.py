@@ -191,43 +191,108 @@ def test_verify_measures_within_five_percent():
     assert abs(measured / result.predicted_bytes - 1) <= 0.05
 
 
-def test_a_plan_for_a_cuda_device_notes_what_graphs_reserve():
-    """A plan for a Jetson preset says what the graphs finetune captures there reserve beyond an
-    eager run (its network traced on the meta device, replayed as captured) and whether the
-    tensors and that still fit the tensor budget (finetune refuses it otherwise); the figure is
-    the replay of three real CPU steps of the planned network (what --verify measures). A plan
-    for no device gets no such note."""
-    import re
-
+def replayed_graphs(result, config=None) -> int:
+    """What the graphs of a planned step reserve beyond an eager run, from a second instrument:
+    three real CPU steps of the network built here from the plan's configuration (``config``,
+    else the chosen one), their storage trace replayed as the captured step runs (the plan
+    traces a meta copy)."""
     import torch
 
     from edgetl.memory.cuda import JETSON_ORIN, cublas_workspace_bytes, cublaslt_workspace_bytes, replay_captured
     from edgetl.memory.meter import measure_training_memory
     from edgetl.memory.schedule import prepare_step
 
-    assert not any("CUDA graphs" in n for n in tiny_plan(5 * MB).notes)
-    verdicts = set()
-    for budget in (5 * MB, 1000 * MB):
-        jetson = tiny_plan(budget, device_preset="orin-nano-8gb")
-        (note,) = [n for n in jetson.notes if "CUDA graphs" in n]
-        m = re.search(r"reserve a predicted ([\d.]+) MB beyond an eager run, ([\d.]+) MB with the tensors against "
-                      r"the tensor budget ([\d.]+) MB, (within it|over it)", note)
-        extra, total, tb = (float(x) for x in m.groups()[:3])
-        c = jetson.chosen
-        torch.manual_seed(0)
-        net = build_network(jetson.spec, c.mode, lean=c.lean)
-        step = step_of(c)
-        prepare_step(net, resolution=RES, batch_size=c.batch_size, step=step)
-        trace = measure_training_memory(net, resolution=RES, batch_size=c.batch_size, steps=3, step=step,
-                                        record_trace=True).trace
-        cpu = replay_captured(trace, cublas_workspace=cublas_workspace_bytes(JETSON_ORIN),
-                              cublaslt_workspace=cublaslt_workspace_bytes())
-        assert extra == round(cpu.extra_bytes / MB, 1)
-        assert total == round((jetson.predicted_bytes + cpu.extra_bytes) / MB, 1)
-        assert tb == round(jetson.tensor_budget_bytes / MB, 1)
-        assert (m.group(4) == "within it") == (total <= tb) and ("--eager" in note) == (total > tb)
-        verdicts.add(m.group(4))
-    assert verdicts == {"within it", "over it"}
+    c = config or result.chosen
+    torch.manual_seed(0)
+    spec = dataclasses.replace(result.spec, hidden={**result.spec.hidden, **c.kept})
+    net = build_network(spec, c.mode, lean=c.lean)
+    step = step_of(c)
+    prepare_step(net, resolution=RES, batch_size=c.batch_size, step=step)
+    trace = measure_training_memory(net, resolution=RES, batch_size=c.batch_size, steps=3, step=step,
+                                    record_trace=True).trace
+    return replay_captured(trace, cublas_workspace=cublas_workspace_bytes(JETSON_ORIN),
+                           cublaslt_workspace=cublaslt_workspace_bytes()).extra_bytes
+
+
+def test_a_plan_for_a_cuda_device_runs_its_step_as_graphs_where_they_fit():
+    """On a Jetson preset finetune captures the step as CUDA graphs by default: the plan keeps
+    the configuration the objective picks (graphs are speed), and runs it as graphs where its
+    tensors and what the graphs reserve beyond an eager run fit the tensor budget (figures
+    checked against three real CPU steps' replay), at a smaller streamed micro-batch if need be
+    (the largest that fits), else eagerly (finetune --plan then runs with train.cuda_graph
+    false), saying which in a note. A plan for no device counts no graphs."""
+    import re
+
+    from edgetl.cli.finetune import planned_values
+
+    nowhere = tiny_plan(40 * MB)
+    assert nowhere.cuda_graph is None and not nowhere.eager and nowhere.to_dict()["cuda_graph"] is None
+    assert not any("CUDA graphs" in n for n in nowhere.notes)
+    assert planned_values(nowhere)["train.cuda_graph"] is None
+
+    fits = tiny_plan(40 * MB, device_preset="orin-nano-8gb")
+    assert fits.chosen == nowhere.chosen and not fits.eager
+    extra = replayed_graphs(fits)
+    assert fits.cuda_graph.extra_bytes == extra > 0 and fits.cuda_graph.capability == (8, 7)
+    assert fits.cuda_graph.total_bytes == fits.predicted_bytes + extra <= fits.tensor_budget_bytes
+    assert fits.counted_bytes == fits.cuda_graph.total_bytes
+    assert any(f"reserve a predicted {extra / MB:.1f} MB beyond an eager run" in n for n in fits.notes)
+    assert planned_values(fits)["train.cuda_graph"] is None  # the recipe's default: graphs
+
+    # the same configuration, whose graphs do not fit 20 MB: it runs eagerly
+    over = tiny_plan(20 * MB, device_preset="orin-nano-8gb")
+    assert over.chosen == tiny_plan(20 * MB).chosen == fits.chosen and over.eager and over.cuda_graph is None
+    assert fits.cuda_graph.total_bytes > 20 * MB
+    (note,) = [n for n in over.notes if "CUDA graphs" in n]
+    m = re.search(r"would reserve a predicted ([\d.]+) MB beyond an eager run, ([\d.]+) MB with the tensors, over "
+                  r"the tensor budget 20.0 MB: the plan runs it eagerly", note)
+    assert (float(m.group(1)), float(m.group(2))) == (round(extra / MB, 1), round(fits.cuda_graph.total_bytes / MB, 1))
+    assert over.to_dict()["cuda_graph"] is False and planned_values(over)["train.cuda_graph"] is False
+
+    # 6 MB: the eager pick streams by 7, whose graphs do not fit; the largest micro-batch whose do
+    eager = tiny_plan(6 * MB)
+    graphs = tiny_plan(6 * MB, device_preset="orin-nano-8gb")
+    m = graphs.chosen.stream
+    assert 1 <= m < eager.chosen.stream and graphs.chosen == dataclasses.replace(eager.chosen, stream=m)
+    assert graphs.predicted_bytes == predicted(graphs.chosen)
+    assert graphs.cuda_graph.total_bytes == graphs.predicted_bytes + replayed_graphs(graphs) <= 6 * MB
+    above = dataclasses.replace(graphs.chosen, stream=m + 1)
+    assert predicted(above) + replayed_graphs(graphs, above) > 6 * MB
+
+    # asked for an eager step: no graphs counted, finetune --plan runs eagerly
+    asked = tiny_plan(6 * MB, device_preset="orin-nano-8gb", eager=True)
+    assert asked.chosen == eager.chosen and asked.eager and asked.cuda_graph is None and asked.graph_replays == 0
+    assert asked.request["eager"] is True and any("--eager" in n for n in asked.notes)
+    assert planned_values(asked)["train.cuda_graph"] is False
+
+
+def test_a_plans_cuda_graph_figures_are_read_back_and_checked(tmp_path):
+    """The figures round-trip through YAML; a hand edit that breaks their agreement with the
+    tensors, the device, the budget or the request is refused naming the key."""
+    import re
+
+    from edgetl.errors import ConfigError
+
+    fits = tiny_plan(40 * MB, device_preset="orin-nano-8gb")
+    path = tmp_path / "plan.yaml"
+    fits.save(path)
+    again = load_plan(path)
+    assert again.to_dict() == fits.to_dict() and again.cuda_graph == fits.cuda_graph
+    g = fits.to_dict()["cuda_graph"]
+    edits = [
+        ({"cuda_graph": {**g, "extra_bytes": g["extra_bytes"] + 1}}, "plan.cuda_graph.total_bytes: "),
+        ({"cuda_graph": {**g, "capability": [9, 0]}}, "plan.cuda_graph.capability: [9, 0] disagrees with device"),
+        ({"cuda_graph": {**g, "capability": [8]}}, "plan.cuda_graph.capability: [8]; allowed: [major, minor]"),
+        ({"cuda_graph": True}, "plan.cuda_graph is True; allowed: null, false"),
+        ({"request": {**fits.request, "eager": True}}, "the figures of graphs disagrees with plan.request.eager true"),
+        ({"cuda_graph": {**g, "extra_bytes": 41 * MB, "total_bytes": fits.predicted_bytes + 41 * MB}},
+         "exceeds plan.budget.tensor_budget_bytes 40000000: the step captured as CUDA graphs does not fit"),
+    ]
+    nowhere = tiny_plan(40 * MB).to_dict()
+    for edit, needle in edits + [({"budget": nowhere["budget"]}, "plan.cuda_graph: device none has no GPU")]:
+        path.write_text(json.dumps({**fits.to_dict(), **edit}))
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_plan(path)
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -271,6 +336,35 @@ def test_cli_plan_and_impossible(capsys, tmp_path, monkeypatch):
     assert main(["plan", "--budget", "3MB", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "smallest budget that works" in err[0]
+
+
+def test_cli_plan_for_a_jetson_prints_its_graphs_and_eager_runs_eagerly(capsys, tmp_path):
+    """edgetl plan on a Jetson preset prints what the graphs reserve and the headroom left
+    beside them; --eager plans an eager step, which finetune --plan then runs eagerly."""
+    from edgetl.cli import build_parser
+    from edgetl.cli.finetune import recipe_from_args
+
+    common = ["--budget", "40MB", "--resolution", str(RES), "--width", "0.35", "--device", "orin-nano-8gb"]
+    graphs, eager = tmp_path / "graphs.yaml", tmp_path / "eager.yaml"
+    assert main(["plan", *common, "-o", str(graphs)]) == 0
+    text = capsys.readouterr().out
+    g = load_plan(graphs)
+    assert f"CUDA graphs beyond an eager run (predicted, sm87)  {g.cuda_graph.extra_bytes / MB:.2f}" in text
+    assert f"predicted with CUDA graphs  {g.cuda_graph.total_bytes / MB:.2f}" in text
+    assert f"headroom  {(40 * MB - g.cuda_graph.total_bytes) / MB:.2f}" in text
+    assert "1 CUDA-graph replays" in text
+    assert main(["plan", *common, "--eager", "-o", str(eager)]) == 0
+    text = capsys.readouterr().out
+    assert "CUDA graphs beyond" not in text and "note: planned for an eager step (--eager)" in text
+    assert load_plan(eager).eager and load_plan(eager).chosen == g.chosen
+
+    def recipe_of(path, *extra):
+        return recipe_from_args(build_parser(only="finetune").parse_args(
+            ["finetune", "--recipe", "fashion_mnist", "--plan", str(path), "--set", "model.width=0.35",
+             "--set", f"data.resolution={RES}", "-o", str(tmp_path / "run"), *extra])).recipe
+
+    assert recipe_of(graphs).train.cuda_graph is True and recipe_of(eager).train.cuda_graph is False
+    assert recipe_of(graphs, "--eager").train.cuda_graph is False
 
 
 @pytest.mark.slow

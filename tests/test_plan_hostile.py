@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from edgetl.cli import main
 from edgetl.errors import ConfigError
 from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
-from edgetl.plan import OBJECTIVE, Candidate, Plan, PlanConfig, load_plan
+from edgetl.plan import OBJECTIVE, Candidate, GraphMemory, Plan, PlanConfig, load_plan
 from tests.test_divergence_and_data import tree_digest
 from tests.test_recipe_files import run_cli
 
@@ -35,6 +35,8 @@ PRUNING = ["--budget", "4.54MB", "--resolution", str(RES), "--width", "0.35", "-
            "--no-fused", "--no-step-in-backward", "--precision", "fp32"]
 UNPRUNED = ["--budget", "6MB", "--resolution", str(RES), "--width", "0.35", "--batch-size", "4", "--stream", "0",
             "--no-fused", "--no-step-in-backward", "--precision", "fp32"]
+# the unpruned plan for a Jetson preset, whose step runs as CUDA graphs (their figures in the plan)
+JETSON = ["--device", "orin-nano-8gb", *UNPRUNED[2:], "--budget", "40MB"]
 FAST = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -50,14 +52,15 @@ def refused(code: int, err: str) -> str:
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory) -> dict[str, Path]:
-    """Two plans made by ``edgetl plan``: one prunes, one does not."""
+    """Three plans made by ``edgetl plan``: one prunes, one does not, one runs as CUDA graphs on a Jetson."""
     folder = tmp_path_factory.mktemp("plans")
     out = {}
-    for name, argv in (("pruning", PRUNING), ("unpruned", UNPRUNED)):
+    for name, argv in (("pruning", PRUNING), ("unpruned", UNPRUNED), ("jetson", JETSON)):
         out[name] = folder / f"{name}.yaml"
         assert main(["plan", *argv, "-o", str(out[name])]) == 0
     assert load_plan(out["pruning"]).chosen.kept and load_plan(out["pruning"]).runners_up
     assert not load_plan(out["unpruned"]).chosen.kept
+    assert load_plan(out["jetson"]).cuda_graph is not None
     return out
 
 
@@ -175,6 +178,13 @@ EDITS = {
     "batch vs request": (_both(_set(("finetune", "batch_size"), 8), _set(("runners_up",), [])), "batch_size"),
     "resolution too small": (_set(("resolution",), 32), "resolution"),
     "storage outside mode full": (_set(("finetune", "storage"), "pool2"), "storage"),
+    # how the step runs on the device: null, false (eager) or the CUDA-graph figures of a device with a GPU
+    "cuda_graph true": (_set(("cuda_graph",), True), "cuda_graph"),
+    "request eager 'no'": (_set(("request", "eager"), "no"), "eager"),
+    "eager asked, not planned": (_set(("request", "eager"), True), "eager"),
+    "graphs on no GPU": (lambda d: d.update(cuda_graph={"capability": [8, 7], "extra_bytes": 0,
+                                                        "total_bytes": d["predicted"]["total_bytes"]}), "cuda_graph"),
+    "graph replays -1": (_set(("search", "graph_replays"), -1), "graph_replays"),
 }
 
 
@@ -402,6 +412,9 @@ def naive_plan(d: dict) -> Plan:
         objective=d.get("objective", OBJECTIVE), evaluations=search.get("evaluations", 0),
         search_seconds=search.get("seconds", 0.0), notes=d.get("notes") or [],
         measured_bytes=verify.get("measured_bytes"), verify_steps=verify.get("steps"),
+        cuda_graph=(GraphMemory(tuple(d["cuda_graph"]["capability"]), d["cuda_graph"]["extra_bytes"],
+                                d["cuda_graph"]["total_bytes"]) if isinstance(d.get("cuda_graph"), dict) else None),
+        eager=d.get("cuda_graph") is False, graph_replays=search.get("graph_replays", 0),
     )
 
 
@@ -420,9 +433,10 @@ def same(a, b) -> bool:
 
 
 @FAST
+@pytest.mark.parametrize("name", ["pruning", "jetson"])
 @given(data=st.data())
-def test_generated_hand_edits_are_refused_naming_the_key_or_read_exactly(plans, tmp_path, data):
-    original = doc(plans["pruning"])
+def test_generated_hand_edits_are_refused_naming_the_key_or_read_exactly(plans, tmp_path, name, data):
+    original = doc(plans[name])
     edited, path, kind = data.draw(hand_edits(original), label="edit")
     file = tmp_path / "edited.yaml"
     file.write_text(yaml.safe_dump(edited, sort_keys=False))

@@ -64,8 +64,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
     p.add_argument("--plan", metavar="PLAN",
                    help="plan.yaml from edgetl plan: supplies --mode, --runtime, --storage, --pool, --precision, "
-                        "--frozen-weights, --stream, --recompute, --uint8-input, --fused, --step-in-backward, --batch-size "
-                        "and --budget "
+                        "--frozen-weights, --stream, --recompute, --uint8-input, --fused, --step-in-backward, --batch-size, "
+                        "--budget and, for a plan that runs eagerly (made with --eager, or its CUDA graphs did not fit), --eager "
                         "(explicit flags win); checks the backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B); a step "
@@ -116,7 +116,9 @@ def planned_values(plan) -> dict[str, object]:
             "model.stream": c.stream, "train.batch_size": c.batch_size, "model.mode": c.mode,
             "model.runtime": "lean", "model.storage": c.conv_storage, "model.uint8_input": c.uint8_input or None,
             "model.recompute": c.recompute or None, "optim.fused": c.fused or None,
-            "optim.step_in_backward": c.step_in_backward or None}
+            "optim.step_in_backward": c.step_in_backward or None,
+            # an eager plan (asked with --eager, or its graphs did not fit) counted no CUDA graphs
+            "train.cuda_graph": False if plan.eager else None}
 
 
 def check_planned(plan, recipe, where) -> None:

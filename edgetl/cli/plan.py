@@ -37,7 +37,10 @@ def add_parser(sub) -> None:
             "first, then recomputing streamed segments, then fused optimizer kernels and the update "
             "inside backward, then storage savings (frozen fp16, int8 frozen weights, half "
             "activations), then pooling, then pruning; a streamed plan keeps the largest "
-            "micro-batch that fits. "
+            "micro-batch that fits. On a device with a GPU (--device orin-nano-*) finetune captures the step "
+            "as CUDA graphs by default: the planned step runs so where its tensors and what the graphs reserve "
+            "beyond an eager run fit the budget (at a smaller streamed micro-batch if need be), else eagerly "
+            "(--eager: always). "
             "With --batch-size auto the batch grows once "
             "the exact configuration fits. All plans lie on one path, so a larger budget never "
             "prunes more, pools coarser or shrinks the batch. --verify measures real training "
@@ -73,6 +76,10 @@ def add_parser(sub) -> None:
     p.add_argument("--step-in-backward", action=argparse.BooleanOptionalAction, default=None,
                    help="fix the update inside backward (optim.step_in_backward) on or off; --no-step-in-backward "
                         "for a run under DDP (torchrun), which refuses it; default: searched")
+    p.add_argument("--eager", action="store_true",
+                   help="plan an eager step: on a device with a GPU (--device orin-nano-*) finetune captures the "
+                        "step as CUDA graphs by default, and the plan runs it so where the tensors and what the graphs "
+                        "reserve beyond an eager run fit the budget; with --eager finetune --plan runs it eagerly")
     p.add_argument("--backbone", metavar="DIR|NAME", help="backbone folder, architecture or weights name, e.g. resnet18, mobilenet_v2:IMAGENET1K_V1 "
                         "(default: MobileNetV2 --width)")
     p.add_argument("--width", type=positive_float,
@@ -128,13 +135,19 @@ def print_plan(plan) -> None:
     if plan.measured_bytes is not None:
         err = plan.measured_bytes / plan.predicted_bytes - 1
         rows.append([f"measured peak ({plan.verify_steps} real steps)", f"{fmt_mb(plan.measured_bytes)} ({err:+.1%})"])
+    g = plan.cuda_graph
+    if g is not None:
+        rows.append([f"CUDA graphs beyond an eager run (predicted, sm{g.capability[0]}{g.capability[1]})",
+                     fmt_mb(g.extra_bytes)])
+        rows.append(["predicted with CUDA graphs", fmt_mb(g.total_bytes)])
     rows.append(["tensor budget", fmt_mb(plan.tensor_budget_bytes)])
-    rows.append(["headroom", fmt_mb(plan.tensor_budget_bytes - plan.predicted_bytes)])
+    rows.append(["headroom", fmt_mb(plan.tensor_budget_bytes - plan.counted_bytes)])
     print_table(["breakdown at the peak", "MB"], rows)
     if plan.device != "none":
         lines = [[name, fmt_mb(v)] for name, v in plan.overheads.items()]
-        total = plan.predicted_bytes + sum(plan.overheads.values())
-        lines.append(["process total (tensors + overheads)", fmt_mb(total)])
+        total = plan.counted_bytes + sum(plan.overheads.values())
+        what = "tensors + CUDA graphs + overheads" if g is not None else "tensors + overheads"
+        lines.append([f"process total ({what})", fmt_mb(total)])
         if plan.budget_scope == "process":
             lines.append(["process budget", fmt_mb(plan.budget_bytes)])
         if plan.device_process_limit_bytes is not None:
@@ -148,7 +161,8 @@ def print_plan(plan) -> None:
         print_table(["runner-up pruning", "storage", "batch", "predicted MB", "fits", "why not chosen"], rows)
     for note in plan.notes:
         print(f"note: {note}")
-    print(f"search: {plan.evaluations} runtime-accounting evaluations, {plan.search_seconds:.1f} s")
+    replays = f", {plan.graph_replays} CUDA-graph replays" if plan.graph_replays else ""
+    print(f"search: {plan.evaluations} runtime-accounting evaluations{replays}, {plan.search_seconds:.1f} s")
 
 
 def run(args) -> int:
@@ -163,7 +177,7 @@ def run(args) -> int:
                   batch_size=args.batch_size, resolution=args.resolution, num_classes=args.num_classes,
                   precision=args.precision, stream=args.stream, backbone=args.backbone, width=args.width,
                   max_ratio=args.max_ratio, max_batch_size=args.max_batch_size or MAX_BATCH_SIZE, mode=args.mode,
-                  fused=args.fused, step_in_backward=args.step_in_backward)
+                  fused=args.fused, step_in_backward=args.step_in_backward, eager=args.eager)
     if args.verify:
         verify_plan(result)
     print_plan(result)

@@ -47,10 +47,10 @@ from edgetl.models.backbone import BackboneSpec, build_backbone, hidden_channels
 from edgetl.plan.devices import DEVICES, DevicePreset
 from edgetl.plan.document import (
     BUDGET_SCOPES, CONV_STORAGES, FROZEN_WEIGHTS, HALF_DTYPES, MAX_BATCH_SIZE, MAX_RATIO, MODE, OBJECTIVE,
-    OPTIMIZER, PLAN_FORMAT, PLAN_MODES, POOLS, PRECISIONS, VERIFY_TOLERANCE, Candidate, Plan, PlanConfig,
-    PlanImpossible, Storage, _check_storage, load_plan, ratio_for,
+    OPTIMIZER, PLAN_FORMAT, PLAN_MODES, POOLS, PRECISIONS, VERIFY_TOLERANCE, Candidate, GraphMemory, Plan,
+    PlanConfig, PlanImpossible, Storage, _check_storage, load_plan, ratio_for,
 )
-from edgetl.plan.graphs import graph_note
+from edgetl.plan.graphs import GraphChoice, graph_note, with_graphs
 from edgetl.plan.ladder import _stored_pools_of, half_precision, plan_step, storage_ladder
 from edgetl.plan.path import _Evaluator, _fastest_stream, _fewest_optimizer_levers, _runners_up, _Search
 from edgetl.plan.verify import verify_plan
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BUDGET_SCOPES", "CONV_STORAGES", "DEVICES", "FROZEN_WEIGHTS", "HALF_DTYPES", "MAX_BATCH_SIZE", "MAX_RATIO",
     "MODE", "OBJECTIVE", "OPTIMIZER", "PLAN_FORMAT", "PLAN_MODES", "POOLS", "PRECISIONS", "VERIFY_TOLERANCE",
-    "Candidate", "DevicePreset", "Plan", "PlanConfig", "PlanImpossible", "Storage", "half_precision",
+    "Candidate", "DevicePreset", "GraphMemory", "Plan", "PlanConfig", "PlanImpossible", "Storage", "half_precision",
     "load_plan", "plan", "plan_step", "ratio_for", "storage_ladder", "verify_plan",
 ]
 
@@ -162,6 +162,7 @@ def plan(
     mode: str = MODE,
     fused: bool | None = None,
     step_in_backward: bool | None = None,
+    eager: bool = False,
 ) -> Plan:
     """Choose pruning, pooling, precision, frozen-weight storage and batch size to fit a budget.
 
@@ -194,6 +195,12 @@ def plan(
         step_in_backward: fix the update inside backward (``optim.step_in_backward``) on or
             off (off for a run under DDP); None searches (only where fused kernels are on or
             searched, see ``storage_ladder``).
+        eager: plan an eager step (finetune --plan then runs eagerly). Otherwise, on a device
+            with a GPU (``DevicePreset.capability``), where finetune captures the step as CUDA
+            graphs by default, the plan runs it so where its tensors and what the graphs reserve
+            beyond an eager run fit the tensor budget (``edgetl.plan.graphs.with_graphs``),
+            eagerly where they do not: graphs are a matter of speed, chosen after the objective
+            (a plan never prunes, pools or stores less exactly to run as graphs).
 
     Raises:
         PlanImpossible: nothing fits; carries the smallest budget that would.
@@ -221,7 +228,7 @@ def plan(
                             half=half, stream=stream, mode=mode, fused=fused, step_in_backward=step_in_backward)
     request = {"mode": mode, "batch_size": batch_size, "precision": precision, "pool": pool,
                "frozen_weights": frozen_weights, "stream": stream, "fused": fused,
-               "step_in_backward": step_in_backward,
+               "step_in_backward": step_in_backward, "eager": eager,
                "blocks": None if blocks is None else list(blocks),
                "max_ratio": max_ratio, "max_batch_size": max_batch_size}
 
@@ -236,22 +243,29 @@ def plan(
     chosen = _fewest_optimizer_levers(chosen, ev, tensor_budget, fused=fused, step_in_backward=step_in_backward)
     if chosen.stream and stream is None:
         chosen = _fastest_stream(chosen, ev, tensor_budget)
+    step = GraphChoice(chosen, None, None, 0)
+    if not eager and preset.capability is not None:  # then speed: the step captured as CUDA graphs if it fits
+        step = with_graphs(chosen, base, ev, tensor_budget, preset.capability, resolution=resolution,
+                           num_classes=num_classes, stream_fixed=stream is not None)
+        chosen = step.config
     report = ev.report(chosen.kept, chosen.storage, chosen.batch_size)
     runners = _runners_up(search.evaluated, chosen_pos, chosen, tensor_budget)
     notes, overheads, limit = _notes_and_overheads(chosen, half, preset, report.total_bytes)
     elapsed = time.perf_counter() - start
-    log.info("plan: %s, predicted %d bytes, %d evaluations in %.1f s", chosen.describe(),
-             report.total_bytes, ev.count, elapsed)
+    log.info("plan: %s, predicted %d bytes, %d evaluations, %d CUDA-graph replays in %.1f s", chosen.describe(),
+             report.total_bytes, ev.count, step.replays, elapsed)
     result = Plan(
         budget_bytes=budget_bytes, budget_scope=budget_scope, tensor_budget_bytes=tensor_budget,
         device=preset.name, overheads=overheads, device_process_limit_bytes=limit,
         resolution=resolution, num_classes=num_classes, request=request,
         backbone=dataclasses.replace(base, num_classes=num_classes).to_dict(), chosen=chosen,
         predicted_bytes=report.total_bytes, breakdown=dict(report.breakdown), runners_up=runners,
-        evaluations=ev.count, search_seconds=elapsed, notes=notes,
+        evaluations=ev.count, search_seconds=elapsed, notes=notes, cuda_graph=step.graphs,
+        eager=eager or step.over is not None, graph_replays=step.replays,
     )
-    if preset.cuda_context_bytes:  # a CUDA device: finetune captures the step as graphs there
-        result.notes.append(graph_note(result))
+    note = graph_note(result, step.over)
+    if note is not None:
+        result.notes.append(note)
     return result
 
 
@@ -268,4 +282,3 @@ def _impossible(total: int, cfg: PlanConfig, budget: int, tensor_budget: int, sc
         f"saving configuration ({cfg.describe()}) needs {total / MB:.2f} MB of tensors; the smallest "
         f"budget that works is {math.ceil(need / 1e4) / 100:.2f} MB ({scope})",
         need, cfg)
-

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from edgetl.errors import ConfigError
+from edgetl.memory.cuda import JETSON_ORIN
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class DevicePreset:
             to replace by ``max_memory_reserved / max_memory_allocated`` measured on the device.
         os_share: share of the device memory the OS, desktop and page cache keep
             (edgetl.doctor keeps 25 % of MemAvailable free).
+        capability: the GPU's compute capability where the device has one (finetune captures
+            the step as CUDA graphs there, and a plan counts what they reserve); None: no GPU known.
     """
 
     name: str
@@ -29,6 +32,7 @@ class DevicePreset:
     cuda_context_bytes: int = 0
     allocator_slack: float = 0.0
     os_share: float = 0.0
+    capability: tuple[int, int] | None = None
 
     def overheads(self, tensor_bytes: int) -> dict[str, int]:
         """Process memory beyond ``tensor_bytes`` of live tensors, one line per cause."""
@@ -61,8 +65,8 @@ def _doctor_constants() -> tuple[int, float]:
 _CTX, _HEADROOM = _doctor_constants()
 DEVICES = {
     "none": DevicePreset("none"),
-    "orin-nano-8gb": DevicePreset("orin-nano-8gb", 8 * 2**30, _CTX, 0.10, _HEADROOM),
-    "orin-nano-4gb": DevicePreset("orin-nano-4gb", 4 * 2**30, _CTX, 0.10, _HEADROOM),
+    "orin-nano-8gb": DevicePreset("orin-nano-8gb", 8 * 2**30, _CTX, 0.10, _HEADROOM, JETSON_ORIN),
+    "orin-nano-4gb": DevicePreset("orin-nano-4gb", 4 * 2**30, _CTX, 0.10, _HEADROOM, JETSON_ORIN),
 }
 
 

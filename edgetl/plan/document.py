@@ -7,190 +7,20 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import yaml
 
 from edgetl.errors import BudgetError, ConfigError, DataError
-import edgetl.models.archs as archs
-from edgetl.models.backbone import MAX_CLASSES, MAX_WIDTH, BackboneSpec, prunable_blocks
-
-# The blocks any shipped architecture can prune (MobileNetV2: 1..17, ResNet-18: 1..8): the
-# schema's bounds; the plan's own architecture's are checked once its backbone is read
-# (``Plan._check_agreement``).
-_ANY_BLOCK = range(min(prunable_blocks(a).start for a in archs.registered()),
-                   max(prunable_blocks(a).stop for a in archs.registered()))
-from edgetl.options import (
-    CONV_STORAGES, FROZEN_WEIGHTS, MAX_BATCH, POOLS, PRECISIONS, LeanOptions, option_default,
-)
+from edgetl.models.backbone import BackboneSpec, prunable_blocks
+from edgetl.options import CONV_STORAGES, FROZEN_WEIGHTS, POOLS, PRECISIONS, LeanOptions
 from edgetl.plan.devices import DEVICES
-from edgetl.schema import allowed, build, check_fields, show
-
-PLAN_FORMAT = "edgetl-plan/1"
-MODE = "repnet"  # the default planned mode: Rep-Net on a frozen lean backbone
-# Modes a plan can be made for (issue #16 item 4): Rep-Net (pruning, pooling, storage, streaming),
-# bias-only TinyTL-B (streaming, frozen-weight and activation storage) and lean full fine-tuning
-# (each conv's stored input: exact, then pooled by 2, then by 4).
-PLAN_MODES = ("repnet", "bias", "full")
-OPTIMIZER = "adam"  # the plan's step: edgetl.step.Step.plain(OPTIMIZER) (plan_step)
-HALF_DTYPES = ("fp16", "bf16")  # "half" activations, preferred first (half_precision)
-BUDGET_SCOPES = ("tensors", "process")
-MAX_RATIO = 0.9
-MAX_CHANNELS = 100_000  # hidden channels of one block a plan may name (MobileNetV2 1.0 has at most 960)
-MAX_BATCH_SIZE = 256
-VERIFY_TOLERANCE = 0.05
-OBJECTIVE = ("fit the budget removing as few hidden channels as possible, then prefer a smaller "
-             "pooling k, then a larger batch; storage savings (frozen fp16, int8 frozen weights, "
-             "half activations) before pooling, pooling before pruning")
-
-
-# --- the document's schema: each section as the recipe's are (edgetl.schema), parsed, never coerced ----
-
-
-@dataclass(kw_only=True)
-class _FinetuneSection:
-    """plan.finetune (and a runner-up's): the lean runtime options and the batch."""
-
-    mode: Literal[PLAN_MODES]
-    runtime: Literal["lean"] = "lean"  # plans before issue #16 had no runtime: lean
-    pool: int = option_default("pool", dataclasses.MISSING)
-    precision: Literal[PRECISIONS]
-    frozen_weights: Literal[FROZEN_WEIGHTS]
-    bn: Literal["fold"]
-    batch_size: int = allowed(ge=1, le=MAX_BATCH)  # train.batch_size's range
-    stream: int = option_default("stream", 0)  # plans before streaming streamed nothing
-    uint8_input: bool | None = None  # derived from stream; absent in plans before it
-    recompute: bool = False
-    storage: Literal[CONV_STORAGES] = "exact"
-    fused: bool = False  # plans before issue #30 changed no step
-    step_in_backward: bool = False
-
-
-@dataclass(kw_only=True)
-class _PruneSection:
-    """plan.prune, less its two mappings of block -> channels (``channels``, ``kept``)."""
-
-    blocks: list[int] = allowed(ge=_ANY_BLOCK.start, le=_ANY_BLOCK.stop - 1)
-    ratios: list[float] = allowed(ge=0, lt=1)
-
-
-@dataclass(kw_only=True)
-class _BudgetSection:
-    """plan.budget, less ``overheads`` (name -> bytes)."""
-
-    budget_bytes: int = allowed(ge=1)
-    scope: Literal[BUDGET_SCOPES]
-    tensor_budget_bytes: int = allowed(ge=0)
-    device: Literal[tuple(DEVICES)]
-    device_process_limit_bytes: int | None = allowed(None, ge=1)
-
-
-@dataclass(kw_only=True)
-class _RequestSection:
-    """plan.request: what ``plan`` was asked (None: searched)."""
-
-    mode: Literal[PLAN_MODES] = MODE  # absent before issue #16: Rep-Net
-    batch_size: int | Literal["auto"]  # an integer >= 1 (checked in Plan.from_dict)
-    precision: Literal[PRECISIONS] | None
-    pool: int | None = allowed(choices=POOLS)
-    frozen_weights: Literal[FROZEN_WEIGHTS] | None
-    stream: int | None = allowed(None, ge=0, le=MAX_BATCH)  # absent before streaming
-    fused: bool | None = None  # absent before issue #30
-    step_in_backward: bool | None = None
-    blocks: list[int] | None = allowed(ge=_ANY_BLOCK.start, le=_ANY_BLOCK.stop - 1)
-    max_ratio: float = allowed(ge=0, lt=1)
-    max_batch_size: int = allowed(ge=1)
-
-
-@dataclass(kw_only=True)
-class _BackboneSection:
-    """plan.backbone: the input backbone's ``BackboneSpec``, less ``hidden`` (block -> channels)."""
-
-    arch: str = archs.DEFAULT_ARCH  # a registered architecture (checked by BackboneSpec after parsing)
-    width: float = allowed(gt=0, le=MAX_WIDTH)
-    num_classes: int = allowed(ge=1, le=MAX_CLASSES)
-    dropout: float = allowed(0.2, ge=0, le=1)
-
-
-@dataclass(kw_only=True)
-class _TopSection:
-    """The plan's own values (its sections are parsed apart)."""
-
-    format: str
-    objective: str = OBJECTIVE
-    resolution: int = allowed(ge=1)
-    num_classes: int = allowed(ge=1, le=MAX_CLASSES)
-    notes: list[str] | None = None
-
-
-@dataclass(kw_only=True)
-class _PredictedSection:
-    """plan.predicted, less ``breakdown`` (part -> bytes)."""
-
-    total_bytes: int = allowed(ge=0)
-
-
-@dataclass(kw_only=True)
-class _VerifySection:
-    measured_bytes: int = allowed(ge=0)
-    steps: int = allowed(ge=1)
-
-
-@dataclass(kw_only=True)
-class _SearchSection:
-    evaluations: int = allowed(0, ge=0)
-    seconds: float = allowed(0.0, ge=0)
-
-
-@dataclass(kw_only=True)
-class _CandidateSection:
-    predicted_bytes: int = allowed(ge=0)
-    fits: bool
-    why: str = ""
-
-
-def _section(schema, data, where: str, maps: dict[str, bool] | None = None):
-    """``data`` read as the section ``schema`` by the recipe's machinery (``edgetl.schema``):
-    unknown keys refused with a close match, missing required values refused, every value of
-    its type (an integer is no float, a boolean no string or number) and in its range; one
-    ConfigError line naming the key. ``maps`` names the keys that hold mappings to integers
-    (True: keyed by block number), returned beside the section."""
-    maps = maps or {}
-    _check_keys(data, {f.name for f in dataclasses.fields(schema)} | set(maps), where)
-    missing = [key for key in maps if key not in data]
-    if missing:
-        raise ConfigError(f"{where}: missing required value {missing[0]} (a mapping)")
-    section = build(schema, {k: v for k, v in data.items() if k not in maps}, "", where)
-    check_fields(section, where)
-    return section, {key: _int_map(data[key], f"{where}.{key}", blocks) for key, blocks in maps.items()}
-
-
-def _int_map(data, where: str, blocks: bool) -> dict:
-    """A mapping of names (``blocks``: block numbers, JSON's "3" as YAML's 3) to integers >= 0."""
-    if data is None and not blocks:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} is {show(data)}; allowed: a mapping of "
-                          f"{'block numbers' if blocks else 'names'} to integers")
-    out = {}
-    for key, value in data.items():
-        name = key
-        if blocks:
-            number = key if isinstance(key, int) and not isinstance(key, bool) else (
-                int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None)
-            if number not in _ANY_BLOCK:
-                raise ConfigError(f"{where}: key {show(key)} is not a block that can be pruned; allowed: "
-                                  f"{_ANY_BLOCK.start}..{_ANY_BLOCK.stop - 1}")
-            name = number
-        elif not isinstance(key, str):
-            raise ConfigError(f"{where}: key {show(key)} is not a name; allowed: a string")
-        if name in out:
-            raise ConfigError(f"{where}: block {name} is named twice ({show(key)})")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{where}.{key}: {show(value)} is not allowed; allowed: an integer >= 0")
-        out[name] = value
-    return out
-
+from edgetl.plan.sections import (  # noqa: F401 (the schema's constants are read from here too)
+    BUDGET_SCOPES, HALF_DTYPES, MAX_BATCH_SIZE, MAX_CHANNELS, MAX_RATIO, MODE, OBJECTIVE, OPTIMIZER, PLAN_FORMAT,
+    PLAN_MODES, VERIFY_TOLERANCE, _BackboneSection, _BudgetSection, _CandidateSection, _check_keys,
+    _CudaGraphSection, _FinetuneSection, _PredictedSection, _PruneSection, _RequestSection, _SearchSection, _section,
+    _TopSection, _VerifySection,
+)
+from edgetl.schema import show
 
 
 @dataclass(frozen=True)
@@ -392,6 +222,20 @@ class Candidate:
         return cls(PlanConfig.from_dict(data["config"], f"{where}.config"), c.predicted_bytes, c.fits, c.why)
 
 
+@dataclass(frozen=True)
+class GraphMemory:
+    """The chosen step captured as CUDA graphs, as ``finetune`` runs it on the plan's device
+    (``edgetl.memory.cuda_step.captured_report``): the GPU's compute capability, what the graphs
+    reserve beyond an eager run, and what a budget counts for it (the predicted tensors and that)."""
+
+    capability: tuple[int, int]
+    extra_bytes: int
+    total_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"capability": list(self.capability), "extra_bytes": self.extra_bytes, "total_bytes": self.total_bytes}
+
+
 @dataclass
 class Plan:
     """The chosen configuration, its predicted breakdown against the budget, and the runners-up.
@@ -407,6 +251,13 @@ class Plan:
         chosen: the configuration; ``predicted_bytes`` its runtime-accounting peak and
             ``breakdown`` that peak's parts (runtime_report's breakdown).
         runners_up: other evaluated configurations near the chosen one on the path.
+        cuda_graph: the chosen step captured as CUDA graphs, as ``finetune`` runs it by default
+            on a device with a GPU: what they reserve is counted against the tensor budget
+            beside ``predicted_bytes``. None: the step runs eagerly there (``eager``), or the
+            device has no GPU the plan knows.
+        eager: ``finetune --plan`` runs the step eagerly (``train.cuda_graph`` false): asked
+            (``request["eager"]``), or its graphs would not fit.
+        graph_replays: the captured steps the plan replayed (``captured_report``).
         measured_bytes: filled by ``verify_plan``.
     """
 
@@ -430,6 +281,15 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     measured_bytes: int | None = None
     verify_steps: int | None = None
+    cuda_graph: GraphMemory | None = None
+    eager: bool = False
+    graph_replays: int = 0
+
+    @property
+    def counted_bytes(self) -> int:
+        """What the tensor budget counts for the step as finetune runs it on the device: the
+        predicted tensors, and what CUDA graphs reserve beyond an eager run where it captures them."""
+        return self.predicted_bytes if self.cuda_graph is None else self.cuda_graph.total_bytes
 
     @property
     def spec(self) -> BackboneSpec:
@@ -452,10 +312,13 @@ class Plan:
             "backbone": dict(self.backbone),
             **self.chosen.to_dict(),
             "predicted": {"total_bytes": self.predicted_bytes, "breakdown": dict(self.breakdown)},
+            # null: the device decides; false: an eager step; else the step's CUDA-graph figures
+            "cuda_graph": (False if self.eager else None) if self.cuda_graph is None else self.cuda_graph.to_dict(),
             "verify": (None if self.measured_bytes is None else
                        {"measured_bytes": self.measured_bytes, "steps": self.verify_steps}),
             "runners_up": [c.to_dict() for c in self.runners_up],
-            "search": {"evaluations": self.evaluations, "seconds": round(self.search_seconds, 2)},
+            "search": {"evaluations": self.evaluations, "graph_replays": self.graph_replays,
+                       "seconds": round(self.search_seconds, 2)},
             "notes": list(self.notes),
         }
 
@@ -468,7 +331,8 @@ class Plan:
             raise DataError(f"not an edgetl plan (format {PLAN_FORMAT})")
         scalars = {f.name for f in dataclasses.fields(_TopSection)}
         required = {"budget", "request", "backbone", "prune", "finetune", "predicted"}
-        _check_keys(data, scalars | required | {"verify", "runners_up", "search"}, "plan", required=required)
+        _check_keys(data, scalars | required | {"verify", "runners_up", "search", "cuda_graph"}, "plan",
+                    required=required)
         top, _ = _section(_TopSection, {k: v for k, v in data.items() if k in scalars}, "plan")
         budget, budget_maps = _section(_BudgetSection, data["budget"], "plan.budget", {"overheads": False})
         _section(_RequestSection, data["request"], "plan.request")
@@ -477,6 +341,15 @@ class Plan:
                                              {"breakdown": False})
         verify = None if data.get("verify") is None else _section(_VerifySection, data["verify"], "plan.verify")[0]
         search = _section(_SearchSection, {} if data.get("search") is None else data["search"], "plan.search")[0]
+        graph = data.get("cuda_graph")
+        if graph is not None and graph is not False and not isinstance(graph, dict):
+            raise ConfigError(f"plan.cuda_graph is {show(graph)}; allowed: null, false (an eager step) or the "
+                              "figures of the step captured as CUDA graphs (a mapping)")
+        eager = graph is False
+        graph = _section(_CudaGraphSection, graph, "plan.cuda_graph")[0] if isinstance(graph, dict) else None
+        if graph is not None and len(graph.capability) != 2:
+            raise ConfigError(f"plan.cuda_graph.capability: {show(graph.capability)}; allowed: [major, minor], "
+                              "e.g. [8, 7]")
         runners = [] if data.get("runners_up") is None else data["runners_up"]
         if not isinstance(runners, list):
             raise ConfigError(f"plan.runners_up is {show(runners)}; allowed: a list of configurations")
@@ -498,6 +371,9 @@ class Plan:
             notes=list(top.notes or []),
             measured_bytes=None if verify is None else verify.measured_bytes,
             verify_steps=None if verify is None else verify.steps,
+            cuda_graph=None if graph is None else GraphMemory(tuple(graph.capability), graph.extra_bytes,
+                                                              graph.total_bytes),
+            eager=eager, graph_replays=search.graph_replays,
         )
         plan._check_agreement()
         return plan
@@ -530,6 +406,9 @@ class Plan:
                                 ("device_process_limit_bytes", self.device_process_limit_bytes,
                                  preset.process_limit_bytes())):
             if have != want:
+                if isinstance(have, dict):  # name the line that disagrees (a long mapping is cut when shown)
+                    name = next(k for k in [*have, *want] if have.get(k) != want.get(k))
+                    have = {name: have.get(name, "missing")}
                 raise ConfigError(f"plan.budget.{key}: {show(have)} disagrees with device {self.device} at "
                                   f"{self.predicted_bytes} predicted bytes; allowed here: {show(want)}")
         if sum(self.breakdown.values()) != self.predicted_bytes:
@@ -539,6 +418,7 @@ class Plan:
             raise ConfigError(f"plan.predicted.total_bytes: {self.predicted_bytes} exceeds "
                               f"plan.budget.tensor_budget_bytes {self.tensor_budget_bytes}: the chosen "
                               "configuration does not fit its own budget")
+        self._check_graphs(preset)
         for i, c in enumerate(self.runners_up):
             if c.fits != (c.predicted_bytes <= self.tensor_budget_bytes):
                 raise ConfigError(f"plan.runners_up[{i}].fits: {str(c.fits).lower()} disagrees with its "
@@ -549,6 +429,31 @@ class Plan:
             check_options(mode=self.chosen.mode, accounting="runtime", resolution=self.resolution, batch_size=1)
         except ConfigError as exc:
             raise ConfigError(f"plan.resolution: {exc}") from None
+
+    def _check_graphs(self, preset) -> None:
+        """The step's CUDA-graph figures agree with the request (none where an eager step was
+        asked), the device (its capability), the predicted tensors (their total) and the budget
+        (they fit)."""
+        g = self.cuda_graph
+        if self.request.get("eager") and not self.eager:
+            raise ConfigError(f"plan.cuda_graph: {'the figures of graphs' if g else 'null'} disagrees with "
+                              "plan.request.eager true; allowed: false (an eager step)")
+        if g is None:
+            return
+        if preset.capability is None:
+            raise ConfigError(f"plan.cuda_graph: device {self.device} has no GPU whose graphs a plan counts; "
+                              f"allowed: null, false, or a device with one "
+                              f"({', '.join(n for n, d in DEVICES.items() if d.capability)})")
+        if g.capability != preset.capability:
+            raise ConfigError(f"plan.cuda_graph.capability: {list(g.capability)} disagrees with device {self.device} "
+                              f"({list(preset.capability)}); allowed: {list(preset.capability)}")
+        if g.total_bytes != self.predicted_bytes + g.extra_bytes:
+            raise ConfigError(f"plan.cuda_graph.total_bytes: {g.total_bytes} disagrees with plan.predicted.total_bytes "
+                              f"{self.predicted_bytes} + plan.cuda_graph.extra_bytes {g.extra_bytes}")
+        if g.total_bytes > self.tensor_budget_bytes:
+            raise ConfigError(f"plan.cuda_graph.total_bytes: {g.total_bytes} exceeds plan.budget.tensor_budget_bytes "
+                              f"{self.tensor_budget_bytes}: the step captured as CUDA graphs does not fit its own "
+                              "budget")
 
     def _check_request(self, allowed: range) -> None:
         """The chosen configuration is what ``request`` asked: its mode, every lever the request
@@ -610,23 +515,6 @@ class PlanImpossible(BudgetError):
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
         self.config = config
-
-
-def _check_keys(data, allowed: set[str], where: str, required: set[str] = frozenset()) -> None:
-    """Refuse a section that is no mapping, a key it does not have (with a close match) and a
-    missing ``required`` key; ``_section`` checks the values."""
-    import difflib
-
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} is {show(data)}; allowed: a mapping of keys to values")
-    for key in data:
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), sorted(allowed), n=1) if len(str(key)) < 100 else []
-            hint = f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(sorted(allowed))}"
-            raise ConfigError(f"{where}: unknown key {show(key)}{hint}")
-    missing = sorted(set(required) - set(data))
-    if missing:
-        raise ConfigError(f"{where}: missing required value {missing[0]}")
 
 
 def _check_storage(pool, precision, frozen_weights, where: str) -> None:

@@ -1,28 +1,95 @@
-"""A plan for a CUDA device, as finetune runs it there: the step captured as CUDA graphs, which
-reserve device memory beyond an eager run's (``edgetl.memory.cuda_step.captured_report``); the
-plan says in a note whether its tensors and that still fit the tensor budget."""
+"""A plan for a device with a GPU, as finetune runs it there: the step captured as CUDA graphs by
+default, which reserve device memory beyond an eager run's (``edgetl.memory.cuda_step.captured_report``).
+Graphs are a matter of speed, so they are chosen after the objective: the planned configuration
+runs as graphs where its tensors and that reserve fit the tensor budget (at a smaller streamed
+micro-batch if need be), eagerly where they do not; the plan says which in a note."""
 
 from __future__ import annotations
 
-from edgetl.plan.document import Plan
-from edgetl.plan.verify import planned_network
+import dataclasses
+from typing import NamedTuple
+
+from edgetl.memory import search
+from edgetl.plan.document import GraphMemory, Plan, PlanConfig
+from edgetl.plan.verify import configured_network
 from edgetl.units import MB
 
 GRAPH_NOTE = "on the device finetune captures the step as CUDA graphs"
 
 
-def graph_note(plan: Plan) -> str:
-    """The note for ``plan`` on a Jetson Orin (sm87): the planned network (``planned_network``),
-    its step traced on the meta device (no arithmetic) and replayed as ``CapturedStep`` runs it."""
-    from edgetl.memory.cuda import JETSON_ORIN
+class GraphChoice(NamedTuple):
+    """How the planned configuration's step runs on the device: ``config`` (its micro-batch
+    perhaps smaller than the eager pick's), its figures captured as graphs where they fit
+    (``graphs``), else the figures of the pick's graphs that did not (``over``, the step then
+    runs eagerly); ``replays``: captured steps replayed to decide."""
+
+    config: PlanConfig
+    graphs: GraphMemory | None
+    over: GraphMemory | None
+    replays: int
+
+
+def graph_memory(base, config: PlanConfig, *, resolution: int, num_classes: int, predicted_bytes: int,
+                 capability: tuple[int, int]) -> GraphMemory:
+    """What ``config``'s step holds captured as CUDA graphs on a GPU of ``capability``: its
+    network (``base``, the input backbone's spec, with the configuration's pruning) built and
+    scheduled as finetune builds it, three steps traced on the meta device (a CPU copy where the
+    optimizer's kernels are fused: they have no meta implementation) and replayed as
+    ``CapturedStep`` runs them; ``predicted_bytes``: its runtime accounting."""
     from edgetl.memory.cuda_step import captured_report
 
-    net, step = planned_network(plan)
-    report = captured_report(net, runtime_bytes=plan.predicted_bytes, resolution=plan.resolution,
-                             batch_size=plan.chosen.batch_size, step=step, capability=JETSON_ORIN)
-    budget = plan.tensor_budget_bytes
-    verdict = ("within it" if report.total_bytes <= budget else
-               "over it: finetune refuses the plan with graphs; add --eager, or plan for the larger figure")
-    return (f"{GRAPH_NOTE}: they reserve a predicted {report.extra_bytes / MB:.1f} MB beyond an eager run, "
-            f"{report.total_bytes / MB:.1f} MB with the tensors against the tensor budget {budget / MB:.1f} MB, "
-            f"{verdict} (Jetson Orin)")
+    spec = dataclasses.replace(base, num_classes=num_classes, hidden={**base.hidden, **config.kept})
+    net, step = configured_network(spec, config, resolution, device="cpu" if config.fused else "meta")
+    report = captured_report(net, runtime_bytes=predicted_bytes, resolution=resolution,
+                             batch_size=config.batch_size, step=step, capability=capability)
+    return GraphMemory(tuple(capability), report.extra_bytes, report.total_bytes)
+
+
+def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int, int], *, resolution: int,
+                num_classes: int, stream_fixed: bool) -> GraphChoice:
+    """The planned configuration ``chosen`` (its tensors within ``budget``) captured as CUDA
+    graphs if they fit beside them; a streamed pick whose graphs do not fit tries smaller
+    micro-batches (graphs outrun a larger micro-batch by far on a GPU), unless the micro-batch
+    was fixed. ``ev``: the search's runtime accounting (``_Evaluator``)."""
+    replays = 0
+    figures: dict[int, GraphMemory] = {}
+
+    def graphs_at(stream: int) -> GraphMemory:
+        nonlocal replays
+        if stream not in figures:
+            config = dataclasses.replace(chosen, stream=stream)
+            figures[stream] = graph_memory(base, config, resolution=resolution, num_classes=num_classes,
+                                           capability=capability,
+                                           predicted_bytes=ev.total(config.kept, config.storage, config.batch_size))
+            replays += 1
+        return figures[stream]
+
+    picked = graphs_at(chosen.stream)
+    if picked.total_bytes <= budget:
+        return GraphChoice(chosen, picked, None, replays)
+    if chosen.stream > 1 and not stream_fixed:
+        # the largest smaller micro-batch that fits with its graphs (0: none does); what graphs
+        # reserve need not grow with the micro-batch, so this is where a boundary lies
+        m = search.largest_fitting(lambda m: graphs_at(m).total_bytes, budget, 0, chosen.stream)
+        if m:
+            return GraphChoice(dataclasses.replace(chosen, stream=m), graphs_at(m), None, replays)
+    return GraphChoice(chosen, None, picked, replays)
+
+
+def graph_note(plan: Plan, over: GraphMemory | None = None) -> str | None:
+    """The note on how the planned step runs on a device with a GPU, or where an eager step was
+    asked (None otherwise); ``over``: the figures of graphs that did not fit."""
+    g = plan.cuda_graph
+    if g is not None:
+        return (f"{GRAPH_NOTE}: they reserve a predicted {g.extra_bytes / MB:.1f} MB beyond an eager run "
+                f"(compute capability {g.capability[0]}.{g.capability[1]}), counted against the tensor budget: "
+                f"{g.total_bytes / MB:.1f} MB with the tensors, of {plan.tensor_budget_bytes / MB:.1f} MB")
+    if over is not None:
+        return (f"{GRAPH_NOTE} by default, but this step's would reserve a predicted {over.extra_bytes / MB:.1f} MB "
+                f"beyond an eager run, {over.total_bytes / MB:.1f} MB with the tensors, over the tensor budget "
+                f"{plan.tensor_budget_bytes / MB:.1f} MB: the plan runs it eagerly (finetune --plan sets "
+                f"train.cuda_graph false); with a tensor budget of {over.total_bytes / MB:.1f} MB it would run as graphs")
+    if plan.request.get("eager"):
+        return ("planned for an eager step (--eager): finetune --plan runs it eagerly (train.cuda_graph false), "
+                "launching each op of the step from Python")
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 
-from edgetl.plan.document import Plan
+from edgetl.plan.document import Plan, PlanConfig
 from edgetl.plan.ladder import plan_step
 
 log = logging.getLogger(__name__)
@@ -16,17 +16,22 @@ def planned_network(plan: Plan, *, device: str = "cpu", seed: int = 0):
     untouched) with the step the plan predicted (and finetune runs): its schedule fitted and
     applied, its optimizer fused and updating inside backward where the plan says so.
     Returns (network, step)."""
+    return configured_network(plan.spec, plan.chosen, plan.resolution, device=device, seed=seed)
+
+
+def configured_network(spec, config: PlanConfig, resolution: int, *, device: str = "cpu", seed: int = 0):
+    """``planned_network`` for any configuration of a plan's path: ``spec`` the backbone with
+    its pruning (``Plan.spec``). Returns (network, step)."""
     import torch
 
     from edgetl.memory.schedule import prepare_step
     from edgetl.models.side import build_network
 
-    c = plan.chosen
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = build_network(copy.deepcopy(plan.spec), c.mode, device=device, lean=c.lean)
-    step = plan_step(c.storage)
-    prepare_step(net, resolution=plan.resolution, batch_size=c.batch_size, step=step)
+        net = build_network(copy.deepcopy(spec), config.mode, device=device, lean=config.lean)
+    step = plan_step(config.storage)
+    prepare_step(net, resolution=resolution, batch_size=config.batch_size, step=step)
     return net, step
 
 
