@@ -340,7 +340,9 @@ def test_cli_plan_and_impossible(capsys, tmp_path, monkeypatch):
 
 def test_cli_plan_for_a_jetson_prints_its_graphs_and_eager_runs_eagerly(capsys, tmp_path):
     """edgetl plan on a Jetson preset prints what the graphs reserve and the headroom left
-    beside them; --eager plans an eager step, which finetune --plan then runs eagerly."""
+    beside them, and finetune's own check of the run it resolves from the plan (built there
+    from the recipe, traced on a CPU copy) gets the same figures; --eager plans an eager
+    step, which finetune --plan then runs eagerly."""
     from edgetl.cli import build_parser
     from edgetl.cli.finetune import recipe_from_args
 
@@ -365,6 +367,15 @@ def test_cli_plan_for_a_jetson_prints_its_graphs_and_eager_runs_eagerly(capsys, 
 
     assert recipe_of(graphs).train.cuda_graph is True and recipe_of(eager).train.cuda_graph is False
     assert recipe_of(graphs, "--eager").train.cuda_graph is False
+    # finetune's own budget check of the run it resolves from the plan: the plan's figures
+    import torch
+
+    from edgetl.finetune import check_graph_budget, resolve_job
+
+    torch.manual_seed(0)
+    job = resolve_job(recipe_of(graphs, "--backbone", "mobilenet_v2:random"), g.num_classes)
+    assert job.predicted.total_bytes == g.predicted_bytes
+    assert check_graph_budget(job, (8, 7), g.tensor_budget_bytes).total_bytes == g.cuda_graph.total_bytes
 
 
 @pytest.mark.slow
