@@ -218,8 +218,8 @@ def test_a_plan_for_a_cuda_device_runs_its_step_as_graphs_where_they_fit():
     """On a Jetson preset finetune captures the step as CUDA graphs by default: the plan keeps
     the configuration the objective picks (graphs are speed), and runs it as graphs where its
     tensors and what the graphs reserve beyond an eager run fit the tensor budget (figures
-    checked against three real CPU steps' replay), at a smaller streamed micro-batch if need be
-    (the largest that fits), else eagerly (finetune --plan then runs with train.cuda_graph
+    checked against three real CPU steps' replay), streamed or by a smaller micro-batch if need
+    be (the largest that fits), else eagerly (finetune --plan then runs with train.cuda_graph
     false), saying which in a note. A plan for no device counts no graphs."""
     import re
 
@@ -239,8 +239,8 @@ def test_a_plan_for_a_cuda_device_runs_its_step_as_graphs_where_they_fit():
     assert any(f"reserve a predicted {extra / MB:.1f} MB beyond an eager run" in n for n in fits.notes)
     assert planned_values(fits)["train.cuda_graph"] is None  # the recipe's default: graphs
 
-    # the same configuration, whose graphs do not fit 20 MB: it runs eagerly
-    over = tiny_plan(20 * MB, device_preset="orin-nano-8gb")
+    # the same configuration fixed unstreamed (--stream 0), whose graphs do not fit 20 MB: it runs eagerly
+    over = tiny_plan(20 * MB, device_preset="orin-nano-8gb", stream=0)
     assert over.chosen == tiny_plan(20 * MB).chosen == fits.chosen and over.eager and over.cuda_graph is None
     assert fits.cuda_graph.total_bytes > 20 * MB
     (note,) = [n for n in over.notes if "CUDA graphs" in n]
@@ -249,19 +249,22 @@ def test_a_plan_for_a_cuda_device_runs_its_step_as_graphs_where_they_fit():
     assert (float(m.group(1)), float(m.group(2))) == (round(extra / MB, 1), round(fits.cuda_graph.total_bytes / MB, 1))
     assert over.to_dict()["cuda_graph"] is False and planned_values(over)["train.cuda_graph"] is False
 
-    # 6 MB: the eager pick streams by 7, whose graphs do not fit; the largest micro-batch whose do
-    eager = tiny_plan(6 * MB)
-    graphs = tiny_plan(6 * MB, device_preset="orin-nano-8gb")
-    m = graphs.chosen.stream
-    assert 1 <= m < eager.chosen.stream and graphs.chosen == dataclasses.replace(eager.chosen, stream=m)
-    assert graphs.predicted_bytes == predicted(graphs.chosen)
-    assert graphs.cuda_graph.total_bytes == graphs.predicted_bytes + replayed_graphs(graphs) <= 6 * MB
-    above = dataclasses.replace(graphs.chosen, stream=m + 1)
-    assert predicted(above) + replayed_graphs(graphs, above) > 6 * MB
+    # the micro-batch free, the largest below the pick's (20 MB: unstreamed; 6 MB: streamed by 7)
+    # whose graphs fit: streaming costs no accuracy
+    for budget in (20 * MB, 6 * MB):
+        eager = tiny_plan(budget)
+        graphs = tiny_plan(budget, device_preset="orin-nano-8gb")
+        m = graphs.chosen.stream
+        assert 1 <= m < (eager.chosen.stream or eager.chosen.batch_size) and not graphs.eager
+        assert graphs.chosen == dataclasses.replace(eager.chosen, stream=m)
+        assert graphs.predicted_bytes == predicted(graphs.chosen)
+        assert graphs.cuda_graph.total_bytes == graphs.predicted_bytes + replayed_graphs(graphs) <= budget
+        above = dataclasses.replace(graphs.chosen, stream=m + 1)
+        assert predicted(above) + replayed_graphs(graphs, above) > budget
 
     # asked for an eager step: no graphs counted, finetune --plan runs eagerly
     asked = tiny_plan(6 * MB, device_preset="orin-nano-8gb", eager=True)
-    assert asked.chosen == eager.chosen and asked.eager and asked.cuda_graph is None and asked.graph_replays == 0
+    assert asked.chosen == tiny_plan(6 * MB).chosen and asked.eager and asked.cuda_graph is None and asked.graph_replays == 0
     assert asked.request["eager"] is True and any("--eager" in n for n in asked.notes)
     assert planned_values(asked)["train.cuda_graph"] is False
 

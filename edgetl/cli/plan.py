@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
             "activations), then pooling, then pruning; a streamed plan keeps the largest "
             "micro-batch that fits. On a device with a GPU (--device orin-nano-*) finetune captures the step "
             "as CUDA graphs by default: the planned step runs so where its tensors and what the graphs reserve "
-            "beyond an eager run fit the budget (at a smaller streamed micro-batch if need be), else eagerly "
+            "beyond an eager run fit the budget (streamed, or by a smaller micro-batch, if need be), else eagerly "
             "(--eager: always). "
             "With --batch-size auto the batch grows once "
             "the exact configuration fits. All plans lie on one path, so a larger budget never "

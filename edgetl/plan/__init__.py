@@ -198,8 +198,8 @@ def plan(
         eager: plan an eager step (finetune --plan then runs eagerly). Otherwise, on a device
             with a GPU (``DevicePreset.capability``), where finetune captures the step as CUDA
             graphs by default, the plan runs it so where its tensors and what the graphs reserve
-            beyond an eager run fit the tensor budget (``edgetl.plan.graphs.with_graphs``),
-            eagerly where they do not: graphs are a matter of speed, chosen after the objective
+            beyond an eager run fit the tensor budget, streamed or by a smaller micro-batch if
+            need be (``edgetl.plan.graphs.with_graphs``), eagerly where they do not: graphs are a matter of speed, chosen after the objective
             (a plan never prunes, pools or stores less exactly to run as graphs).
 
     Raises:
@@ -246,7 +246,7 @@ def plan(
     step = GraphChoice(chosen, None, None, 0)
     if not eager and preset.capability is not None:  # then speed: the step captured as CUDA graphs if it fits
         step = with_graphs(chosen, base, ev, tensor_budget, preset.capability, resolution=resolution,
-                           num_classes=num_classes, stream_fixed=stream is not None)
+                           num_classes=num_classes, can_stream=stream is None and any(s.stream for s in ladder))
         chosen = step.config
     report = ev.report(chosen.kept, chosen.storage, chosen.batch_size)
     runners = _runners_up(search.evaluated, chosen_pos, chosen, tensor_budget)

@@ -1,8 +1,8 @@
 """A plan for a device with a GPU, as finetune runs it there: the step captured as CUDA graphs by
 default, which reserve device memory beyond an eager run's (``edgetl.memory.cuda_step.captured_report``).
 Graphs are a matter of speed, so they are chosen after the objective: the planned configuration
-runs as graphs where its tensors and that reserve fit the tensor budget (at a smaller streamed
-micro-batch if need be), eagerly where they do not; the plan says which in a note."""
+runs as graphs where its tensors and that reserve fit the tensor budget (streamed, or by a
+smaller micro-batch, if need be), eagerly where they do not; the plan says which in a note."""
 
 from __future__ import annotations
 
@@ -46,18 +46,21 @@ def graph_memory(base, config: PlanConfig, *, resolution: int, num_classes: int,
 
 
 def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int, int], *, resolution: int,
-                num_classes: int, stream_fixed: bool) -> GraphChoice:
+                num_classes: int, can_stream: bool) -> GraphChoice:
     """The planned configuration ``chosen`` (its tensors within ``budget``) captured as CUDA
-    graphs if they fit beside them; a streamed pick whose graphs do not fit tries smaller
-    micro-batches (graphs outrun a larger micro-batch by far on a GPU), unless the micro-batch
-    was fixed. ``ev``: the search's runtime accounting (``_Evaluator``)."""
+    graphs if they fit beside them. Where they do not and the plan may choose the micro-batch
+    (``can_stream``: streaming is on its path and not fixed), the largest micro-batch below the
+    pick's (or, unstreamed, below the batch) whose graphs fit: streaming costs no accuracy, and
+    graphs outrun a larger micro-batch, or an unstreamed eager step, by far on a GPU (they
+    launch the streamed step's thousands of kernels at once). ``ev``: the search's runtime
+    accounting (``_Evaluator``)."""
     replays = 0
     figures: dict[int, GraphMemory] = {}
 
     def graphs_at(stream: int) -> GraphMemory:
         nonlocal replays
         if stream not in figures:
-            config = dataclasses.replace(chosen, stream=stream)
+            config = dataclasses.replace(chosen, stream=stream)  # streamed, the batch comes as uint8 pixels
             figures[stream] = graph_memory(base, config, resolution=resolution, num_classes=num_classes,
                                            capability=capability,
                                            predicted_bytes=ev.total(config.kept, config.storage, config.batch_size))
@@ -67,10 +70,11 @@ def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int
     picked = graphs_at(chosen.stream)
     if picked.total_bytes <= budget:
         return GraphChoice(chosen, picked, None, replays)
-    if chosen.stream > 1 and not stream_fixed:
+    below = chosen.stream or chosen.batch_size  # an unstreamed step is one micro-batch of the batch
+    if can_stream and below > 1:
         # the largest smaller micro-batch that fits with its graphs (0: none does); what graphs
         # reserve need not grow with the micro-batch, so this is where a boundary lies
-        m = search.largest_fitting(lambda m: graphs_at(m).total_bytes, budget, 0, chosen.stream)
+        m = search.largest_fitting(lambda m: graphs_at(m).total_bytes, budget, 0, below)
         if m:
             return GraphChoice(dataclasses.replace(chosen, stream=m), graphs_at(m), None, replays)
     return GraphChoice(chosen, None, picked, replays)
