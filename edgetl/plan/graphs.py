@@ -51,9 +51,8 @@ def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int
     graphs if they fit beside them. Where they do not and the plan may choose the micro-batch
     (``can_stream``: streaming is on its path and not fixed), the largest micro-batch below the
     pick's (or, unstreamed, below the batch) whose graphs fit: streaming costs no accuracy, and
-    graphs outrun a larger micro-batch, or an unstreamed eager step, by far on a GPU (they
-    launch the streamed step's thousands of kernels at once). ``ev``: the search's runtime
-    accounting (``_Evaluator``)."""
+    graphs launch the streamed step's thousands of kernels at once (docs/planner.md has the
+    figures). ``ev``: the search's runtime accounting (``_Evaluator``)."""
     replays = 0
     figures: dict[int, GraphMemory] = {}
 
