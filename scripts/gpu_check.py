@@ -243,6 +243,7 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
             "eager_step_s": statistics.median(times["eager"]), "graph_step_s": statistics.median(times["graph"]),
             "speedup": statistics.median(times["eager"]) / statistics.median(times["graph"]),
             "max_abs_weight_diff": max(diffs), "exact": max(diffs) == 0.0, "graphs": graph.captured.describe(),
+            "capture_s": sum(graph.captured.capture_seconds),
         })
         rows.append(row)
         if on_row is not None:

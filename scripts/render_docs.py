@@ -228,11 +228,12 @@ def render_cuda_graphs() -> str:
     graphs = json.loads((BENCH / "cuda_h100_graphs_summary.json").read_text())["graphs"]
     labels = _cuda_labels()
     out = [[labels.get(r["method"], r["method"]), f"{1e3 * r['eager_step_s']:.1f}", f"{1e3 * r['graph_step_s']:.1f}",
-            f"{r['speedup']:.1f}x", "equal" if r["exact"] else f"{r['max_abs_weight_diff']:.2g}"]
+            f"{r['speedup']:.1f}x", "equal" if r["exact"] else f"{r['max_abs_weight_diff']:.2g}",
+            f"{r['capture_s']:.2f}" if "capture_s" in r else "not recorded"]  # recorded since CapturedStep times it
            for r in graphs["rows"]]
     return _table(["method (224 px, batch 8)", "eager step ms", "graph step ms", "speed-up",
-                   f"weights after {graphs['steps']} steps, graph vs eager (max abs diff)"], out,
-                  [":---"] + ["---:"] * 4)
+                   f"weights after {graphs['steps']} steps, graph vs eager (max abs diff)", "capture s"], out,
+                  [":---"] + ["---:"] * 5)
 
 
 def render_levers() -> str:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -191,6 +192,9 @@ class CapturedStep:
         self.sizes: list[int] = []  # the batch sizes captured, in order (kept after release)
         self.captures = 0  # captures made (a size is captured again after its graph was dropped)
         self.dropped = 0  # times the graphs were dropped for a new batch size's eager step
+        # host seconds of each capture (recording the step and instantiating the graph): what a
+        # graph of a streamed step's thousands of kernels costs once (scripts/gpu_check.py)
+        self.capture_seconds: list[float] = []
         self.pool = None
         self.failed: str | None = None  # why a capture failed: every later step runs eagerly
         self.failed_at = 0  # the batch size whose capture failed
@@ -270,6 +274,7 @@ class CapturedStep:
         gc.collect()  # nothing freed by the collector while the capture runs
         graph = torch.cuda.CUDAGraph()
         main = torch.cuda.current_stream(self.device)
+        start = time.perf_counter()
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
                 loss, correct = self.run_step(self.net, self.step, self.optimizer, static_images.to(self.dtype),
@@ -279,6 +284,7 @@ class CapturedStep:
             # leave this thread on it
             torch.cuda.set_stream(main)
             raise
+        self.capture_seconds.append(time.perf_counter() - start)
         if self.pool is None:
             self.pool = graph.pool()
         self.captures += 1
