@@ -30,7 +30,8 @@ def test_a_run_is_captured_only_where_its_step_has_no_host_synchronisation():
     assert adam.train.cuda_graph and adam.optim.name == "adam"
     assert why_eager(adam, CUDA) is None
     assert why_eager(adam, torch.device("cpu")) == "CUDA graphs need a CUDA device; this run is on cpu"
-    assert why_eager(_recipe(**{"train.cuda_graph": False}), CUDA) == "train.cuda_graph is off (--eager)"
+    assert why_eager(_recipe(**{"train.cuda_graph": False}), CUDA) == \
+        "train.cuda_graph is off (--eager, or a plan whose step runs eagerly)"
     assert "2 processes under DDP" in why_eager(adam, CUDA, world=2)
     assert "fp16 loss scaling" in why_eager(adam, CUDA, scaler=object())
     assert "distillation" in why_eager(adam, CUDA, teacher=nn.Linear(1, 1))

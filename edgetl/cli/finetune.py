@@ -64,8 +64,9 @@ def add_parser(sub) -> None:
     p.add_argument("--data", metavar="PATH", help="dataset root (data.root)")
     p.add_argument("--plan", metavar="PLAN",
                    help="plan.yaml from edgetl plan: supplies --mode, --runtime, --storage, --pool, --precision, "
-                        "--frozen-weights, --stream, --recompute, --uint8-input, --fused, --step-in-backward, --batch-size, "
-                        "--budget and, for a plan that runs eagerly (made with --eager, or its CUDA graphs did not fit), --eager "
+                        "--frozen-weights, --stream, --recompute, --uint8-input, --fused, --step-in-backward, "
+                        "--batch-size, --budget and, for a plan that runs eagerly (made with --eager, or its CUDA "
+                        "graphs did not fit), --eager "
                         "(explicit flags win); checks the backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B); a step "

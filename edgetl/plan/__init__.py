@@ -199,8 +199,9 @@ def plan(
             with a GPU (``DevicePreset.capability``), where finetune captures the step as CUDA
             graphs by default, the plan runs it so where its tensors and what the graphs reserve
             beyond an eager run fit the tensor budget, streamed or by a smaller micro-batch if
-            need be (``edgetl.plan.graphs.with_graphs``), eagerly where they do not: graphs are a matter of speed, chosen after the objective
-            (a plan never prunes, pools or stores less exactly to run as graphs).
+            need be (``edgetl.plan.graphs.with_graphs``), eagerly where they do not: graphs are a
+            matter of speed, chosen after the objective (a plan never prunes, pools or stores
+            less exactly to run as graphs).
 
     Raises:
         PlanImpossible: nothing fits; carries the smallest budget that would.

@@ -91,7 +91,8 @@ def graph_note(plan: Plan, over: GraphMemory | None = None) -> str | None:
         return (f"{GRAPH_NOTE} by default, but this step's would reserve a predicted {over.extra_bytes / MB:.1f} MB "
                 f"beyond an eager run, {over.total_bytes / MB:.1f} MB with the tensors, over the tensor budget "
                 f"{plan.tensor_budget_bytes / MB:.1f} MB: the plan runs it eagerly (finetune --plan sets "
-                f"train.cuda_graph false); with a tensor budget of {over.total_bytes / MB:.1f} MB it would run as graphs")
+                f"train.cuda_graph false); with a tensor budget of {over.total_bytes / MB:.1f} MB it would run "
+                "as graphs")
     if plan.request.get("eager"):
         return ("planned for an eager step (--eager): finetune --plan runs it eagerly (train.cuda_graph false), "
                 "launching each op of the step from Python")

@@ -65,7 +65,7 @@ def why_eager(recipe: Recipe, device: torch.device, *, world: int = 1, scaler=No
     """
     o = recipe.optim
     if not recipe.train.cuda_graph:
-        return "train.cuda_graph is off (--eager)"
+        return "train.cuda_graph is off (--eager, or a plan whose step runs eagerly)"
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device; this run is on {device.type}"
     if world > 1:
