@@ -248,6 +248,9 @@ def test_a_plan_for_a_cuda_device_runs_its_step_as_graphs_where_they_fit():
                   r"the tensor budget 20.0 MB: the plan runs it eagerly", note)
     assert (float(m.group(1)), float(m.group(2))) == (round(extra / MB, 1), round(fits.cuda_graph.total_bytes / MB, 1))
     assert over.to_dict()["cuda_graph"] is False and planned_values(over)["train.cuda_graph"] is False
+    need = float(re.search(r"would run as graphs as it is in a tensor budget of ([\d.]+) MB", note).group(1))
+    assert tiny_plan(int(need * MB), device_preset="orin-nano-8gb", stream=0).cuda_graph is not None
+    assert tiny_plan(int(need * MB) - 10_000, device_preset="orin-nano-8gb", stream=0).eager  # rounded up by < 0.01 MB
 
     # the micro-batch free, the largest below the pick's (20 MB: unstreamed; 6 MB: streamed by 7)
     # whose graphs fit: streaming costs no accuracy
@@ -257,10 +260,12 @@ def test_a_plan_for_a_cuda_device_runs_its_step_as_graphs_where_they_fit():
         m = graphs.chosen.stream
         assert 1 <= m < (eager.chosen.stream or eager.chosen.batch_size) and not graphs.eager
         assert graphs.chosen == dataclasses.replace(eager.chosen, stream=m)
+        assert all(r.config != eager.chosen for r in graphs.runners_up)  # the pick is no runner-up
         assert graphs.predicted_bytes == predicted(graphs.chosen)
         assert graphs.cuda_graph.total_bytes == graphs.predicted_bytes + replayed_graphs(graphs) <= budget
-        above = dataclasses.replace(graphs.chosen, stream=m + 1)
-        assert predicted(above) + replayed_graphs(graphs, above) > budget
+        for larger in range(m + 1, eager.chosen.stream or eager.chosen.batch_size):  # none larger fits
+            above = dataclasses.replace(graphs.chosen, stream=larger)
+            assert predicted(above) + replayed_graphs(graphs, above) > budget, larger
 
     # asked for an eager step: no graphs counted, finetune --plan runs eagerly
     asked = tiny_plan(6 * MB, device_preset="orin-nano-8gb", eager=True)
@@ -358,7 +363,7 @@ def test_cli_plan_for_a_jetson_prints_its_graphs_and_eager_runs_eagerly(capsys, 
     assert f"CUDA graphs beyond an eager run (predicted, sm87)  {g.cuda_graph.extra_bytes / MB:.2f}" in text
     assert f"predicted with CUDA graphs  {g.cuda_graph.total_bytes / MB:.2f}" in text
     assert f"headroom  {(40 * MB - g.cuda_graph.total_bytes) / MB:.2f}" in text
-    assert "1 CUDA-graph replays" in text
+    assert "runtime-accounting evaluations, 1 CUDA-graph replay," in text
     assert main(["plan", *common, "--eager", "-o", str(eager)]) == 0
     text = capsys.readouterr().out
     assert "CUDA graphs beyond" not in text and "note: planned for an eager step (--eager)" in text
@@ -380,6 +385,20 @@ def test_cli_plan_for_a_jetson_prints_its_graphs_and_eager_runs_eagerly(capsys, 
     job = resolve_job(recipe_of(graphs, "--backbone", "mobilenet_v2:random"), g.num_classes)
     assert job.predicted.total_bytes == g.predicted_bytes
     assert check_graph_budget(job, (8, 7), g.tensor_budget_bytes).total_bytes == g.cuda_graph.total_bytes
+
+
+def test_plan_refuses_a_step_that_cannot_train_and_reads_a_stream_past_the_batch(capsys, tmp_path):
+    """A batch of 1 whose smallest side map is 1x1 gives BatchNorm one value per channel: no plan
+    (finetune refuses it too), one line; a fixed micro-batch at or past the batch streams
+    nothing, and the saved plan says so and loads."""
+    argv = ["plan", "--budget", "4MB", "--resolution", str(RES), "--width", "0.35", "--batch-size", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resolution: 64 px is too small for the Rep-Net side network at batch size 1" in err[0]
+    past = tiny_plan(40 * MB, stream=16)
+    path = tmp_path / "plan.yaml"
+    past.save(path)
+    assert past.chosen.stream == load_plan(path).chosen.stream == 0 and past.request["stream"] == 16
 
 
 @pytest.mark.slow

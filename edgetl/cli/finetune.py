@@ -66,8 +66,8 @@ def add_parser(sub) -> None:
                    help="plan.yaml from edgetl plan: supplies --mode, --runtime, --storage, --pool, --precision, "
                         "--frozen-weights, --stream, --recompute, --uint8-input, --fused, --step-in-backward, "
                         "--batch-size, --budget and, for a plan that runs eagerly (made with --eager, or its CUDA "
-                        "graphs did not fit), --eager "
-                        "(explicit flags win); checks the backbone's pruning")
+                        "graphs did not fit), --eager (explicit flags win; an eager plan stays eager: plan again "
+                        "for graphs); checks the backbone's pruning")
     p.add_argument("--budget", type=budget_type, metavar="SIZE",
                    help="memory budget for the training tensors, e.g. 256MB, 1GiB (MB = 10^6 B); a step "
                         "captured as CUDA graphs also counts the device memory the graphs reserve beyond an "

@@ -161,7 +161,8 @@ def print_plan(plan) -> None:
         print_table(["runner-up pruning", "storage", "batch", "predicted MB", "fits", "why not chosen"], rows)
     for note in plan.notes:
         print(f"note: {note}")
-    replays = f", {plan.graph_replays} CUDA-graph replays" if plan.graph_replays else ""
+    n = plan.graph_replays
+    replays = f", {n} CUDA-graph replay{'s' * (n != 1)}" if n else ""
     print(f"search: {plan.evaluations} runtime-accounting evaluations{replays}, {plan.search_seconds:.1f} s")
 
 

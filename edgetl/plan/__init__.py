@@ -119,9 +119,10 @@ def _input_backbone(backbone, width: float, num_classes: int, blocks) -> tuple[B
     return base, meta
 
 
-def _notes_and_overheads(chosen: PlanConfig, half: str, preset: DevicePreset,
-                  total_bytes: int) -> tuple[list[str], dict[str, int], int | None]:
-    """The plan's notes, the device's overheads for ``total_bytes`` of tensors and its process limit."""
+def _notes_and_overheads(chosen: PlanConfig, half: str, preset: DevicePreset, total_bytes: int,
+                         counted_bytes: int) -> tuple[list[str], dict[str, int], int | None]:
+    """The plan's notes, the device's overheads for ``total_bytes`` of tensors and its process
+    limit; ``counted_bytes``: the tensors and what CUDA graphs reserve where the step runs so."""
     notes = []
     if chosen.step_in_backward:
         notes.append("each parameter is updated inside backward (optim.step_in_backward, the same weights): "
@@ -135,7 +136,7 @@ def _notes_and_overheads(chosen: PlanConfig, half: str, preset: DevicePreset,
                      f"convolutions on the CPU (where --verify measures); same bytes")
     overheads = preset.overheads(total_bytes)
     limit = preset.process_limit_bytes()
-    process_total = total_bytes + sum(overheads.values())
+    process_total = counted_bytes + sum(overheads.values())
     if limit is not None and process_total > limit:
         notes.append(f"tensors + overheads {process_total / MB:.1f} MB exceed what {preset.name} leaves "
                      f"for a process ({limit / MB:.1f} MB after the OS share)")
@@ -218,6 +219,10 @@ def plan(
 
     check_options(mode=mode, accounting="runtime", resolution=resolution, batch_size=1)
     base, meta = _input_backbone(backbone, width, num_classes, blocks)
+    if mode == MODE and batch_size != "auto":  # a step that cannot train is no plan (finetune refuses it too)
+        from edgetl.models.side import build_network, check_resolution
+
+        check_resolution(build_network(base, mode, device="meta"), resolution, batch_size, where="--resolution")
 
     if budget_scope == "process":
         tensor_budget = preset.tensor_budget(budget_bytes)
@@ -244,14 +249,15 @@ def plan(
     chosen = _fewest_optimizer_levers(chosen, ev, tensor_budget, fused=fused, step_in_backward=step_in_backward)
     if chosen.stream and stream is None:
         chosen = _fastest_stream(chosen, ev, tensor_budget)
-    step = GraphChoice(chosen, None, None, 0)
+    pick, step = chosen, GraphChoice(chosen, None, None, 0)
     if not eager and preset.capability is not None:  # then speed: the step captured as CUDA graphs if it fits
         step = with_graphs(chosen, base, ev, tensor_budget, preset.capability, resolution=resolution,
                            num_classes=num_classes, can_stream=stream is None and any(s.stream for s in ladder))
         chosen = step.config
     report = ev.report(chosen.kept, chosen.storage, chosen.batch_size)
-    runners = _runners_up(search.evaluated, chosen_pos, chosen, tensor_budget)
-    notes, overheads, limit = _notes_and_overheads(chosen, half, preset, report.total_bytes)
+    runners = _runners_up(search.evaluated, chosen_pos, pick, tensor_budget)  # the pick is no runner-up
+    counted = report.total_bytes if step.graphs is None else step.graphs.total_bytes
+    notes, overheads, limit = _notes_and_overheads(chosen, half, preset, report.total_bytes, counted)
     elapsed = time.perf_counter() - start
     log.info("plan: %s, predicted %d bytes, %d evaluations, %d CUDA-graph replays in %.1f s", chosen.describe(),
              report.total_bytes, ev.count, step.replays, elapsed)
@@ -264,7 +270,7 @@ def plan(
         evaluations=ev.count, search_seconds=elapsed, notes=notes, cuda_graph=step.graphs,
         eager=eager or step.over is not None, graph_replays=step.replays,
     )
-    note = graph_note(result, step.over)
+    note = graph_note(result, step.over, step.least)
     if note is not None:
         result.notes.append(note)
     return result

@@ -466,6 +466,8 @@ class Plan:
         fixed = {"mode": r.get("mode", MODE), "batch_size": None if batch == "auto" else batch,
                  "precision": r["precision"], "pool": r["pool"], "frozen_weights": r["frozen_weights"],
                  "stream": r.get("stream"), "fused": r.get("fused"), "step_in_backward": r.get("step_in_backward")}
+        if isinstance(fixed["stream"], int) and fixed["stream"] >= c.batch_size:  # m >= the batch streams nothing
+            fixed["stream"] = 0
         for key, want in fixed.items():
             have = getattr(c, key)
             if want is not None and have != want:

@@ -7,6 +7,7 @@ smaller micro-batch, if need be), eagerly where they do not; the plan says which
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 from edgetl.memory import search
@@ -15,18 +16,23 @@ from edgetl.plan.verify import configured_network
 from edgetl.units import MB
 
 GRAPH_NOTE = "on the device finetune captures the step as CUDA graphs"
+# micro-batches below this are each tried, largest first; above it the bisection of the tensors'
+# search finds a boundary (what graphs reserve need not grow with the micro-batch)
+EXHAUSTIVE_BELOW = 16
 
 
 class GraphChoice(NamedTuple):
     """How the planned configuration's step runs on the device: ``config`` (its micro-batch
     perhaps smaller than the eager pick's), its figures captured as graphs where they fit
     (``graphs``), else the figures of the pick's graphs that did not (``over``, the step then
-    runs eagerly); ``replays``: captured steps replayed to decide."""
+    runs eagerly) and the micro-batch whose graphs came nearest (``least``: micro-batch, figures);
+    ``replays``: captured steps replayed to decide."""
 
     config: PlanConfig
     graphs: GraphMemory | None
     over: GraphMemory | None
     replays: int
+    least: tuple[int, GraphMemory] | None = None
 
 
 def graph_memory(base, config: PlanConfig, *, resolution: int, num_classes: int, predicted_bytes: int,
@@ -52,7 +58,9 @@ def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int
     (``can_stream``: streaming is on its path and not fixed), the largest micro-batch below the
     pick's (or, unstreamed, below the batch) whose graphs fit: streaming costs no accuracy, and
     graphs launch the streamed step's thousands of kernels at once (docs/planner.md has the
-    figures). ``ev``: the search's runtime accounting (``_Evaluator``)."""
+    figures). What graphs reserve goes up and down with the micro-batch, so those below
+    ``EXHAUSTIVE_BELOW`` are each tried, largest first, and larger ones bisected before them.
+    ``ev``: the search's runtime accounting (``_Evaluator``)."""
     replays = 0
     figures: dict[int, GraphMemory] = {}
 
@@ -71,28 +79,37 @@ def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int
         return GraphChoice(chosen, picked, None, replays)
     below = chosen.stream or chosen.batch_size  # an unstreamed step is one micro-batch of the batch
     if can_stream and below > 1:
-        # the largest smaller micro-batch that fits with its graphs (0: none does); what graphs
-        # reserve need not grow with the micro-batch, so this is where a boundary lies
-        m = search.largest_fitting(lambda m: graphs_at(m).total_bytes, budget, 0, below)
-        if m:
-            return GraphChoice(dataclasses.replace(chosen, stream=m), graphs_at(m), None, replays)
-    return GraphChoice(chosen, None, picked, replays)
+        fits = lambda m: graphs_at(m).total_bytes <= budget  # noqa: E731
+        if below > EXHAUSTIVE_BELOW:  # a boundary among the large ones (0: none found there)
+            m = search.largest_fitting(lambda m: graphs_at(m).total_bytes, budget, EXHAUSTIVE_BELOW - 1, below)
+            if m >= EXHAUSTIVE_BELOW:
+                return GraphChoice(dataclasses.replace(chosen, stream=m), graphs_at(m), None, replays)
+        for m in range(min(below, EXHAUSTIVE_BELOW) - 1, 0, -1):
+            if fits(m):
+                return GraphChoice(dataclasses.replace(chosen, stream=m), graphs_at(m), None, replays)
+    least = min(figures.items(), key=lambda item: item[1].total_bytes)
+    return GraphChoice(chosen, None, picked, replays, least)
 
 
-def graph_note(plan: Plan, over: GraphMemory | None = None) -> str | None:
+def graph_note(plan: Plan, over: GraphMemory | None = None,
+               least: tuple[int, GraphMemory] | None = None) -> str | None:
     """The note on how the planned step runs on a device with a GPU, or where an eager step was
-    asked (None otherwise); ``over``: the figures of graphs that did not fit."""
+    asked (None otherwise); ``over``: the figures of the pick's graphs that did not fit,
+    ``least``: the micro-batch whose graphs came nearest, and its figures."""
     g = plan.cuda_graph
     if g is not None:
         return (f"{GRAPH_NOTE}: they reserve a predicted {g.extra_bytes / MB:.1f} MB beyond an eager run "
                 f"(compute capability {g.capability[0]}.{g.capability[1]}), counted against the tensor budget: "
                 f"{g.total_bytes / MB:.1f} MB with the tensors, of {plan.tensor_budget_bytes / MB:.1f} MB")
     if over is not None:
+        m, nearest = least if least is not None else (plan.chosen.stream, over)
+        at = f"streamed by {m}" if m and m != plan.chosen.stream else "as it is"
+        need = math.ceil(nearest.total_bytes / 1e4) / 100  # rounded up: that budget does fit
         return (f"{GRAPH_NOTE} by default, but this step's would reserve a predicted {over.extra_bytes / MB:.1f} MB "
                 f"beyond an eager run, {over.total_bytes / MB:.1f} MB with the tensors, over the tensor budget "
                 f"{plan.tensor_budget_bytes / MB:.1f} MB: the plan runs it eagerly (finetune --plan sets "
-                f"train.cuda_graph false); with a tensor budget of {over.total_bytes / MB:.1f} MB it would run "
-                "as graphs")
+                f"train.cuda_graph false); this configuration would run as graphs {at} in a tensor budget of "
+                f"{need:.2f} MB")
     if plan.request.get("eager"):
         return ("planned for an eager step (--eager): finetune --plan runs it eagerly (train.cuda_graph false), "
                 "launching each op of the step from Python")
