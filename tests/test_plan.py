@@ -275,6 +275,25 @@ def test_a_plan_for_a_cuda_device_runs_its_step_as_graphs_where_they_fit():
     assert planned_values(asked)["train.cuda_graph"] is False
 
 
+def test_a_smaller_micro_batch_for_graphs_drops_recomputing_where_that_fits():
+    """A streamed pick that recomputes, whose graphs do not fit: at the micro-batch whose graphs
+    do, recomputing is dropped where the step without it fits with its graphs too (recomputing
+    runs segments forward twice); the figures against three real CPU steps' replay."""
+    from edgetl.plan.graphs import with_graphs
+    from edgetl.plan.path import _Evaluator
+
+    pick = dataclasses.replace(tiny_plan(6 * MB).chosen, recompute=True)  # streamed by 7
+    base = dataclasses.replace(TINY, num_classes=102)
+    got = with_graphs(pick, base, _Evaluator(base, RES), 6 * MB, (8, 7), resolution=RES, num_classes=102,
+                      can_stream=True)
+    c = got.config
+    assert got.graphs is not None and 1 <= c.stream < pick.stream
+    result = tiny_plan(6 * MB, device_preset="orin-nano-8gb")  # a plan to read the spec from
+    plain = dataclasses.replace(c, recompute=False)
+    assert c.recompute == (predicted(plain) + replayed_graphs(result, plain) > 6 * MB)
+    assert got.graphs.total_bytes == predicted(c) + replayed_graphs(result, c) <= 6 * MB
+
+
 def test_a_plans_cuda_graph_figures_are_read_back_and_checked(tmp_path):
     """The figures round-trip through YAML; a hand edit that breaks their agreement with the
     tensors, the device, the budget or the request is refused naming the key."""

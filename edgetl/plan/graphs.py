@@ -59,36 +59,45 @@ def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int
     pick's (or, unstreamed, below the batch) whose graphs fit: streaming costs no accuracy, and
     graphs launch the streamed step's thousands of kernels at once (docs/planner.md has the
     figures). What graphs reserve goes up and down with the micro-batch, so those below
-    ``EXHAUSTIVE_BELOW`` are each tried, largest first, and larger ones bisected before them.
-    ``ev``: the search's runtime accounting (``_Evaluator``)."""
+    ``EXHAUSTIVE_BELOW`` are each tried, largest first, and larger ones bisected before them;
+    a pick that recomputes drops it at that micro-batch where it fits without. ``ev``: the
+    search's runtime accounting (``_Evaluator``)."""
     replays = 0
-    figures: dict[int, GraphMemory] = {}
+    figures: dict[tuple[int, bool], GraphMemory] = {}  # by (micro-batch, recompute)
 
-    def graphs_at(stream: int) -> GraphMemory:
+    def graphs_at(stream: int, recompute: bool = chosen.recompute) -> GraphMemory:
         nonlocal replays
-        if stream not in figures:
-            config = dataclasses.replace(chosen, stream=stream)  # streamed, the batch comes as uint8 pixels
-            figures[stream] = graph_memory(base, config, resolution=resolution, num_classes=num_classes,
-                                           capability=capability,
-                                           predicted_bytes=ev.total(config.kept, config.storage, config.batch_size))
+        if (stream, recompute) not in figures:
+            # streamed, the batch comes as uint8 pixels
+            config = dataclasses.replace(chosen, stream=stream, recompute=recompute)
+            figures[stream, recompute] = graph_memory(
+                base, config, resolution=resolution, num_classes=num_classes, capability=capability,
+                predicted_bytes=ev.total(config.kept, config.storage, config.batch_size))
             replays += 1
-        return figures[stream]
+        return figures[stream, recompute]
+
+    def streamed(m: int) -> GraphChoice:
+        """Streamed by ``m``, whose graphs fit: without recomputing if that fits too (recomputing
+        runs segments forward twice)."""
+        if chosen.recompute and graphs_at(m, False).total_bytes <= budget:
+            return GraphChoice(dataclasses.replace(chosen, stream=m, recompute=False), graphs_at(m, False), None,
+                               replays)
+        return GraphChoice(dataclasses.replace(chosen, stream=m), graphs_at(m), None, replays)
 
     picked = graphs_at(chosen.stream)
     if picked.total_bytes <= budget:
         return GraphChoice(chosen, picked, None, replays)
     below = chosen.stream or chosen.batch_size  # an unstreamed step is one micro-batch of the batch
     if can_stream and below > 1:
-        fits = lambda m: graphs_at(m).total_bytes <= budget  # noqa: E731
-        if below > EXHAUSTIVE_BELOW:  # a boundary among the large ones (0: none found there)
+        if below > EXHAUSTIVE_BELOW:  # a boundary among the large ones (EXHAUSTIVE_BELOW - 1: none there)
             m = search.largest_fitting(lambda m: graphs_at(m).total_bytes, budget, EXHAUSTIVE_BELOW - 1, below)
             if m >= EXHAUSTIVE_BELOW:
-                return GraphChoice(dataclasses.replace(chosen, stream=m), graphs_at(m), None, replays)
+                return streamed(m)
         for m in range(min(below, EXHAUSTIVE_BELOW) - 1, 0, -1):
-            if fits(m):
-                return GraphChoice(dataclasses.replace(chosen, stream=m), graphs_at(m), None, replays)
-    least = min(figures.items(), key=lambda item: item[1].total_bytes)
-    return GraphChoice(chosen, None, picked, replays, least)
+            if graphs_at(m).total_bytes <= budget:
+                return streamed(m)
+    (m, _), nearest = min(figures.items(), key=lambda item: item[1].total_bytes)
+    return GraphChoice(chosen, None, picked, replays, (m, nearest))
 
 
 def graph_note(plan: Plan, over: GraphMemory | None = None,
