@@ -27,3 +27,9 @@ class ResourceError(EdgetlError):
 
 class DivergedError(EdgetlError):
     """Training produced a non-finite loss or non-finite weights; nothing non-finite was saved."""
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """``exc`` as one line for a summary or a report row: its type and its message, whitespace
+    folded, the message cut at ``limit`` characters."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:limit]}"

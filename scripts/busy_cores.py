@@ -36,23 +36,12 @@ def _child(args) -> None:
     """Time ``args.steps`` steps of each method, interleaved, after ``args.warmup`` rounds."""
     import torch
 
-    from edgetl.bench import METHODS as ALL, _build, _Trainer, interleaved_step_times
+    from edgetl.bench import cpu_trainers, interleaved_step_times
 
-    trainers = {}
-    for name in METHODS:
-        net = _build(ALL[name], {}, _setting(args), "cpu", args.batch_size)
-        trainers[name] = _Trainer(net, resolution=args.resolution, batch_size=args.batch_size,
-                                  num_classes=args.num_classes, device=torch.device("cpu"), lr=1e-3, seed=0)
+    trainers = cpu_trainers(METHODS, resolution=args.resolution, batch_size=args.batch_size,
+                            num_classes=args.num_classes, width=args.width)
     times = interleaved_step_times(trainers, steps=args.steps, warmup=args.warmup)
     print(json.dumps({"threads": torch.get_num_threads(), "seconds": times}))
-
-
-def _setting(args):
-    from edgetl.bench import DEFAULT_ARCH, _Setting
-
-    return _Setting(arch=DEFAULT_ARCH, resolution=args.resolution, batch_size=args.batch_size,
-                    num_classes=args.num_classes, width=args.width, budget_bytes=0, device="cpu",
-                    verify_images=0, measure_steps=0, lr=1e-3, seed=0, timed_cap=0)
 
 
 def _measure(args, name: str, busy: bool) -> dict:

@@ -15,7 +15,6 @@ with nothing else on the machine.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import statistics
@@ -26,8 +25,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from edgetl.bench import DEFAULT_ARCH, METHODS, REFERENCE, _build, _Setting, _Trainer, cpu_name  # noqa: E402
-from edgetl.bench import interleaved_step_times, pruned_hidden  # noqa: E402
+from edgetl.bench import METHODS, REFERENCE, cpu_name, cpu_trainers, interleaved_step_times  # noqa: E402
 from edgetl.io import atomic_text_json  # noqa: E402
 
 DEFAULT_METHODS = ("repnet-stock,repnet-lean,repnet-pruned-pool2,repnet-pruned-pool2-bf16-int8,"
@@ -60,17 +58,8 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     torch.set_num_threads(1)
-    setting = _Setting(arch=DEFAULT_ARCH, resolution=a.resolution, batch_size=a.batch_size,
-                       num_classes=a.num_classes, width=1.0, budget_bytes=0, device="cpu", verify_images=0,
-                       measure_steps=0, lr=1e-3, seed=0, timed_cap=0)
-    names = a.methods.split(",")
-    trainers = {}
-    hidden = pruned_hidden(1.0, a.num_classes)  # the paper's pruning, as the bench prunes its rows
-    for name in names:
-        method = dataclasses.replace(METHODS[name], hidden=hidden if METHODS[name].pruned else {})
-        net = _build(method, {}, setting, "cpu", a.batch_size)
-        trainers[name] = _Trainer(net, resolution=a.resolution, batch_size=a.batch_size, num_classes=a.num_classes,
-                                  device=torch.device("cpu"), lr=1e-3, seed=0)
+    trainers = cpu_trainers(a.methods.split(","), resolution=a.resolution, batch_size=a.batch_size,
+                            num_classes=a.num_classes)  # pruned rows with the paper's pruning, as the bench's
     times = interleaved_step_times(trainers, steps=a.steps, warmup=a.warmup)
     rows = {}
     for name, trainer in trainers.items():

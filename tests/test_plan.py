@@ -284,8 +284,7 @@ def test_a_smaller_micro_batch_for_graphs_drops_recomputing_where_that_fits():
 
     pick = dataclasses.replace(tiny_plan(6 * MB).chosen, recompute=True)  # streamed by 7
     base = dataclasses.replace(TINY, num_classes=102)
-    got = with_graphs(pick, base, _Evaluator(base, RES), 6 * MB, (8, 7), resolution=RES, num_classes=102,
-                      can_stream=True)
+    got = with_graphs(pick, base, _Evaluator(base, RES), 6 * MB, (8, 7), resolution=RES, can_stream=True)
     c = got.config
     assert got.graphs is not None and 1 <= c.stream < pick.stream
     result = tiny_plan(6 * MB, device_preset="orin-nano-8gb")  # a plan to read the spec from

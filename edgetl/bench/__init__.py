@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from edgetl.errors import ConfigError
+from edgetl.errors import ConfigError, one_line
 from edgetl.memory.report import MB
 from edgetl.memory.schedule import Schedule
 from edgetl.memory.search import largest_batch
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_ARCH", "FROZEN_BITS", "METHODS", "PAPER_PRUNING", "PLAN", "REFERENCE", "BenchResult", "BenchRow",
     "Checkpointed", "Method", "bench", "build_method", "caption", "check_methods", "count_trainable", "cpu_cores",
+    "cpu_trainers",
     "default_methods", "has_reserved",
     "interleaved_step_times", "plan_available", "planned_method", "plot_bench", "pruned_hidden", "set_ratios",
     "table_rows", "to_markdown",
@@ -118,7 +119,25 @@ def _graph_trainer(build: Callable[[], EdgeNet], **kwargs) -> tuple[_GraphTraine
             return None, f"not captured: {reason}"
         return _GraphTrainer(net, **kwargs), None
     except Exception as exc:  # noqa: BLE001 - a row that cannot be captured is a finding, reported in its row
-        return None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        return None, one_line(exc)
+
+
+def cpu_trainers(names, *, resolution: int, batch_size: int, num_classes: int, width: float = 1.0,
+                 arch: str = DEFAULT_ARCH) -> dict[str, _Trainer]:
+    """The bench's CPU trainers of the methods ``names``, outside a bench run (the scripts that
+    time steps apart from it): each network built and its lean step scheduled as the bench
+    builds its rows, a pruned method with the paper's pruning; Adam at 1e-3, seed 0."""
+    setting = _Setting(arch=arch, resolution=resolution, batch_size=batch_size, num_classes=num_classes,
+                       width=width, budget_bytes=0, device="cpu", verify_images=0, measure_steps=0, lr=1e-3,
+                       seed=0, timed_cap=0)
+    hidden = pruned_hidden(width, num_classes, arch) if any(METHODS[n].pruned for n in names) else {}
+    trainers = {}
+    for name in names:
+        method = dataclasses.replace(METHODS[name], hidden=hidden) if METHODS[name].pruned else METHODS[name]
+        trainers[name] = _Trainer(_build(method, {}, setting, "cpu", batch_size), resolution=resolution,
+                                  batch_size=batch_size, num_classes=num_classes, device=torch.device("cpu"),
+                                  lr=1e-3, seed=0)
+    return trainers
 
 
 def interleaved_step_times(trainers: dict[str, _Trainer], *, steps: int, warmup: int) -> dict[str, list[float]]:

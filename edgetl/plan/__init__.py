@@ -252,7 +252,7 @@ def plan(
     pick, step = chosen, GraphChoice(chosen, None, None, 0)
     if not eager and preset.capability is not None:  # then speed: the step captured as CUDA graphs if it fits
         step = with_graphs(chosen, base, ev, tensor_budget, preset.capability, resolution=resolution,
-                           num_classes=num_classes, can_stream=stream is None and any(s.stream for s in ladder))
+                           can_stream=stream is None and any(s.stream for s in ladder))
         chosen = step.config
     report = ev.report(chosen.kept, chosen.storage, chosen.batch_size)
     runners = _runners_up(search.evaluated, chosen_pos, pick, tensor_budget)  # the pick is no runner-up

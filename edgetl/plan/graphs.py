@@ -35,16 +35,17 @@ class GraphChoice(NamedTuple):
     least: tuple[int, GraphMemory] | None = None
 
 
-def graph_memory(base, config: PlanConfig, *, resolution: int, num_classes: int, predicted_bytes: int,
+def graph_memory(base, config: PlanConfig, *, resolution: int, predicted_bytes: int,
                  capability: tuple[int, int]) -> GraphMemory:
     """What ``config``'s step holds captured as CUDA graphs on a GPU of ``capability``: its
-    network (``base``, the input backbone's spec, with the configuration's pruning) built and
-    scheduled as finetune builds it, three steps traced on the meta device (a CPU copy where the
-    optimizer's kernels are fused: they have no meta implementation) and replayed as
-    ``CapturedStep`` runs them; ``predicted_bytes``: its runtime accounting."""
+    network (``base``, the input backbone's spec with the plan's classes, plus the configuration's
+    pruning, as the search's evaluator builds it) built and scheduled as finetune builds it,
+    three steps traced on the meta device (a CPU copy where the optimizer's kernels are fused:
+    they have no meta implementation) and replayed as ``CapturedStep`` runs them;
+    ``predicted_bytes``: its runtime accounting."""
     from edgetl.memory.cuda_step import captured_report
 
-    spec = dataclasses.replace(base, num_classes=num_classes, hidden={**base.hidden, **config.kept})
+    spec = dataclasses.replace(base, hidden={**base.hidden, **config.kept})
     net, step = configured_network(spec, config, resolution, device="cpu" if config.fused else "meta")
     report = captured_report(net, runtime_bytes=predicted_bytes, resolution=resolution,
                              batch_size=config.batch_size, step=step, capability=capability)
@@ -52,7 +53,7 @@ def graph_memory(base, config: PlanConfig, *, resolution: int, num_classes: int,
 
 
 def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int, int], *, resolution: int,
-                num_classes: int, can_stream: bool) -> GraphChoice:
+                can_stream: bool) -> GraphChoice:
     """The planned configuration ``chosen`` (its tensors within ``budget``) captured as CUDA
     graphs if they fit beside them. Where they do not and the plan may choose the micro-batch
     (``can_stream``: streaming is on its path and not fixed), the largest micro-batch below the
@@ -71,7 +72,7 @@ def with_graphs(chosen: PlanConfig, base, ev, budget: int, capability: tuple[int
             # streamed, the batch comes as uint8 pixels
             config = dataclasses.replace(chosen, stream=stream, recompute=recompute)
             figures[stream, recompute] = graph_memory(
-                base, config, resolution=resolution, num_classes=num_classes, capability=capability,
+                base, config, resolution=resolution, capability=capability,
                 predicted_bytes=ev.total(config.kept, config.storage, config.batch_size))
             replays += 1
         return figures[stream, recompute]

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edgetl.errors import one_line
 from edgetl.recipe import Recipe
 from edgetl.step import Step
 
@@ -297,7 +298,7 @@ class CapturedStep:
         """A capture failed (the step reads the host somewhere ``why_eager`` does not know, or the
         graph's pool found no memory): the graphs go, and every later step runs eagerly. Nothing of
         the failed capture ran, so the batch is trained eagerly next, and the run loses no step."""
-        self.failed = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        self.failed = one_line(exc)
         self.failed_at = batch
         log.warning("capturing the training step as a CUDA graph at batch %d failed (%s); the step runs "
                     "eagerly from here on", batch, self.failed)
