@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
-from torch.nn.grad import conv2d_input, conv2d_weight
+from torch.nn.grad import conv2d_weight
 
 from edgetl.models.lean import ImagePool, LeanAvgPool2d, PooledConv2d, _check_pool
+from edgetl.models.lean.convgrad import conv_input_grad
 from edgetl.models.lean.frozen import update_running_stats
 from edgetl.units import round_up
 
@@ -115,7 +116,7 @@ class _SideTailFn(Function):
         )
         del y2
         gw2 = conv2d_weight(a1, w2.shape, gy2) if need[3] else None
-        ga1 = conv2d_input(a1.shape, w2, gy2)
+        ga1 = conv_input_grad(a1.shape, w2, gy2)
         del gy2
         # ReLU's backward from its output, in place: no mask (``ga1 * bool_mask`` would
         # also cast the mask to a hidden float copy inside the kernel on CPU)

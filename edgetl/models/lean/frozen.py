@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
-from torch.nn.grad import conv2d_input
 
 from edgetl.errors import ConfigError
 from edgetl.cost import CallShape, Execution, Setting, dtype_bytes as _dtype_bytes, numel as _numel, repeated
+from edgetl.models.lean.convgrad import conv_input_grad
 from edgetl.models.lean.masks import (
     _fold_bits,
     pack_mask_,
@@ -72,7 +72,7 @@ def _bn_scale(bn: nn.BatchNorm2d) -> torch.Tensor:
 class FrozenConvBNAct(nn.Module):
     """A frozen conv (+ BN, + optional ReLU6 or ReLU: ``act``) that never saves its input.
 
-    grad_input comes from the weight alone (``conv2d_input``). With ``bn="fold"`` the BN
+    grad_input comes from the weight alone (``conv_input_grad``). With ``bn="fold"`` the BN
     (eval statistics) is folded into the conv's weight and bias and the only thing saved
     is a 1-bit activation mask (0 < y < 6 for "relu6", y > 0 for "relu"). With
     ``bn="batch"`` the BN uses batch statistics in training (and updates its running
@@ -423,7 +423,7 @@ class _FrozenConvFn(Function):
                 del g_conv
             else:
                 w = m.dequantized_weight(act)
-                gx = conv2d_input(ctx.in_shape, w, g_conv, m.stride, m.padding, m.dilation, m.groups)
+                gx = conv_input_grad(ctx.in_shape, w, g_conv, m.stride, m.padding, m.dilation, m.groups)
                 del w, g_conv
             gx = gx.to(ctx.in_dtype)
         return gx, gbias, None, None
@@ -551,7 +551,7 @@ def _per_sample_backward(ctx, gy):
         elif wt is not None:
             torch.mm(wt, g.reshape(m.out_channels, -1), out=gx[i].view(m.in_channels, -1))
         else:
-            gx[i : i + 1] = conv2d_input(one_in, w, g, m.stride, m.padding, m.dilation, m.groups)
+            gx[i : i + 1] = conv_input_grad(one_in, w, g, m.stride, m.padding, m.dilation, m.groups)
         del g
     del w, wt, table
     return gx.to(ctx.in_dtype), gbias, None, None

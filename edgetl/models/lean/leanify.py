@@ -10,10 +10,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.grad import conv2d_input
 
 from edgetl.errors import CapabilityError, ConfigError
 from edgetl.models.lean.act import LeanReLU, LeanReLU6
+from edgetl.models.lean.convgrad import conv_input_grad
 from edgetl.models.lean.frozen import ACT_UPPER, FrozenConvBNAct, check_act
 from edgetl.models.lean.maxpool import LeanMaxPool2d
 from edgetl.models.lean.pooling import LeanGlobalAvgPool
@@ -31,7 +31,7 @@ def check_act_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
         x = torch.ones(1, 2, 4, 4, dtype=dtype, device=device)
         w = torch.ones(2, 1, 3, 3, dtype=dtype, device=device)
         y = F.conv2d(x, w, None, 1, 1, 1, 2)
-        conv2d_input(x.shape, w, y, 1, 1, 1, 2)
+        conv_input_grad(x.shape, w, y, 1, 1, 1, 2)
     except (RuntimeError, NotImplementedError) as exc:
         raise CapabilityError(
             f"{dtype} convolution is not supported on {device} by this torch build "

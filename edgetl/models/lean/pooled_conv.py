@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
-from torch.nn.grad import conv2d_input, conv2d_weight
+from torch.nn.grad import conv2d_weight
 
 from edgetl.errors import ConfigError
+from edgetl.models.lean.convgrad import conv_input_grad
 from edgetl.options import POOLS
 
 # A conv input is stored pooled only while the pooled map keeps at least this many cells
@@ -129,7 +130,7 @@ class _PooledConv2dFn(Function):
             gb = gy.sum((0, 2, 3))  # first: the accounting counts parameter gradients from the start
         if ctx.needs_input_grad[0]:
             # exact: the input gradient needs only the weight
-            gx = conv2d_input(in_shape, weight, gy, stride, padding, dilation, groups)
+            gx = conv_input_grad(in_shape, weight, gy, stride, padding, dilation, groups)
         if ctx.needs_input_grad[1]:
             gw = pooled_grad_weight(
                 saved, in_shape[-2:], weight.shape, gy, stride, padding, dilation, groups, k

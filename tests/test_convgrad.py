@@ -1,0 +1,73 @@
+"""The lean layers' conv input gradient (``conv_input_grad``, a transposed conv) against
+``torch.nn.grad.conv2d_input`` on every conv of MobileNetV2 and ResNet-18, and against the CPU
+allocator's events: it allocates its output and never a copy of the input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch.nn.grad import conv2d_input
+
+from edgetl.memory.alloc_events import record_allocations
+from edgetl.models.lean.convgrad import conv_input_grad
+
+
+def conv_calls(model: torch.nn.Module, batch: int, resolution: int) -> list[tuple[torch.nn.Conv2d, torch.Size]]:
+    """Each conv of ``model`` with the input shape it sees on a batch at ``resolution``."""
+    calls = []
+    hooks = [m.register_forward_hook(lambda m, i, o: calls.append((m, i[0].shape)))
+             for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        model.eval()(torch.randn(batch, 3, resolution, resolution))
+    for h in hooks:
+        h.remove()
+    return calls
+
+
+@pytest.mark.parametrize("arch, resolution", [("mobilenet_v2", 72), ("resnet18", 65)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_same_bits_as_conv2d_input(arch, resolution, dtype):
+    # odd sizes (65 px) make the strided convs drop a row: the output padding gives it back
+    torch.manual_seed(0)
+    calls = conv_calls(getattr(torchvision.models, arch)(), 2, resolution)
+    assert len(calls) > 15
+    for m, shape in calls:
+        w = m.weight.detach().to(dtype)
+        out_shape = F.conv2d(torch.empty(shape, dtype=dtype), w, None, m.stride, m.padding, m.dilation,
+                             m.groups).shape
+        gy = torch.randn(out_shape).to(dtype)
+        mine = conv_input_grad(shape, w, gy, m.stride, m.padding, m.dilation, m.groups)
+        theirs = conv2d_input(shape, w, gy, m.stride, m.padding, m.dilation, m.groups)
+        assert mine.shape == shape and mine.dtype == dtype
+        assert torch.equal(mine, theirs), (arch, m)
+
+
+def test_a_dilated_strided_conv_too():
+    w, shape = torch.randn(6, 3, 3, 3), (2, 3, 17, 16)
+    gy = torch.randn(F.conv2d(torch.empty(shape), w, None, 2, 2, 2).shape)
+    assert torch.equal(conv_input_grad(shape, w, gy, 2, 2, 2), conv2d_input(shape, w, gy, 2, 2, 2))
+
+
+def test_it_allocates_no_copy_of_the_input():
+    """conv2d_input hands the kernel a one-value input expanded to the input's shape, which the
+    CPU kernel makes contiguous: an input-sized block taken by ``aten::empty`` inside
+    ``convolution_backward``, beside oneDNN's blocked copies (its kernel's own). The transposed
+    conv has the same oneDNN copies and output, one block fewer in all, and no one-value input."""
+    torch.set_num_threads(1)
+    shape, w = (4, 32, 28, 28), torch.randn(32, 1, 3, 3)
+    gy = torch.randn(shape)
+    nbytes = 4 * 32 * 28 * 28 * 4
+
+    def blocks(run) -> list[tuple[int, str, str]]:
+        out, events = record_allocations(run)
+        assert out.shape == shape
+        return [(a.nbytes, a.kind, a.kernel) for a in events.allocations]
+
+    theirs, mine = blocks(lambda: conv2d_input(shape, w, gy, 1, 1, 1, 32)), blocks(lambda: conv_input_grad(
+        shape, w, gy, 1, 1, 1, 32))
+    assert (nbytes, "scratch", "aten::empty") in theirs and (4, "tensor", "aten::empty") in theirs
+    assert [b for b in mine if b[1] == "scratch" and b[2] == "aten::empty"] == []
+    assert len(mine) == len(theirs) - 2
+    assert sum(b[0] for b in mine) == sum(b[0] for b in theirs) - nbytes - 4
