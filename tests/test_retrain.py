@@ -96,7 +96,9 @@ def free_port() -> int:
 
 
 def torchrun(script: Path, args: list[str], record: str | None = None) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (a rare SIGABRT as gloo tears down, under
+    # load) prints every thread's Python stack into the failure
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     if record:
         env["RECORD"] = record
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",

@@ -338,7 +338,9 @@ def test_ddp_two_cpu_processes(toy, tmp_path):
     script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (a rare SIGABRT as gloo tears down, under
+    # load) prints every thread's Python stack into the failure
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(script), str(toy), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
