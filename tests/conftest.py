@@ -175,3 +175,14 @@ def meter_op_count(net, batch: int, resolution: int) -> int:
     finally:
         meter.close()
     return sum(1 for e in meter.trace if e[0] == "op")
+
+
+def launch_failure(stderr: str) -> str:
+    """What a failed torchrun launch's stderr says: a rank's fatal signal (PYTHONFAULTHANDLER's
+    Python stack of every thread, without its list of extension modules), then the launcher's
+    last words."""
+    start = stderr.find("Fatal Python error")
+    if start < 0:
+        return stderr[-3000:]
+    end = stderr.find("\nExtension modules:", start)
+    return stderr[start:end if end >= 0 else start + 5000][:5000] + "\n...\n" + stderr[-1500:]

@@ -19,7 +19,7 @@ from edgetl.cli import main
 from edgetl.models.backbone import BackboneSpec, build_backbone, load_backbone, read_backbone_info
 from edgetl.recipe import RECIPE_DIR, load_recipe, parse_override
 from edgetl.retrain import RETRAIN_FILE, retrain
-from tests.conftest import COLORS, make_color_folder
+from tests.conftest import COLORS, launch_failure, make_color_folder
 
 # The bundled retrain recipe, scaled down: 32 px, tiny batches, checkpoints every 2 steps.
 TOY_SETS = ["data.preset=imagefolder", "data.resolution=32", "train.workers=0", "train.checkpoint_every=2",
@@ -125,7 +125,7 @@ def descendants(pid: int) -> list[int]:
 
 def finish(proc: subprocess.Popen) -> str:
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 0, launch_failure(err)
     return out
 
 

@@ -324,6 +324,7 @@ DDP_SCRIPT = textwrap.dedent("""
     with open(out + f"/rank{{rank}}.json", "w") as f:
         json.dump(report, f)
     T.cleanup_distributed()
+    T.exit_worker(0)  # as edgetl's own commands end a torchrun worker (see exit_worker)
 """)
 
 
@@ -334,6 +335,7 @@ def free_port() -> int:
 
 
 def test_ddp_two_cpu_processes(toy, tmp_path):
+    from tests.conftest import launch_failure  # here: the workers import this module
     script = tmp_path / "ddp_worker.py"
     script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
     out = tmp_path / "out"
@@ -344,7 +346,7 @@ def test_ddp_two_cpu_processes(toy, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(script), str(toy), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_failure(proc.stderr)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world"] for r in reports] == [2, 2]
     a, b = (set(r["indices"]) for r in reports)

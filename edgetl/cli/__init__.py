@@ -104,6 +104,16 @@ def entry() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code. A torchrun worker that joined its process group ends here,
+    without the interpreter's shutdown (``edgetl.train.distributed.exit_worker``: why)."""
+    code = _run(argv)
+    worker = sys.modules.get("edgetl.train.distributed")  # loaded only by a command that trains
+    if worker is not None and worker.joined_group:
+        worker.exit_worker(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=_command_of(argv))
     args = parser.parse_args(argv)

@@ -55,6 +55,7 @@ from edgetl.train.checkpoint import (
 )
 from edgetl.train.distributed import (
     cleanup_distributed,
+    exit_worker,
     get_rank,
     get_world_size,
     is_main_process,
@@ -117,6 +118,7 @@ __all__ = [
     "disk_need",
     "distill_loss",
     "evaluate",
+    "exit_worker",
     "fit",
     "get_rank",
     "get_world_size",

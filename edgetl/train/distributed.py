@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,11 @@ def torchrun_env() -> tuple[int, int, int] | None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         return rank, world, int(os.environ.get("LOCAL_RANK", rank))
     return None
+
+
+# set once this process, a torchrun worker, has joined its process group: ``edgetl.cli.main``
+# then ends the process with ``exit_worker``
+joined_group = False
 
 
 def setup_distributed(device: torch.device | str = "cpu") -> torch.device:
@@ -39,12 +46,34 @@ def setup_distributed(device: torch.device | str = "cpu") -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         log.info("process group ready: rank %d of %d (%s)", rank, world, dist.get_backend())
+    global joined_group
+    joined_group = True
     return device
 
 
 def cleanup_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_worker(code: int) -> NoReturn:
+    """End a torchrun worker process now, its output flushed and its logging shut down, without
+    the interpreter's own shutdown, as ``multiprocessing`` ends its child processes.
+
+    Why: once DDP has wrapped a model, torch keeps references to the gloo process group that
+    ``destroy_process_group`` does not drop, so its worker threads outlive the program. A
+    worker still releasing a finished collective's tensors when the interpreter shuts down
+    needs the GIL, and Python (3.11) ends a thread that asks for it then in the middle of a C++
+    destructor: ``std::terminate``, a SIGABRT after the run has finished and written everything
+    (the two-process tests under load, now and then; the core dump shows
+    ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop`` waiting in ``take_gil``). The
+    process group is left first, where the caller has not."""
+    cleanup_distributed()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or full stream: nothing more to show
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def get_rank() -> int:
