@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny MobileNetV2 pretrained on real data (Fashion-MNIST source task)."""
 
 import os
+import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,6 +177,23 @@ def meter_op_count(net, batch: int, resolution: int) -> int:
     finally:
         meter.close()
     return sum(1 for e in meter.trace if e[0] == "op")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(script: Path, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a two-process torchrun launch of ``script`` with ``args``
+    on this machine: one thread a rank, a free port, and PYTHONFAULTHANDLER, so a rank that dies
+    of a signal (a SIGABRT as gloo tears down, before ``exit_worker``) prints every thread's
+    Python stack into the failure (``launch_failure``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script), *args]
+    return cmd, env
 
 
 def launch_failure(stderr: str) -> str:

@@ -3,7 +3,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from edgetl.cli import main
 from edgetl.models.backbone import BackboneSpec, build_backbone, load_backbone, read_backbone_info
 from edgetl.recipe import RECIPE_DIR, load_recipe, parse_override
 from edgetl.retrain import RETRAIN_FILE, retrain
-from tests.conftest import COLORS, launch_failure, make_color_folder
+from tests.conftest import COLORS, launch_failure, make_color_folder, torchrun_command
 
 # The bundled retrain recipe, scaled down: 32 px, tiny batches, checkpoints every 2 steps.
 TOY_SETS = ["data.preset=imagefolder", "data.resolution=32", "train.workers=0", "train.checkpoint_every=2",
@@ -89,20 +88,10 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(script: Path, args: list[str], record: str | None = None) -> subprocess.Popen:
-    # PYTHONFAULTHANDLER: a rank that dies of a signal (a rare SIGABRT as gloo tears down, under
-    # load) prints every thread's Python stack into the failure
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    cmd, env = torchrun_command(script, ["retrain", *args])
     if record:
         env["RECORD"] = record
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script), "retrain", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

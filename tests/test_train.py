@@ -6,10 +6,7 @@ import csv
 import dataclasses
 import json
 import math
-import os
-import socket
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -323,28 +320,17 @@ DDP_SCRIPT = textwrap.dedent("""
               "first_losses": losses[:3], "last_losses": losses[-3:]}}
     with open(out + f"/rank{{rank}}.json", "w") as f:
         json.dump(report, f)
-    T.cleanup_distributed()
-    T.exit_worker(0)  # as edgetl's own commands end a torchrun worker (see exit_worker)
+    T.exit_worker(0)  # leaves the group and ends the worker, as edgetl's own commands do
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_two_cpu_processes(toy, tmp_path):
-    from tests.conftest import launch_failure  # here: the workers import this module
+    from tests.conftest import launch_failure, torchrun_command  # here: the workers import this module
     script = tmp_path / "ddp_worker.py"
     script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
     out = tmp_path / "out"
     out.mkdir()
-    # PYTHONFAULTHANDLER: a rank that dies of a signal (a rare SIGABRT as gloo tears down, under
-    # load) prints every thread's Python stack into the failure
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script), str(toy), str(out)]
+    cmd, env = torchrun_command(script, [str(toy), str(out)])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, launch_failure(proc.stderr)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
