@@ -53,6 +53,9 @@ class DoctorReport:
     mem_total_bytes: int | None
     mem_available_bytes: int | None
     suggested_budget_bytes: int | None
+    # the CPU heap policy of the process asking (``edgetl.heap``; the command fills it in: the
+    # edgetl program holds freed memory, a library caller's process has the C library's default)
+    heap: str | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -105,6 +108,13 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def is_jetson(root: str | Path = "/") -> bool:
+    """Whether the machine under ``root`` is a Jetson: L4T's release file, or a device-tree model
+    naming one (a container that does not mount the release file still sees /proc)."""
+    model = _read(Path(root) / "proc/device-tree/model")
+    return _read(Path(root) / "etc/nv_tegra_release") is not None or (model is not None and "jetson" in model.lower())
+
+
 def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     """Collect platform facts.
 
@@ -117,7 +127,7 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     model = _read(root / "proc/device-tree/model")
     tegra = _read(root / "etc/nv_tegra_release")
     l4t = parse_l4t_release(tegra) if tegra else None
-    is_jetson = tegra is not None or (model is not None and "jetson" in model.lower())
+    jetson = is_jetson(root)
 
     torch_version = torch_cuda = cudnn = gpu_name = capability = None
     cuda_available, integrated = False, None
@@ -140,11 +150,11 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
                 props = torch.cuda.get_device_properties(0)
                 gpu_name, integrated = props.name, bool(props.is_integrated)
                 capability = f"{props.major}.{props.minor}"
-        if is_jetson and torch_cuda is None:
+        if jetson and torch_cuda is None:
             notes.append("this torch build has no CUDA: install NVIDIA's JetPack wheel (see docker/README.md)")
-        elif is_jetson and not cuda_available and probe_gpu:
+        elif jetson and not cuda_available and probe_gpu:
             notes.append("CUDA is not available: in a container, run with --runtime nvidia")
-    if integrated is None and is_jetson:
+    if integrated is None and jetson:
         integrated = True  # every Jetson GPU shares memory with the CPU
 
     mem = read_meminfo(root / "proc/meminfo")
@@ -158,7 +168,7 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     return DoctorReport(
         machine=platform.machine(),
         python=platform.python_version(),
-        is_jetson=is_jetson,
+        is_jetson=jetson,
         jetson_model=model,
         l4t_release=l4t,
         jetpack=JETPACK_BY_L4T.get(l4t) if l4t else None,

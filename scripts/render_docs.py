@@ -39,6 +39,8 @@ Blocks (NAME: source):
   step's convolution kernels and the rest, and the speed-up each row allows)
 * ``busy-cores``: ``benchmarks/busy_cores_*.json`` (``scripts/busy_cores.py``: a step under each
   OpenMP wait policy, alone and beside busy processes)
+* ``heap-policy``: ``benchmarks/heap_policy.json`` (``scripts/heap_policy.py``: steps with glibc's
+  default heap and with the program's, each setting in a process of its own)
 * ``barley-table1``, ``barley-table1-totals``: ``benchmarks/barley_table1_resnet18.json``
   (``scripts/barley_table1.py``: Barley & Fröning's Table 1 recomputed, the paper's cells beside)
 * ``resnet-peaks``, ``resnet-plans``: ``benchmarks/resnet_peaks_224.json`` (``scripts/resnet_peaks.py``: ResNet-18 full
@@ -457,6 +459,11 @@ def render_step_time_parts() -> str:
     return _script("step_time_parts").render(json.loads((BENCH / "step_time_parts_224.json").read_text()))
 
 
+def render_heap_policy() -> str:
+    """Steps with glibc's default heap and with the program's (``scripts/heap_policy.py``'s own table)."""
+    return _script("heap_policy").render(json.loads((BENCH / "heap_policy.json").read_text()))
+
+
 def render_busy_cores() -> str:
     """A step's time under each OpenMP policy, alone and beside busy processes (``scripts/busy_cores.py``):
     per policy and method, the median step of each round, alone / busy, and the worst busy round's
@@ -609,6 +616,7 @@ RENDERERS: dict[str, tuple[Callable[[], str], str]] = {
     "step-time-parts": (render_step_time_parts,
                         "benchmarks/step_time_parts_224.json (scripts/step_time_parts.py)"),
     "busy-cores": (render_busy_cores, "benchmarks/busy_cores_*.json (scripts/busy_cores.py)"),
+    "heap-policy": (render_heap_policy, "benchmarks/heap_policy.json (scripts/heap_policy.py)"),
     "barley-table1": (render_barley_table1, "benchmarks/barley_table1_resnet18.json (scripts/barley_table1.py)"),
     "barley-table1-totals": (render_barley_table1_totals,
                              "benchmarks/barley_table1_resnet18.json (scripts/barley_table1.py)"),

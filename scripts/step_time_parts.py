@@ -8,8 +8,8 @@ little the rest costs; a streamed row is bounded by its twin's step over its own
 
     python scripts/step_time_parts.py --json benchmarks/step_time_parts_224.json
 
-One thread and OpenMP's passive waiting, as the program sets them on a 2-core machine; run it
-with nothing else on the machine.
+One thread, OpenMP's passive waiting and freed memory held for the next step (``edgetl.heap``),
+as the program sets them on a 2-core machine; run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from edgetl.bench import METHODS, REFERENCE, cpu_name, cpu_trainers, interleaved_step_times  # noqa: E402
+from edgetl.heap import hold_freed_memory  # noqa: E402
 from edgetl.io import atomic_text_json  # noqa: E402
 
 DEFAULT_METHODS = ("repnet-stock,repnet-lean,repnet-pruned-pool2,repnet-pruned-pool2-bf16-int8,"
@@ -58,6 +59,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     torch.set_num_threads(1)
+    heap = hold_freed_memory()  # the program's heap policy too (edgetl.heap)
     trainers = cpu_trainers(a.methods.split(","), resolution=a.resolution, batch_size=a.batch_size,
                             num_classes=a.num_classes)  # pruned rows with the paper's pruning, as the bench's
     times = interleaved_step_times(trainers, steps=a.steps, warmup=a.warmup)
@@ -79,7 +81,7 @@ def main() -> None:
         r["vs_twin"] = rows[twin]["step_s"] / r["step_s"] if twin in rows else None
         r["vs_twin_bound"] = rows[twin]["step_s"] / r["conv_s"] if twin in rows else None
     data = {"cpu": cpu_name(), "machine": platform.machine(), "threads": torch.get_num_threads(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "heap": heap, "torch": torch.__version__,
             "resolution": a.resolution, "batch_size": a.batch_size, "num_classes": a.num_classes,
             "steps": a.steps, "warmup": a.warmup, "profiled": a.profiled, "rows": rows}
     print(render(data))
@@ -99,7 +101,8 @@ def render(data: dict) -> str:
         lines.append(f"| {r['label']} | {r['step_s'] * 1e3:.0f} | {r['conv_s'] * 1e3:.0f} ({r['conv_share']:.0%}) | "
                      f"{(r['step_s'] - r['conv_s']) * 1e3:.0f} | {x(r['vs_reference'])} | "
                      f"{x(r['vs_reference_bound'])} | {x(r['vs_twin'])} | {x(r['vs_twin_bound'])} |")
-    lines.append(f"\n{data['cpu']}; {data['threads']} thread(s), OMP_WAIT_POLICY={data['omp_wait_policy']}, "
+    heap = f"heap: {data['heap']}, " if data.get("heap") else ""
+    lines.append(f"\n{data['cpu']}; {data['threads']} thread(s), OMP_WAIT_POLICY={data['omp_wait_policy']}, {heap}"
                  f"torch {data['torch']}; the median of {data['steps']} interleaved steps after {data['warmup']}, "
                  f"{data['profiled']} profiled.")
     return "\n".join(lines) + "\n"

@@ -268,9 +268,19 @@ def test_the_caption_names_the_openmp_wait_policy(result):
     import os
 
     assert result.omp_wait_policy == os.environ.get("OMP_WAIT_POLICY", "unset")
-    assert f", OpenMP wait policy {result.omp_wait_policy}, torch " in caption(result)
-    older = dataclasses.replace(result, omp_wait_policy=None)  # a table saved before the bench recorded it
+    assert f", OpenMP wait policy {result.omp_wait_policy}, heap: " in caption(result)
+    older = dataclasses.replace(result, omp_wait_policy=None, heap=None)  # a table saved before the bench recorded it
     assert ", OpenMP wait policy" not in caption(older) and f"thread{'s' * (result.threads != 1)}, torch " in caption(older)
+
+
+def test_the_caption_names_the_heap_policy(result):
+    """This process's (``edgetl.heap``): the pytest process never applied the program's, so glibc's
+    or the C library's default; a table from before the bench recorded it names none."""
+    from edgetl.heap import DEFAULT
+
+    assert result.heap is not None and result.heap.startswith(DEFAULT)
+    assert f", heap: {result.heap}, torch " in caption(result)
+    assert ", heap:" not in caption(dataclasses.replace(result, heap=None))
 
 
 def test_pruned_hidden_is_the_papers():

@@ -38,6 +38,23 @@ def test_step_time_parts_splits_each_step_and_bounds_its_speed(tmp_path):
     assert rows["repnet-stock"]["vs_reference"] == 1.0
 
 
+def test_heap_policy_child_times_each_method_under_either_policy():
+    """The measuring process of scripts/heap_policy.py, at tiny scale, with glibc's default and held."""
+    said = {}
+    for policy in ("default", "held"):
+        setting = {"policy": policy, "schedule": "interleaved", "methods": ["repnet-stock", "repnet-lean"],
+                   "resolution": 64, "batch_size": 2, "width": 0.35, "steps": 2, "warmup": 0}
+        argv = [sys.executable, str(SCRIPTS / "heap_policy.py"), "--child", json.dumps(setting)]
+        out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300).stdout
+        result = json.loads(out.strip().splitlines()[-1])
+        assert set(result["rows"]) == {"repnet-stock", "repnet-lean"}
+        for row in result["rows"].values():
+            assert len(row["steps_s"]) == 2 and row["step_s"] > 0 and row["faults_per_step"] >= 0
+            assert row["maxrss_bytes"] > 10**8  # torch alone is larger
+        said[policy] = result["heap"]
+    assert said["default"] == "the C library's default" and said["held"] != said["default"]
+
+
 def test_conv_kernels_are_told_from_the_rest():
     sys.path.insert(0, str(SCRIPTS))
     try:

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from edgetl.errors import ConfigError, one_line
+from edgetl.heap import heap_policy
 from edgetl.memory.report import MB
 from edgetl.memory.schedule import Schedule
 from edgetl.memory.search import largest_batch
@@ -265,6 +266,7 @@ def bench(
         threads=torch.get_num_threads(), torch_version=torch.__version__, reference=REFERENCE,
         command=command, cpu=cpu_name() if device.type == "cpu" else None,
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset") if device.type == "cpu" else None,
+        heap=heap_policy() if device.type == "cpu" else None,
     )
     if workers > 1 and device.type != "cpu":
         raise ConfigError(f"workers {workers} is not allowed on {device}: its rows are measured one at a time; give 1")

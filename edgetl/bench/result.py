@@ -78,6 +78,10 @@ class BenchResult:
     # files from before it was): idle threads that spin make every op cheaper alone and a shared
     # machine's steps 10-200x slower (benchmarks/busy_cores.json)
     omp_wait_policy: str | None = None
+    # the CPU heap policy when timed on CPU (``edgetl.heap.heap_policy``; None: not recorded, files
+    # from before it was, whose steps ran on glibc's default): a step that maps its freed memory
+    # back in each time runs up to 1.5x slower, and unequally by row
+    heap: str | None = None
     # the backbone (a registered architecture); files from before the bench took one are MobileNetV2's
     arch: str = archs.DEFAULT_ARCH
 
@@ -231,6 +235,7 @@ def caption(result: BenchResult) -> str:
             f"{result.cpu + '; ' if result.cpu else ''}{result.threads} thread"
             f"{'s' if result.threads != 1 else ''}"
             f"{', OpenMP wait policy ' + result.omp_wait_policy if result.omp_wait_policy else ''}"
+            f"{', heap: ' + result.heap if result.heap else ''}"
             f", torch {result.torch_version}); throughput: median of "
             f"{result.steps} interleaved steps after {result.warmup} warm-up; MB = 10^6 bytes")
 

@@ -17,6 +17,7 @@ import sys
 from edgetl import __version__
 from edgetl.compat import check_supported
 from edgetl.errors import EdgetlError
+from edgetl.heap import hold_freed_memory
 
 # Stage modules in pipeline order (each is edgetl/cli/<name>.py) and their one-line help.
 # The listing (`edgetl --help`) is built from this table alone, so it imports no stage and
@@ -90,8 +91,8 @@ def thread_policy(cores: int) -> dict[str, str]:
 
 def entry() -> int:
     """The ``edgetl`` program (console script and ``python -m edgetl``): the threading policy,
-    set before torch loads (never at the library's import; a value the user set is kept),
-    then ``main``."""
+    set before torch loads, and the heap policy (``edgetl.heap``: freed memory kept for the next
+    step); never at the library's import, and a value the user set is kept. Then ``main``."""
     try:
         os.getcwd()
     except FileNotFoundError:  # torch's libraries fail to load there, with a fatal error of their own
@@ -100,6 +101,7 @@ def entry() -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         for name, value in thread_policy(cores).items():
             os.environ.setdefault(name, value)
+    hold_freed_memory()
     return main()
 
 

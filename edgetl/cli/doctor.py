@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from edgetl.cli import COMMANDS
 from edgetl.doctor import MB, doctor
+from edgetl.heap import heap_policy
 
 
 def add_parser(sub) -> None:
@@ -28,7 +30,7 @@ def _mb(n_bytes: int | None) -> str:
 
 
 def run(args) -> int:
-    report = doctor(probe_gpu=not args.no_gpu)
+    report = dataclasses.replace(doctor(probe_gpu=not args.no_gpu), heap=heap_policy())
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
@@ -48,6 +50,7 @@ def run(args) -> int:
         ("memory total", _mb(report.mem_total_bytes)),
         ("memory available", _mb(report.mem_available_bytes)),
         ("suggested --budget", _mb(report.suggested_budget_bytes)),
+        ("CPU heap", report.heap),
     ]
     width = max(len(name) for name, _ in rows) + 2
     for name, value in rows:
