@@ -67,3 +67,23 @@ def test_conv_kernels_are_told_from_the_rest():
     for name in ("aten::copy_", "aten::native_batch_norm", "aten::hardtanh_backward", "aten::index_select",
                  "_FrozenConvFn", "Optimizer.step#Adam.step", "aten::mul_"):
         assert not is_conv_kernel(name), name
+
+
+def test_cpu_speed_summarises_each_rows_ratios_per_setting():
+    """scripts/cpu_speed.py's summary: each row's ratio to stock in every run, their median, and a
+    streamed row's ratio to its twin, as the bench's rows carry them."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from cpu_speed import summary
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+    def run(lean: float, twin: float) -> dict:
+        return {"rows": [{"method": "repnet-stock", "images_per_s": 30.0, "throughput_ratio": 1.0},
+                         {"method": "repnet-lean", "images_per_s": 30.0 * lean, "throughput_ratio": lean},
+                         {"method": "repnet-lean-stream", "images_per_s": 30.0 * lean * twin,
+                          "throughput_ratio": lean * twin, "unstreamed_throughput_ratio": twin}]}
+
+    got = summary([run(1.1, 0.9), run(1.3, 0.8), run(1.2, 1.0)])
+    assert got["repnet-lean"]["vs_stock"] == [1.1, 1.3, 1.2] and got["repnet-lean"]["vs_stock_median"] == 1.2
+    assert got["repnet-lean-stream"]["vs_twin_median"] == 0.9 and got["repnet-stock"]["vs_twin_median"] is None
