@@ -5,11 +5,13 @@ blocks are freed, up to 32 MiB) with a mapping of its own, and unmaps it when it
 free memory at the top of the heap past the trim threshold goes back to the kernel too. A
 training step frees its activations and gradients at its end and asks for the same sizes again
 in the next, so every step pays the kernel to map and zero those pages again. On CPU that is a
-large share of a step: a lean Rep-Net step at 224 px, batch 8 took about 60,000 page faults and
-340 ms when run step after step, 0 and 220 ms with freed memory kept
-(``scripts/heap_policy.py``, benchmarks/heap_policy.json). The process's peak is the same (the
-same blocks, reused); it keeps its high-water mark between steps instead of giving it back and
-taking it again.
+large share of a step: a lean Rep-Net step at 224 px, batch 8 took about 69,000 page faults and
+333 ms when run step after step, 0 and 209 ms with freed memory kept
+(``scripts/heap_policy.py``, benchmarks/heap_policy.json). The process's peak stayed within 2 %
+(the same blocks, reused): it keeps its high-water mark between steps instead of giving it back
+and taking it again. What it risks is the heap fragmenting: a loop that allocated, filled and
+freed one 48 MB tensor while small objects landed in the freed space grew by seven such blocks
+before it settled (docs/bench.md); no training step measured did.
 
 So the program (``edgetl.cli.entry``) calls ``hold_freed_memory``, as it sets OpenMP's wait
 policy, and the library never does at import. It sets glibc's mmap and trim thresholds to
