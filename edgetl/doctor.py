@@ -108,11 +108,19 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def _jetson_files(root: Path) -> tuple[str | None, str | None]:
+    """The device-tree model and L4T's release file under ``root`` (None where absent)."""
+    return _read(root / "proc/device-tree/model"), _read(root / "etc/nv_tegra_release")
+
+
+def _names_a_jetson(model: str | None, tegra: str | None) -> bool:
+    return tegra is not None or (model is not None and "jetson" in model.lower())
+
+
 def is_jetson(root: str | Path = "/") -> bool:
     """Whether the machine under ``root`` is a Jetson: L4T's release file, or a device-tree model
     naming one (a container that does not mount the release file still sees /proc)."""
-    model = _read(Path(root) / "proc/device-tree/model")
-    return _read(Path(root) / "etc/nv_tegra_release") is not None or (model is not None and "jetson" in model.lower())
+    return _names_a_jetson(*_jetson_files(Path(root)))
 
 
 def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
@@ -124,10 +132,9 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     """
     root = Path(root)
     notes: list[str] = []
-    model = _read(root / "proc/device-tree/model")
-    tegra = _read(root / "etc/nv_tegra_release")
+    model, tegra = _jetson_files(root)
     l4t = parse_l4t_release(tegra) if tegra else None
-    jetson = is_jetson(root)
+    jetson = _names_a_jetson(model, tegra)
 
     torch_version = torch_cuda = cudnn = gpu_name = capability = None
     cuda_available, integrated = False, None

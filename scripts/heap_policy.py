@@ -61,8 +61,10 @@ def measure(setting: dict) -> dict:
     """``setting`` measured: alone, each method in a process of its own (what a finetune run is: a
     process's earlier steps of another network would shape glibc's thresholds); interleaved, all in
     one, round-robin."""
+    from edgetl.heap import USER_TUNING
+
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
-    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_"):
+    for name in USER_TUNING:  # glibc's default in the default runs, not a tuning of the caller's
         env.pop(name, None)
     groups = [[m] for m in setting["methods"]] if setting["schedule"] == "alone" else [setting["methods"]]
     runs = []

@@ -269,7 +269,8 @@ def test_the_caption_names_the_openmp_wait_policy(result):
 
     assert result.omp_wait_policy == os.environ.get("OMP_WAIT_POLICY", "unset")
     assert f", OpenMP wait policy {result.omp_wait_policy}, heap: " in caption(result)
-    older = dataclasses.replace(result, omp_wait_policy=None, heap=None)  # a table saved before the bench recorded it
+    # a table saved before the bench recorded either
+    older = dataclasses.replace(result, omp_wait_policy=None, heap=None)
     assert ", OpenMP wait policy" not in caption(older) and f"thread{'s' * (result.threads != 1)}, torch " in caption(older)
 
 
