@@ -20,6 +20,10 @@ On CUDA, summary.json also holds the CUDA-graph check: the whole training step c
 as ``edgetl finetune`` captures it (edgetl.train.graph.CapturedStep) and replayed, against
 eager steps: how far the weights end apart, and both median step times.
 
+summary.json is rewritten after every part, so a device command killed on its way still
+brings back what finished. A part left less than ``MIN_PART_S`` seconds before ``--deadline``
+is not started: summary.json says it was skipped, and the check does not pass as complete.
+
 Eight files at most, so a device call brings every one back. ``--device cpu`` with
 ``--quick`` runs the same code here in seconds (``tests/test_cuda.py``), so the
 check cannot rot between GPU sessions. ``scripts/gpu_check.sh`` installs the carried
@@ -51,6 +55,7 @@ BENCH_METHODS = ["repnet-stock", "repnet-lean", "repnet-pruned-pool2", "repnet-p
 # 14 s each on an H100 (per-sample loops): the check times at most batch 32 there
 FULL = {"resolution": 224, "width": 1.0, "budget": "256MB", "steps": 20, "warmup": 3, "verify_images": 64,
         "largest_cap": 32}
+MIN_PART_S = 20.0  # a part with less time than this left before the deadline is skipped, not started
 QUICK = {"resolution": 64, "width": 0.35, "budget": "24MB", "steps": 1, "warmup": 0, "verify_images": 0,
          "largest_cap": 32}
 
@@ -320,6 +325,25 @@ def main(argv: list[str] | None = None) -> int:
         # always written; ``keep``: seconds left for the parts after it that must run
         return max(5.0, min(own, args.deadline - (time.perf_counter() - started) - keep))
 
+    def no_time(name: str) -> bool:
+        """Whether part ``name`` has too little time left to start (then recorded as skipped)."""
+        left = args.deadline - (time.perf_counter() - started)
+        if left >= MIN_PART_S:
+            return False
+        summary["parts"][name] = {"skipped": f"{left:.0f} s left before --deadline {args.deadline:.0f} s"}
+        print(f"== {name}: skipped, {left:.0f} s left before the deadline", flush=True)
+        save()
+        return True
+
+    def save() -> bool:
+        """Write summary.json as it stands (after every part; the last write is the final one)."""
+        ran = [p for p in summary["parts"].values() if "rc" in p]
+        summary["seconds"] = round(time.perf_counter() - started, 1)
+        summary["ok"] = "error" not in summary and all(p["rc"] == 0 for p in ran)
+        summary["skipped"] = [name for name, p in summary["parts"].items() if "skipped" in p]
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary["ok"] and not summary["skipped"]
+
     # the CUDA graph check right after the tests (it is what has never been measured), then the
     # bench and the allocator check with whatever time is left
     graphs_first = cuda and not args.no_graphs
@@ -332,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [("tests (CUDA graphs)", first)] if first else []
         runs.append(("tests", [*args.tests.split(), *(f"--deselect={t}" for t in first)]))
         for i, (name, paths) in enumerate(runs):
+            if no_time(name):
+                continue
             junit = out / "junit.xml"
             part = run_part(name, [py, "-m", "pytest", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
                                    f"--junitxml={junit}", *paths],
@@ -341,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
             part["counts"] = junit_counts(junit)
             junit.unlink(missing_ok=True)  # its figures are in summary.json: fewer files to bring back
             summary["parts"][name] = part
+            save()
 
-    if cuda and not args.no_graphs:  # results go into summary.json: the device returns 8 files at most
+    if cuda and not args.no_graphs and not no_time("graphs"):  # results go into summary.json: 8 files at most
         tmp = out / ".graphs.json"
         part = run_part("CUDA graph of the whole step", [
             py, str(Path(__file__).resolve()), "--device", args.device, "--methods", methods,
@@ -350,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
             log_path=None, timeout_s=budget(args.graphs_timeout))
         summary.update(_child_result("graphs", part, tmp))
         summary["parts"]["graphs"] = part
+        save()
 
-    if not args.no_bench:
+    if not args.no_bench and not no_time("bench"):
         common = [py, "-m", "edgetl", "bench", "--device", args.device, "--methods", methods,
                   "--resolution", str(scale["resolution"]), "--width", str(scale["width"]),
                   "--batch-size", str(args.batch_size), "--budget", args.budget or scale["budget"],
@@ -364,12 +392,15 @@ def main(argv: list[str] | None = None) -> int:
 
             (out / "bench.md").write_text(to_markdown(BenchResult.load_json(out / "bench.json")))
         summary["parts"]["bench"] = part
+        save()
 
     if not args.no_allocator:
         # a fresh process each: the allocator setting is read once, when CUDA starts
         settings = {"default": "", "expandable": "expandable_segments:True"} if cuda else {"default": ""}
         merged = {}
         for key, conf in settings.items():
+            if no_time(f"allocator-{key}"):
+                continue
             tmp = out / f".allocator-{key}.json"
             argv_ = [py, str(Path(__file__).resolve()), "--device", args.device, "--methods", methods,
                      "--batch-size", str(args.batch_size), "--allocator-json", str(tmp)] + (["--quick"] if args.quick else [])
@@ -377,14 +408,14 @@ def main(argv: list[str] | None = None) -> int:
                             env={"PYTORCH_CUDA_ALLOC_CONF": conf})
             summary["parts"][f"allocator-{key}"] = part
             merged.update(_child_result(key, part, tmp))
-        (out / "allocator.json").write_text(json.dumps(merged, indent=2) + "\n")
+            (out / "allocator.json").write_text(json.dumps(merged, indent=2) + "\n")
+            save()
 
-    summary["seconds"] = round(time.perf_counter() - started, 1)
-    ok = "error" not in summary and all(p["rc"] == 0 for p in summary["parts"].values())
-    summary["ok"] = ok
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"gpu check {'passed' if ok else 'FAILED'} in {summary['seconds']} s; results in {out}", flush=True)
-    return 0 if ok else 1
+    complete = save()
+    said = "passed" if complete else ("FAILED" if not summary["ok"] else
+                                      f"passed what ran; skipped at the deadline: {', '.join(summary['skipped'])}")
+    print(f"gpu check {said} in {summary['seconds']} s; results in {out}", flush=True)
+    return 0 if complete else 1
 
 
 if __name__ == "__main__":

@@ -369,6 +369,22 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert a["tensor_bytes"] + jetson <= a["replay_allocated_bytes"] <= a["replay_reserved_bytes"]
 
 
+def test_gpu_check_skips_what_the_deadline_leaves_no_time_for(tmp_path):
+    """A part with less than MIN_PART_S left before --deadline is not started: summary.json
+    (written after every part) names it skipped, and the check exits 1 rather than pass as whole."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--out",
+                           str(out), "--quick", "--no-tests", "--deadline", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped"] == ["bench", "allocator-default"]
+    assert all(set(p) == {"skipped"} for p in summary["parts"].values())
+    assert summary["ok"]  # nothing that ran failed; complete it is not
+    assert "passed what ran; skipped at the deadline: bench, allocator-default" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+
+
 # ============================================================================ on the GPU
 
 
@@ -708,10 +724,10 @@ def test_captured_step_memory_equals_the_model(config, figures):
 
 @cuda
 def test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why():
-    """A capture that fails anyway (here a forward hook reads the logits on the host, which no
-    capture allows) costs the run nothing: the graphs go, the batch whose capture failed trains
-    eagerly, every later one too, the thread is back on its own stream, and describe() says what
-    failed and at which batch."""
+    """A step no capture allows (here a forward hook reads the logits on the host) costs the run
+    nothing: the warm-up's sync check finds the host read, no capture is begun (a failed one can
+    leave the RNG and the allocator in capture state), every batch trains eagerly, the thread is
+    back on its own stream, and describe() names the synchronizing call and the batch."""
     from edgetl.models.backbone import BackboneSpec
     from edgetl.models.side import LeanOptions, build_network
     from edgetl.step import Step, training_step
@@ -726,8 +742,12 @@ def test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why():
     losses = [float(captured(images, labels)[0]) for _ in range(WARMUP_STEPS + 3)]
     assert torch.isfinite(torch.tensor(losses)).all()
     assert captured.failed is not None and captured.failed_at == 4 and not captured.graphs
-    assert captured.eager_steps == WARMUP_STEPS + 3  # the failed capture's batch trained eagerly
-    assert captured.describe().startswith("CUDA graph: the capture at batch 4 failed (")
+    assert captured.never_captured and captured.captures == 0
+    assert captured.eager_steps == WARMUP_STEPS + 3  # every batch trained eagerly
+    said = captured.describe()
+    assert said.startswith("CUDA graph: not captured (the step synchronizes with the host"), said
+    assert "synchronizing CUDA operation" in said and "test_cuda.py" in said, said  # the hook's line
+    assert torch.cuda.get_sync_debug_mode() == 0  # put back
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
 
 

@@ -110,7 +110,8 @@ class _GraphTrainer(_Trainer):
 
 def _graph_trainer(build: Callable[[], EdgeNet], **kwargs) -> tuple[_GraphTrainer | None, str | None]:
     """A captured twin of a method's trainer, or the one-line reason it could not be captured
-    (a network ``edgetl.train.graph.uncapturable`` refuses is not tried)."""
+    (a network ``edgetl.train.graph.uncapturable`` refuses is not tried; one whose capture
+    failed, and which ``CapturedStep`` ran on eagerly, is reported, never timed as a graph)."""
     from edgetl.train.graph import uncapturable
 
     try:
@@ -118,7 +119,10 @@ def _graph_trainer(build: Callable[[], EdgeNet], **kwargs) -> tuple[_GraphTraine
         reason = uncapturable(net)
         if reason is not None:
             return None, f"not captured: {reason}"
-        return _GraphTrainer(net, **kwargs), None
+        trainer = _GraphTrainer(net, **kwargs)
+        if trainer.captured.failed is not None:  # it ran on eagerly: its times would be no graph's
+            return None, trainer.captured.describe()
+        return trainer, None
     except Exception as exc:  # noqa: BLE001 - a row that cannot be captured is a finding, reported in its row
         return None, one_line(exc)
 

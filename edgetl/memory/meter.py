@@ -459,6 +459,8 @@ def _prepare_cuda(device: torch.device, net: nn.Module, *tensors: torch.Tensor) 
     """Release what earlier work left cached, reset the peaks; returns the foreign allocated bytes."""
     from edgetl.memory.cuda import round_block
 
+    if device.index is None:  # "cuda" names the current device; its tensors say "cuda:0" (never equal)
+        device = torch.device("cuda", torch.cuda.current_device())
     gc.collect()
     torch.cuda.synchronize(device)
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

@@ -24,9 +24,14 @@ gradients freed) on static input and label buffers:
   counts on the device), and each group's learning rate a device tensor that the schedule
   fills in place between replays (Adam; SGD with ``optim.fused``). SGD's other kernels read the rate on
   the host, so an SGD run whose rate changes is not captured (``why_eager`` says so).
-* A capture that fails anyway (something in the step reads the host where ``why_eager`` did not
-  look, or the pool finds no memory) frees the graphs, logs a warning, and the run goes on
-  eagerly from that batch, which it trains; the summary says what failed and where.
+* The warm-up's later steps run with PyTorch's sync debug mode set to warn: a step that
+  synchronizes with the host (a hook that reads a loss, ``.item()``, a copy to the host) would
+  invalidate any capture, so such a step is never captured; the run goes on eagerly and the
+  summary names the synchronizing call. No capture is begun that is known to fail: a failed
+  capture can leave PyTorch's RNG and allocator in capture state on some versions.
+* A capture that fails anyway (something the debug mode does not see, or the pool finds no
+  memory) frees the graphs, logs a warning, and the run goes on eagerly from that batch, which
+  it trains; the summary says what failed and where.
 * The checkpoint's optimizer state is written as an eager run's (rates as numbers,
   ``capturable`` off): a run may resume either way.
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -199,6 +205,7 @@ class CapturedStep:
         self.pool = None
         self.failed: str | None = None  # why a capture failed: every later step runs eagerly
         self.failed_at = 0  # the batch size whose capture failed
+        self.never_captured = False  # failed found by the warm-up's sync check: no capture was begun
         # one side stream for every eager step and every capture: cuBLAS keeps a workspace per
         # handle and stream, so a capture on a stream of its own would add one for this thread
         # and one for autograd's (8 MiB + 128 KiB each on a Jetson) inside the graph's pool; and
@@ -208,6 +215,9 @@ class CapturedStep:
 
     def describe(self) -> str:
         """What ran, for the run's summary."""
+        if self.failed is not None and self.never_captured:
+            return (f"CUDA graph: not captured ({self.failed}, found at batch {self.failed_at} in the warm-up); "
+                    f"the step ran eagerly ({self.eager_steps} eager step(s))")
         if self.failed is not None:
             return (f"CUDA graph: the capture at batch {self.failed_at} failed ({self.failed}); the step ran "
                     f"eagerly from then on ({self.eager_steps} eager step(s), {len(self.sizes)} graph(s) replayed "
@@ -250,11 +260,17 @@ class CapturedStep:
             self.side = torch.cuda.Stream(self.device)
         main, side = torch.cuda.current_stream(self.device), self.side
         side.wait_stream(main)
-        with torch.cuda.stream(side):
+        # the warm-up's later steps (the first makes handles and state) are what the capture records
+        check = self.failed is None and 1 <= self.eager_steps < self.warmup
+        with torch.cuda.stream(side), _host_syncs(check) as syncs:
             loss, correct = self.run_step(self.net, self.step, self.optimizer, images.to(self.dtype), labels,
                                           autocast=self.autocast)
         main.wait_stream(side)
         self.eager_steps += 1
+        if syncs:
+            self.failed = f"the step synchronizes with the host, which no capture allows: {syncs[0]}"
+            self.failed_at, self.never_captured = int(images.shape[0]), True
+            log.warning("the training step is not captured as a CUDA graph (%s); it runs eagerly", self.failed)
         if self.eager_steps >= self.warmup and self.failed is None:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -304,7 +320,10 @@ class CapturedStep:
                     "eagerly from here on", batch, self.failed)
         self.release()
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError as exc:  # a failed capture some PyTorch versions leave under way
+            log.warning("the failed capture's memory pool could not be released (%s)", one_line(exc))
 
     def _drop_graphs(self) -> None:
         """Free the graphs, their pool and static buffers and hand the pool's segments back,
@@ -323,3 +342,35 @@ class CapturedStep:
                 g.graph.reset()
         self.graphs.clear()
         self.pool = None
+
+
+class _host_syncs:
+    """A context in which CUDA operations that synchronize with the host are recorded (PyTorch's
+    sync debug mode set to warn, its warnings caught): the list of their messages, empty when
+    none did; does nothing when ``enabled`` is false. The mode is put back as it was."""
+
+    MESSAGE = "synchronizing CUDA operation"
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.found: list[str] = []
+
+    def __enter__(self) -> list[str]:
+        if self.enabled:
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            self._mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self.found
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        torch.cuda.set_sync_debug_mode(self._mode)
+        self._caught.__exit__(*exc)
+        for record in self._records:
+            if self.MESSAGE in str(record.message):
+                self.found.append(f"{record.message} ({record.filename}:{record.lineno})")
+            else:  # not ours: shown as it would have been
+                warnings.showwarning(record.message, record.category, record.filename, record.lineno)
