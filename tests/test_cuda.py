@@ -369,6 +369,37 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert a["tensor_bytes"] + jetson <= a["replay_allocated_bytes"] <= a["replay_reserved_bytes"]
 
 
+def test_the_warm_up_sync_check_keeps_only_this_threads_sync_warnings(monkeypatch):
+    """CapturedStep's sync check (edgetl.train.graph._host_syncs) routes the warnings PyTorch's
+    sync debug mode raises: this thread's are recorded with their line, another thread's (the
+    loader's pinning thread) and other warnings are shown as usual. The mode itself is a CUDA
+    setting this machine cannot make: its two calls are replaced here by a recorder; on a GPU
+    test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why runs the real one."""
+    import threading
+    import warnings
+
+    from edgetl.train import graph
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    sync = "called a synchronizing CUDA operation"
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with graph._host_syncs(True) as found:
+            warnings.warn(sync)
+            line = sys._getframe().f_lineno - 1
+            other = threading.Thread(target=lambda: warnings.warn(sync + " elsewhere"))
+            other.start()
+            other.join()
+            warnings.warn("something else")
+        with graph._host_syncs(False) as off:
+            warnings.warn(sync + " unchecked")
+    assert found == [f"{sync} ({__file__}:{line})"] and off == []
+    assert [str(w.message) for w in shown] == [sync + " elsewhere", "something else", sync + " unchecked"]
+    assert modes == ["warn", 0]  # set for the check, put back after
+
+
 def test_gpu_check_skips_what_the_deadline_leaves_no_time_for(tmp_path):
     """A part with less than MIN_PART_S left before --deadline is not started: summary.json
     (written after every part) names it skipped, and the check exits 1 rather than pass as whole."""

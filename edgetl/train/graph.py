@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -345,9 +346,12 @@ class CapturedStep:
 
 
 class _host_syncs:
-    """A context in which CUDA operations that synchronize with the host are recorded (PyTorch's
-    sync debug mode set to warn, its warnings caught): the list of their messages, empty when
-    none did; does nothing when ``enabled`` is false. The mode is put back as it was."""
+    """A context in which CUDA operations of this thread that synchronize with the host are
+    recorded (PyTorch's sync debug mode set to warn, its warnings caught; autograd replays a
+    backward's warnings in the thread that called it): the list of their messages with the
+    Python line that made them, empty when none did. Other warnings, and other threads' (the
+    loader's pinning thread), are shown as they would have been. Does nothing when ``enabled``
+    is false; the mode is put back as it was."""
 
     MESSAGE = "synchronizing CUDA operation"
 
@@ -357,20 +361,23 @@ class _host_syncs:
 
     def __enter__(self) -> list[str]:
         if self.enabled:
-            self._caught = warnings.catch_warnings(record=True)
-            self._records = self._caught.__enter__()
+            self._caught = warnings.catch_warnings()
+            self._caught.__enter__()
             warnings.simplefilter("always")
+            shown, owner = warnings.showwarning, threading.get_ident()
+
+            def show(message, category, filename, lineno, file=None, line=None):
+                if threading.get_ident() == owner and self.MESSAGE in str(message):
+                    self.found.append(f"{message} ({filename}:{lineno})")
+                else:
+                    shown(message, category, filename, lineno, file, line)
+
+            warnings.showwarning = show
             self._mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
         return self.found
 
     def __exit__(self, *exc) -> None:
-        if not self.enabled:
-            return
-        torch.cuda.set_sync_debug_mode(self._mode)
-        self._caught.__exit__(*exc)
-        for record in self._records:
-            if self.MESSAGE in str(record.message):
-                self.found.append(f"{record.message} ({record.filename}:{record.lineno})")
-            else:  # not ours: shown as it would have been
-                warnings.showwarning(record.message, record.category, record.filename, record.lineno)
+        if self.enabled:
+            torch.cuda.set_sync_debug_mode(self._mode)
+            self._caught.__exit__(*exc)  # showwarning and the filters as they were
