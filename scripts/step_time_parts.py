@@ -5,6 +5,9 @@ split the step into its convolution kernels (convolutions, and the matrix produc
 optimizer, Python). The convolution kernels are the same in a stock and a lean step, so
 ``reference step / row's convolution time`` bounds the row's speed-up over the reference however
 little the rest costs; a streamed row is bounded by its twin's step over its own convolution time.
+Stock rows are also run channels-last (``--channels-last``, stock Rep-Net by default: the network
+and its batch converted, as an expert would run stock PyTorch on a CPU): faster convolution
+kernels, the same for a lean runtime that ran them, so that row's bound is the lean step's too.
 
     python scripts/step_time_parts.py --json benchmarks/step_time_parts_224.json
 
@@ -56,12 +59,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps of each method (interleaved)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profiled", type=int, default=3, help="profiled steps of each method")
+    p.add_argument("--channels-last", default=REFERENCE,
+                   help="stock methods (no lean runtime) also run channels-last, comma-separated; '' for none")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    methods = a.methods.split(",")
+    channels_last = [m for m in a.channels_last.split(",") if m]
+    for name in channels_last:
+        if name not in METHODS or METHODS[name].lean is not None:
+            p.error(f"--channels-last: {name!r} is not a stock method; allowed: "
+                    f"{', '.join(n for n, m in METHODS.items() if m.lean is None)}")
     torch.set_num_threads(1)
     heap = hold_freed_memory()  # the program's heap policy too (edgetl.heap)
-    trainers = cpu_trainers(a.methods.split(","), resolution=a.resolution, batch_size=a.batch_size,
+    trainers = cpu_trainers(methods, resolution=a.resolution, batch_size=a.batch_size,
                             num_classes=a.num_classes)  # pruned rows with the paper's pruning, as the bench's
+    if channels_last:
+        twins = cpu_trainers(channels_last, resolution=a.resolution, batch_size=a.batch_size,
+                             num_classes=a.num_classes)
+        trainers.update({channels_last_name(name): to_channels_last(t) for name, t in twins.items()})
     times = interleaved_step_times(trainers, steps=a.steps, warmup=a.warmup)
     rows = {}
     for name, trainer in trainers.items():
@@ -71,11 +86,11 @@ def main() -> None:
         conv, total = split_self_time(prof.key_averages())
         step = statistics.median(times[name])
         share = conv / total
-        rows[name] = {"label": METHODS[name].label, "step_s": step, "steps_s": times[name],
+        rows[name] = {"label": label(name), "step_s": step, "steps_s": times[name],
                       "profiled_self_s": total / a.profiled, "conv_share": share, "conv_s": step * share}
     reference = rows[REFERENCE]["step_s"] if REFERENCE in rows else None
     for name, r in rows.items():
-        twin = METHODS[name].unstreamed
+        twin = METHODS[name].unstreamed if name in METHODS else None
         r["vs_reference"] = None if reference is None else reference / r["step_s"]
         r["vs_reference_bound"] = None if reference is None else reference / r["conv_s"]
         r["vs_twin"] = rows[twin]["step_s"] / r["step_s"] if twin in rows else None
@@ -87,6 +102,28 @@ def main() -> None:
     print(render(data))
     if a.json is not None:
         atomic_text_json(a.json, data)
+
+
+CHANNELS_LAST = "@channels-last"
+
+
+def channels_last_name(name: str) -> str:
+    return name + CHANNELS_LAST
+
+
+def label(name: str) -> str:
+    """A row's label: the method's, or the method's run channels-last."""
+    if name.endswith(CHANNELS_LAST):
+        return METHODS[name.removesuffix(CHANNELS_LAST)].label + ", channels-last"
+    return METHODS[name].label
+
+
+def to_channels_last(trainer):
+    """A trainer of a stock network whose parameters, buffers and batch are channels-last
+    (the optimizer's parameters stay the same objects; its state is made at the first step)."""
+    trainer.net.to(memory_format=torch.channels_last)
+    trainer.image = trainer.image.contiguous(memory_format=torch.channels_last)
+    return trainer
 
 
 def render(data: dict) -> str:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -36,6 +38,45 @@ def test_step_time_parts_splits_each_step_and_bounds_its_speed(tmp_path):
         assert r["vs_reference_bound"] > r["vs_reference"], name
     assert rows["bias-lean-stream"]["vs_twin_bound"] > rows["bias-lean-stream"]["vs_twin"]
     assert rows["repnet-stock"]["vs_reference"] == 1.0
+    # stock Rep-Net again, channels-last (the default --channels-last), measured against the same reference
+    assert rows["repnet-stock@channels-last"]["label"] == "Rep-Net, stock modules, channels-last"
+    assert rows["repnet-stock@channels-last"]["vs_twin"] is None
+
+
+def test_step_time_parts_runs_only_stock_methods_channels_last():
+    argv = [sys.executable, str(SCRIPTS / "step_time_parts.py"), "--channels-last", "repnet-lean"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert "--channels-last: 'repnet-lean' is not a stock method; allowed: " in last and "repnet-stock" in last
+
+
+def test_channels_last_trainer_runs_the_stock_step_in_that_layout():
+    """A converted stock trainer's weights, batch and conv outputs are channels-last, and its step
+    gives the same loss as the same network in the default layout (same kernels' arithmetic)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from step_time_parts import to_channels_last
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    from edgetl.bench import cpu_trainers
+    from edgetl.step import training_step
+
+    def trainer():
+        return cpu_trainers(["repnet-stock"], resolution=64, batch_size=2, num_classes=5, width=0.35)["repnet-stock"]
+
+    default, converted = trainer(), trainer()
+    converted.net.load_state_dict(default.net.state_dict())
+    converted = to_channels_last(converted)
+    convs = [m for m in converted.net.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)
+    assert converted.image.is_contiguous(memory_format=torch.channels_last)
+    outputs = []
+    hook = convs[0].register_forward_hook(lambda m, i, o: outputs.append(o))  # the stem: 32 x 32 px
+    losses = [training_step(t.net, t.spec, t.opt, t.image, t.labels)[0] for t in (default, converted)]
+    hook.remove()
+    assert outputs[0].is_contiguous(memory_format=torch.channels_last) and not outputs[0].is_contiguous()
+    torch.testing.assert_close(losses[1], losses[0])
 
 
 def test_heap_policy_child_times_each_method_under_either_policy():
