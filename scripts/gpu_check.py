@@ -10,7 +10,7 @@ and the allocator model's replay of the same step (``edgetl.memory.cuda``), with
 default allocator and, on CUDA, once more with
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``. It writes into ``--out``:
 
-    summary.json        device and library facts, each part's exit code, time and test counts
+    summary.json        device and library facts, each part's exit code, time and test counts; ok, complete
     pytest.log          the test run's output (failures in full)
     cuda-figures.json   what the cuda tests measured (allocated, reserved, accounting, errors), pass or fail
     bench.json / .csv / .png / .md    the bench result (the .md is the docs/bench.md table)
@@ -21,8 +21,10 @@ as ``edgetl finetune`` captures it (edgetl.train.graph.CapturedStep) and replaye
 eager steps: how far the weights end apart, and both median step times.
 
 summary.json is rewritten after every part, so a device command killed on its way still
-brings back what finished. A part left less than ``MIN_PART_S`` seconds before ``--deadline``
-is not started: summary.json says it was skipped, and the check does not pass as complete.
+brings back what finished: ``ok`` says that no part that ran failed, ``complete`` that the
+check ended and every part ran (false in every write before the last, so a file from a
+killed command never reads as a whole pass). A part left less than ``MIN_PART_S`` seconds
+before ``--deadline`` is not started: ``skipped`` names it, and the check exits 1.
 
 Eight files at most, so a device call brings every one back. ``--device cpu`` with
 ``--quick`` runs the same code here in seconds (``tests/test_cuda.py``), so the
@@ -335,14 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         save()
         return True
 
-    def save() -> bool:
-        """Write summary.json as it stands (after every part; the last write is the final one)."""
+    def save(final: bool = False) -> bool:
+        """Write summary.json as it stands (after every part; ``final``: the check has ended)."""
         ran = [p for p in summary["parts"].values() if "rc" in p]
         summary["seconds"] = round(time.perf_counter() - started, 1)
         summary["ok"] = "error" not in summary and all(p["rc"] == 0 for p in ran)
         summary["skipped"] = [name for name, p in summary["parts"].items() if "skipped" in p]
+        summary["complete"] = final and summary["ok"] and not summary["skipped"]
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return summary["ok"] and not summary["skipped"]
+        return summary["complete"]
 
     # the CUDA graph check right after the tests (it is what has never been measured), then the
     # bench and the allocator check with whatever time is left
@@ -411,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             (out / "allocator.json").write_text(json.dumps(merged, indent=2) + "\n")
             save()
 
-    complete = save()
+    complete = save(final=True)
     said = "passed" if complete else ("FAILED" if not summary["ok"] else
                                       f"passed what ran; skipped at the deadline: {', '.join(summary['skipped'])}")
     print(f"gpu check {said} in {summary['seconds']} s; results in {out}", flush=True)

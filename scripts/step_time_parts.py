@@ -21,6 +21,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -67,8 +68,9 @@ def main() -> None:
     channels_last = [m for m in a.channels_last.split(",") if m]
     for name in channels_last:
         if name not in METHODS or METHODS[name].lean is not None:
-            p.error(f"--channels-last: {name!r} is not a stock method; allowed: "
-                    f"{', '.join(n for n, m in METHODS.items() if m.lean is None)}")
+            print(f"step_time_parts.py: --channels-last: {name!r} is not a stock method; allowed: "
+                  f"{', '.join(n for n, m in METHODS.items() if m.lean is None)}", file=sys.stderr)
+            raise SystemExit(2)
     torch.set_num_threads(1)
     heap = hold_freed_memory()  # the program's heap policy too (edgetl.heap)
     trainers = cpu_trainers(methods, resolution=a.resolution, batch_size=a.batch_size,

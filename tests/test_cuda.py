@@ -331,7 +331,7 @@ def test_gpu_check_runs_on_cpu(tmp_path):
                      "summary.json"]
     assert all(SAFE_NAME.match(f) and (out / f).stat().st_size < 16 * MiB for f in files)  # device rules
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ok"] and summary["facts"]["torch"] == torch.__version__
+    assert summary["ok"] and summary["complete"] and summary["facts"]["torch"] == torch.__version__
     tests = summary["parts"]["tests"]["counts"]
     cuda_tests = sum(1 for name, fn in globals().items() if name.startswith("test_")
                      and any(m.name == "cuda" for m in getattr(fn, "pytestmark", [])))
@@ -369,10 +369,31 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert a["tensor_bytes"] + jetson <= a["replay_allocated_bytes"] <= a["replay_reserved_bytes"]
 
 
-def test_the_warm_up_sync_check_keeps_only_this_threads_sync_warnings(monkeypatch):
+def _backward_that_warns(message: str) -> None:
+    """A backward whose Function warns ``message`` (the line is kept as ``.line``)."""
+    import warnings
+
+    class Warns(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            warnings.warn(message)
+            return grad * 2
+
+    Warns.apply(torch.ones(2, requires_grad=True)).sum().backward()
+
+
+_backward_that_warns.line = _backward_that_warns.__code__.co_firstlineno + 11
+
+
+def test_the_warm_up_sync_check_keeps_only_the_steps_sync_warnings(monkeypatch):
     """CapturedStep's sync check (edgetl.train.graph._host_syncs) routes the warnings PyTorch's
-    sync debug mode raises: this thread's are recorded with their line, another thread's (the
-    loader's pinning thread) and other warnings are shown as usual. The mode itself is a CUDA
+    sync debug mode raises: this thread's and a backward's (autograd runs a CUDA backward on a
+    device thread) are recorded with their line; another thread's (the loader's pinning thread)
+    and other warnings are shown as usual. The mode itself is a CUDA
     setting this machine cannot make: its two calls are replaced here by a recorder; on a GPU
     test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why runs the real one."""
     import threading
@@ -392,10 +413,14 @@ def test_the_warm_up_sync_check_keeps_only_this_threads_sync_warnings(monkeypatc
             other = threading.Thread(target=lambda: warnings.warn(sync + " elsewhere"))
             other.start()
             other.join()
+            backward = threading.Thread(target=_backward_that_warns, args=(sync + " in a backward",))
+            backward.start()  # as autograd's device thread runs a CUDA backward's Functions
+            backward.join()
             warnings.warn("something else")
         with graph._host_syncs(False) as off:
             warnings.warn(sync + " unchecked")
-    assert found == [f"{sync} ({__file__}:{line})"] and off == []
+    assert found[0] == f"{sync} ({__file__}:{line})" and off == []
+    assert found[1:] == [f"{sync} in a backward ({__file__}:{_backward_that_warns.line})"]
     assert [str(w.message) for w in shown] == [sync + " elsewhere", "something else", sync + " unchecked"]
     assert modes == ["warn", 0]  # set for the check, put back after
 
@@ -411,7 +436,7 @@ def test_gpu_check_skips_what_the_deadline_leaves_no_time_for(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["skipped"] == ["bench", "allocator-default"]
     assert all(set(p) == {"skipped"} for p in summary["parts"].values())
-    assert summary["ok"]  # nothing that ran failed; complete it is not
+    assert summary["ok"] and not summary["complete"]  # nothing that ran failed; not every part ran
     assert "passed what ran; skipped at the deadline: bench, allocator-default" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
 
@@ -754,8 +779,9 @@ def test_captured_step_memory_equals_the_model(config, figures):
 
 
 @cuda
-def test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why():
-    """A step no capture allows (here a forward hook reads the logits on the host) costs the run
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why(where):
+    """A step no capture allows (here a hook reads the logits or a gradient on the host) costs the run
     nothing: the warm-up's sync check finds the host read, no capture is begun (a failed one can
     leave the RNG and the allocator in capture state), every batch trains eagerly, the thread is
     back on its own stream, and describe() names the synchronizing call and the batch."""
@@ -766,7 +792,10 @@ def test_a_step_that_cannot_be_captured_runs_on_eagerly_and_says_why():
 
     torch.manual_seed(0)
     net = build_network(BackboneSpec(width=0.35, num_classes=3), "repnet", device="cuda", lean=LeanOptions(pool=2))
-    net.classifier.register_forward_hook(lambda module, args, out: float(out.sum()))  # a host read
+    if where == "forward":  # a host read on the calling thread
+        net.classifier.register_forward_hook(lambda module, args, out: float(out.sum()))
+    else:  # on autograd's device thread
+        net.classifier.weight.register_hook(lambda grad: float(grad.sum()))
     step = Step.plain("adam", 1e-3)
     captured = CapturedStep(training_step, net, step, step.optimizer(net), torch.device("cuda"), tensor_lr=False)
     images, labels = torch.randn(4, 3, 64, 64).pin_memory(), torch.randint(0, 3, (4,)).pin_memory()

@@ -20,15 +20,15 @@ def meminfo_kib(path="/proc/meminfo") -> dict[str, int]:
 def test_memory_facts_match_proc_meminfo():
     # MemAvailable moves while other processes run (by more than 64 MiB between two reads
     # under a parallel test run): the report is compared where /proc/meminfo read the same
-    # just before and just after it, to the byte; a window that moved is read again
+    # just before and just after it, to the byte; a window that moved (or moved and came
+    # back: the report differs) is read again
     for _ in range(50):
         before = meminfo_kib()
         report = doctor(probe_gpu=False)
         ref = meminfo_kib()
-        if before["MemAvailable"] == ref["MemAvailable"]:
-            assert report.mem_available_bytes == ref["MemAvailable"] * 1024
-            break
-    else:  # never still: between the lowest and highest of the last two reads
+        if before["MemAvailable"] * 1024 == ref["MemAvailable"] * 1024 == report.mem_available_bytes:
+            break  # read still, and the report is that value to the byte
+    else:  # never still with the report equal: between the lowest and highest of the last two reads
         low, high = sorted((before["MemAvailable"] * 1024, ref["MemAvailable"] * 1024))
         assert low - 64 * 2**20 <= report.mem_available_bytes <= high + 64 * 2**20
     assert report.mem_total_bytes == ref["MemTotal"] * 1024

@@ -25,10 +25,11 @@ gradients freed) on static input and label buffers:
   fills in place between replays (Adam; SGD with ``optim.fused``). SGD's other kernels read the rate on
   the host, so an SGD run whose rate changes is not captured (``why_eager`` says so).
 * The warm-up's later steps run with PyTorch's sync debug mode set to warn: a step that
-  synchronizes with the host (a hook that reads a loss, ``.item()``, a copy to the host) would
-  invalidate any capture, so such a step is never captured; the run goes on eagerly and the
-  summary names the synchronizing call. No capture is begun that is known to fail: a failed
-  capture can leave PyTorch's RNG and allocator in capture state on some versions.
+  synchronizes with the host (a hook that reads a loss, ``.item()``, a copy to the host, in the
+  forward or in the backward) would invalidate any capture, so such a step is never captured;
+  the run goes on eagerly and the summary names the synchronizing call. No capture is begun
+  that is known to fail: a failed capture can leave PyTorch's RNG and allocator in capture
+  state on some versions.
 * A capture that fails anyway (something the debug mode does not see, or the pool finds no
   memory) frees the graphs, logs a warning, and the run goes on eagerly from that batch, which
   it trains; the summary says what failed and where.
@@ -346,14 +347,15 @@ class CapturedStep:
 
 
 class _host_syncs:
-    """A context in which CUDA operations of this thread that synchronize with the host are
-    recorded (PyTorch's sync debug mode set to warn, its warnings caught; autograd replays a
-    backward's warnings in the thread that called it): the list of their messages with the
-    Python line that made them, empty when none did. Other warnings, and other threads' (the
-    loader's pinning thread), are shown as they would have been. Does nothing when ``enabled``
-    is false; the mode is put back as it was."""
+    """A context in which CUDA operations of this step that synchronize with the host are
+    recorded (PyTorch's sync debug mode set to warn, its warnings caught): the list of their
+    messages with the Python line that made them, empty when none did. The step's own are
+    this thread's and the backward's (autograd runs a CUDA backward, and the Python of its
+    Functions and hooks, on a device thread: there it is inside a graph task); another thread's
+    (the loader's pinning thread) and every other warning are shown as they would have been.
+    Does nothing when ``enabled`` is false; the mode is put back as it was."""
 
-    MESSAGE = "synchronizing CUDA operation"
+    MESSAGE = "called a synchronizing CUDA operation"
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -361,23 +363,24 @@ class _host_syncs:
 
     def __enter__(self) -> list[str]:
         if self.enabled:
+            self._mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")  # first: if it fails, nothing else was changed
             self._caught = warnings.catch_warnings()
             self._caught.__enter__()
-            warnings.simplefilter("always")
+            warnings.filterwarnings("always", message=self.MESSAGE)  # each one, not once per line
             shown, owner = warnings.showwarning, threading.get_ident()
 
             def show(message, category, filename, lineno, file=None, line=None):
-                if threading.get_ident() == owner and self.MESSAGE in str(message):
+                ours = threading.get_ident() == owner or torch._C._current_graph_task_id() != -1
+                if ours and self.MESSAGE in str(message):
                     self.found.append(f"{message} ({filename}:{lineno})")
                 else:
                     shown(message, category, filename, lineno, file, line)
 
             warnings.showwarning = show
-            self._mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("warn")
         return self.found
 
     def __exit__(self, *exc) -> None:
         if self.enabled:
-            torch.cuda.set_sync_debug_mode(self._mode)
             self._caught.__exit__(*exc)  # showwarning and the filters as they were
+            torch.cuda.set_sync_debug_mode(self._mode)
