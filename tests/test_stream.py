@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from edgetl.cost import Setting
 from edgetl.errors import ConfigError
 from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.runtime import runtime_report
@@ -154,6 +155,24 @@ def test_profile_prints_the_streamed_segments(capsys):
     assert code == 0
     assert "backbone streamed in micro-batches of 1 (segments 0:3 3:4 4:5" in out
     assert "prediction vs measured: +0.0%" in out
+    assert "held" not in out  # fp32 weights under fp32 activations: nothing is converted
+
+
+def test_profile_prints_the_segments_that_hold_converted_weights(capsys):
+    from edgetl.cli import main
+
+    code = main(["profile", "--accounting", "runtime", "--width", "0.35", "--resolution", "64",
+                 "--batch-size", "4", "--num-classes", "10", "--stream", "1", "--precision", "bf16",
+                 "--frozen-weights", "int8", "--uint8-input", "--recompute", "--measure"])
+    out = capsys.readouterr().out
+    assert code == 0
+    net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(
+        pool=1, stream=1, precision="bf16", frozen_weights="int8", uint8_input=True, recompute=True))
+    schedule = prepare_step(net, resolution=RES, batch_size=4)
+    held = [f"{s.start}:{s.stop}" for s in net.streams.values() if s.hold_weights]
+    assert held and len(schedule.settings) == len(held)
+    assert f"; converted weights held across micro-batches: {' '.join(held)})" in out
+    assert "prediction vs measured: +0.0%" in out
 
 
 def test_a_segment_cost_is_not_shared_by_networks_of_other_channels():
@@ -247,6 +266,87 @@ def test_recompute_is_chosen_where_it_lowers_the_peak_and_predicted_exactly(mode
     plain = build_network(SPEC, mode, lean=LeanOptions(**lean), device="meta")
     prepare_step(plain, resolution=RES, batch_size=batch)
     assert predicted < runtime_report(plain, mode=mode, resolution=RES, batch_size=batch).total_bytes
+
+
+HELD = {None: {"weights": "held"}}
+
+
+@pytest.mark.parametrize("mode", ["repnet", "bias"])
+@pytest.mark.parametrize("m, recompute", [(1, False), (2, False), (1, True)])
+def test_held_weights_give_the_per_micro_batch_results_bit_for_bit(mode, m, recompute, monkeypatch):
+    """A segment that holds its converted int8 weights across micro-batches computes with the
+    same values: the same outputs and gradients, bit for bit; each of its converting convs
+    converts once per pass (forward, backward) instead of once per micro-batch and pass; and
+    nothing is left held afterwards."""
+    torch.manual_seed(0)
+    per_batch = build_network(SPEC, mode, lean=LeanOptions(pool=2, precision="bf16", frozen_weights="int8"))
+    held = copy.deepcopy(per_batch)
+    taps = tuple(per_batch.side.taps) if per_batch.side is not None else ()
+    segments = {a: (b, m) for a, b in segments_of(len(per_batch.features), taps)}
+    again = tuple(segments) if recompute else ()
+    apply_streams(per_batch, segments, recompute=again)
+    apply_streams(held, segments, recompute=again)
+    holding = [seg for seg in held.streams.values() if seg.holding_layers()]
+    assert len(holding) > len(held.streams) // 2  # the rest: only chunked convs, no whole conversion
+    for seg in held.streams.values():
+        assert seg.settings(None) == ((Setting("weights", ("per_micro_batch", "held"), "both", every_shape=True),)
+                                      if seg in holding else ())
+        seg.execution = HELD
+    assert all(s.hold_weights for s in held.streams.values())
+    assert not any(s.hold_weights for s in per_batch.streams.values())
+    converted = []
+    convert = FrozenConvBNAct.dequantized_weight
+    monkeypatch.setattr(FrozenConvBNAct, "dequantized_weight",
+                        lambda self, dtype=None: (self.held is None and converted.append(id(self)))
+                        or convert(self, dtype))  # counts the conversions, not the held weight's reuses
+    x, y = torch.randn(5, 3, RES, RES).to(torch.bfloat16), torch.randint(0, CLASSES, (5,))
+    counts = []
+    for net in (per_batch, held):
+        converted.clear()
+        out, grads = _grads(net, x, y)
+        counts.append(len(converted))
+        if net is per_batch:
+            out_a, grads_a = out, grads
+    assert torch.equal(out, out_a) and grads.keys() == grads_a.keys()
+    for name in grads_a:
+        assert torch.equal(grads[name], grads_a[name]), name
+    layers = [layer for seg in held.streams.values() for layer in seg.holding_layers()]
+    passes = [2 if seg.start > 0 or mode == "bias" else 1 for seg in held.streams.values()  # no backward
+              for _ in seg.holding_layers()]  # into the image-reading first segment of repnet: held too
+    assert counts[1] == sum(passes) and counts[0] > counts[1]
+    assert all(layer.held is None and "held" not in vars(layer) for layer in layers)
+
+
+def test_held_weights_are_fitted_within_the_peak_and_predicted_exactly():
+    """The schedule holds a segment's converted weights where its forward and backward stay
+    within the step's peak: the peak is the one without any held, predicted = measured to the
+    byte, fewer ops a step; the choice is stored with the schedule ("settings") and loads.
+    Bias-only TinyTL-B streams its whole backbone as one segment: holding every converted
+    weight there would raise the peak, so it is not held."""
+    from edgetl.memory.meter import count_step_ops
+
+    torch.manual_seed(0)
+    lean = LeanOptions(pool=2, stream=1, precision="bf16", frozen_weights="int8", uint8_input=True, recompute=True)
+    bias = build_network(SPEC, "bias", lean=lean, device="meta")
+    assert not prepare_step(bias, resolution=RES, batch_size=4).settings
+    (whole,) = bias.streams.values()
+    peak = runtime_report(bias, mode="bias", resolution=RES, batch_size=4).total_bytes
+    whole.execution = HELD
+    assert runtime_report(bias, mode="bias", resolution=RES, batch_size=4).total_bytes > peak
+    mode = "repnet"
+    net = build_network(SPEC, mode, lean=lean)
+    schedule = prepare_step(net, resolution=RES, batch_size=4)
+    held = {name for name, by_shape in schedule.settings.items() if by_shape == HELD}
+    assert held and held <= {f"streams.{s.start}" for s in net.streams.values()}
+    assert {f"streams.{s.start}" for s in net.streams.values() if s.hold_weights} == held
+    assert Schedule.from_dict(json.loads(json.dumps(schedule.to_dict()))) == schedule
+    predicted = runtime_report(net, mode=mode, resolution=RES, batch_size=4).total_bytes
+    assert predicted == measure_training_peak(copy.deepcopy(net), resolution=RES, batch_size=4, steps=2)
+    ops = count_step_ops(net, resolution=RES, batch_size=4)
+    for seg in net.streams.values():
+        seg.execution = {}
+    assert runtime_report(net, mode=mode, resolution=RES, batch_size=4).total_bytes == predicted
+    assert count_step_ops(net, resolution=RES, batch_size=4).total > ops.total
 
 
 def test_recompute_needs_streaming():

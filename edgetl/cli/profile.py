@@ -97,7 +97,8 @@ def print_report(report: MemoryReport) -> None:
 
 def describe_schedule(schedule: dict) -> str:
     """One line: how many frozen convs run whole-batch backward, chunked mask packing and
-    whole converted weights; the streamed segments and which of them recompute."""
+    whole converted weights; the streamed segments, which of them recompute and which hold
+    their converted weights across micro-batches."""
     from collections import Counter
 
     whole = len(schedule["whole_batch_backward"])
@@ -109,8 +110,12 @@ def describe_schedule(schedule: dict) -> str:
     if streams:
         segs = " ".join(f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams)
         again = [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams if s.get("recompute")]
+        held = [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams
+                if schedule.get("settings", {}).get(f"streams.{s['blocks'][0]}") ==
+                [{"shape": None, "choices": {"weights": "held"}}]]
         streamed = (f"; backbone streamed in micro-batches of {streams[0]['micro_batch']} "
-                    f"(segments {segs}{'; recomputed: ' + ' '.join(again) if again else ''})")
+                    f"(segments {segs}{'; recomputed: ' + ' '.join(again) if again else ''}"
+                    f"{'; converted weights held across micro-batches: ' + ' '.join(held) if held else ''})")
     weights = schedule.get("whole_weight_convs", [])
     converted = f"; {len(weights)} large 1x1 weights converted whole per call" if weights else ""
     return (f"masked backward on the whole batch in {whole} frozen convs ({left} sample by sample); "

@@ -37,10 +37,18 @@ outweigh its input (``_fit_recompute``). Last, each chunkable conv inside a stre
 gets its whole weight where the whole step, simulated with it (and the ones taken before it),
 keeps the default peak (``_fit_segment_weights``): one conv kernel per micro-batch instead of
 a matrix product per chunk and sample (streamed paper configuration at 224 px, batch 8: all
-eight, the peak unchanged, 24,654 -> 22,022 ops a step, 3 % faster on a CPU). A ``Schedule``
-stores these three as it always has (``whole_batch_backward``, ``forward_mask_chunks``,
-``whole_weight_convs``, the last now with convs inside segments), so schedules stored with
-runs load.
+eight, the peak unchanged, 24,654 -> 22,022 ops a step, 3 % faster on a CPU).
+
+A streamed segment whose convs convert their whole stored weight per call (int8, or a float
+dtype other than the activations') is a tunable leaf too (``StreamedSegment.settings``):
+"weights", converted per micro-batch (the default) or once per pass and held across its
+micro-batches, scored with the settings above on the segment's forward and backward moments,
+after the whole weights are chosen (the paper configuration in bf16 + int8 at 224 px, batch
+8: 8 of 12 segments, 22,534 -> 17,476 ops a step, the peak unchanged).
+
+A ``Schedule`` stores the frozen convs' choices as it always has (``whole_batch_backward``,
+``forward_mask_chunks``, ``whole_weight_convs``, the last now with convs inside segments) and
+a segment's in ``settings``, so schedules stored with runs load.
 """
 
 from __future__ import annotations
@@ -243,12 +251,16 @@ def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: St
             freed[module.start] = saved - kept
     if not freed:
         return (), res
+    # the segments each returned simulation ran (a tunable segment's choices are named by the
+    # simulation's own modules: they are put back, not built again)
+    original = net.streams
     again = sorted(freed)
     apply_streams(net, streams, tuple(again))
     best = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
     if best.peak_bytes >= res.peak_bytes:
-        apply_streams(net, streams)
+        net.streams = original
         return (), res
+    kept = net.streams
     for start in sorted(freed, key=lambda a: (freed[a], a)):
         if len(again) == 1:
             break  # none at all was tried above
@@ -256,8 +268,8 @@ def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: St
         apply_streams(net, streams, tuple(fewer))
         trial = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
         if trial.peak_bytes <= best.peak_bytes:
-            again, best = fewer, trial
-    apply_streams(net, streams, tuple(again))
+            again, best, kept = fewer, trial, net.streams
+    net.streams = kept
     return tuple(again), best
 
 

@@ -37,6 +37,7 @@ construction.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import torch
@@ -45,6 +46,7 @@ from torch.autograd import Function
 from torch.autograd.graph import get_gradient_edge
 
 from edgetl.compat import release
+from edgetl.cost import CallShape, Execution, Setting
 from edgetl.errors import ConfigError
 from edgetl.models.lean import by_micro_batch
 
@@ -78,6 +80,21 @@ def _not_requiring_grad(params):
             p.requires_grad_(True)
 
 
+@contextlib.contextmanager
+def _held_weights(segment: "StreamedSegment"):
+    """While a segment runs its micro-batches (``hold_weights``): each frozen conv that
+    converts its weight per call converts it once here, and every micro-batch uses that copy
+    (the same values); the copies go when the loop ends."""
+    layers = segment.holding_layers() if segment.hold_weights else []
+    for layer in layers:
+        layer.held = layer.dequantized_weight()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.held  # back to the class's None
+
+
 class _Entry(Function):
     """A micro-batch's rows as a graph input that holds nothing (its backward never runs:
     the gradient is taken at its edge)."""
@@ -100,7 +117,7 @@ class _StreamFn(Function):
             # nothing of this pass is kept, so no layer saves (packs masks): neither for the input
             # (a view of a tensor that requires grad does, even without autograd) nor for the
             # segment's trainable parameters
-            with _not_requiring_grad(params):
+            with _not_requiring_grad(params), _held_weights(segment):
                 out = by_micro_batch(x.detach(), m, segment.run)
             ctx.save_for_backward(x)
             ctx.segment, ctx.params, ctx.edges = segment, params, None
@@ -109,7 +126,7 @@ class _StreamFn(Function):
         anchor = torch.empty(0, device=x.device, requires_grad=True)
         out = None
         edges = []
-        with torch.enable_grad():
+        with torch.enable_grad(), _held_weights(segment):
             for i in range(0, n, m):
                 entry = _Entry.apply(segment.enter(x[i:i + m].detach()), anchor)
                 y = segment.run_blocks(entry)
@@ -119,7 +136,7 @@ class _StreamFn(Function):
                 # the entry's node is owned by the graph the output's edge keeps alive
                 edges.append((owned_gradient_edge(y), get_gradient_edge(entry), y.shape[0]))
                 del entry, y
-        ctx.edges, ctx.params = edges, params
+        ctx.edges, ctx.params, ctx.segment = edges, params, segment
         return out
 
     @staticmethod
@@ -133,26 +150,27 @@ class _StreamFn(Function):
             m = ctx.segment.micro_batch
             edges = [(None, None, min(m, x.shape[0] - i)) for i in range(0, x.shape[0], m)]
         stop = ctx.in_shape[0]
-        for out_edge, in_edge, rows in reversed(edges):
-            start = stop - rows
-            if out_edge is None:
-                with torch.enable_grad():
-                    in_edge = ctx.segment.enter(x[start:stop].detach())
-                    if need_x:
-                        in_edge = in_edge.detach().requires_grad_()
-                    out_edge = ctx.segment.run_blocks(in_edge)
-            inputs = ([in_edge] if need_x else []) + list(params)
-            grads = torch.autograd.grad([out_edge], inputs, grad_outputs=[gy[start:stop]],
-                                        allow_unused=True)
-            del out_edge, in_edge
-            if need_x:
-                gx[start:stop].copy_(grads[0])
-                grads = grads[1:]
-            used = [(acc, g) for acc, g in zip(gps, grads) if g is not None]
-            if used:  # one op for every parameter (bias-only: one per BN bias), the same sums
-                torch._foreach_add_([acc for acc, _ in used], [g for _, g in used])
-            del grads, used
-            stop = start
+        with _held_weights(ctx.segment):  # converted once for every micro-batch's backward (and forward again)
+            for out_edge, in_edge, rows in reversed(edges):
+                start = stop - rows
+                if out_edge is None:
+                    with torch.enable_grad():
+                        in_edge = ctx.segment.enter(x[start:stop].detach())
+                        if need_x:
+                            in_edge = in_edge.detach().requires_grad_()
+                        out_edge = ctx.segment.run_blocks(in_edge)
+                inputs = ([in_edge] if need_x else []) + list(params)
+                grads = torch.autograd.grad([out_edge], inputs, grad_outputs=[gy[start:stop]],
+                                            allow_unused=True)
+                del out_edge, in_edge
+                if need_x:
+                    gx[start:stop].copy_(grads[0])
+                    grads = grads[1:]
+                used = [(acc, g) for acc, g in zip(gps, grads) if g is not None]
+                if used:  # one op for every parameter (bias-only: one per BN bias), the same sums
+                    torch._foreach_add_([acc for acc, _ in used], [g for _, g in used])
+                del grads, used
+                stop = start
         ctx.edges = None
         return (gx, None, *gps)
 
@@ -188,6 +206,34 @@ class StreamedSegment(nn.Module):
         # tracing on meta needs only the output's shape: the blocks run once on one sample
         # and the output is made batch-sized (``mark_shapes_only``)
         self.shapes_only = False
+        # the step schedule's choice (``edgetl.cost.Tunable``): setting "weights", see ``settings``
+        self.execution: dict = {}
+
+    def holding_layers(self) -> list[nn.Module]:
+        """The layers whose converted weights ``hold_weights`` holds (``converts_weight``)."""
+        return [m for b in self._blocks for m in b.modules() if getattr(m, "converts_weight", False)]
+
+    @property
+    def hold_weights(self) -> bool:
+        """Whether each frozen conv that converts its stored weight per call (int8, or a float
+        dtype other than the activations') converts it once per pass over the micro-batches
+        and holds it (``_held_weights``): fewer ops and the same values, with the converted
+        weights alive through the loop (the schedule's setting "weights": "held")."""
+        return self.execution.get(None, {}).get("weights") == "held"
+
+    def settings(self, call: CallShape) -> tuple[Setting, ...]:
+        """The execution settings of this call (``edgetl.cost.Tunable``): "weights",
+        converted per micro-batch (the default) or held across them, in the forward and the
+        backward (which runs the forward again where the segment recomputes)."""
+        if not self.holding_layers():
+            return ()
+        return (Setting("weights", ("per_micro_batch", "held"), "both", every_shape=True),)
+
+    def configured(self, choice: Execution) -> "StreamedSegment":
+        """A shallow copy of this segment (its blocks shared) whose ``execution`` is ``choice``."""
+        twin = copy.copy(self)
+        twin.execution = {shape: dict(c) for shape, c in choice.items()}
+        return twin
 
     @property
     def tail(self) -> nn.Module | None:
@@ -223,7 +269,8 @@ class StreamedSegment(nn.Module):
         params = self.trainable()
         if torch.is_grad_enabled() and (x.requires_grad or params):
             return _StreamFn.apply(x, self, *params)
-        return by_micro_batch(x, self.micro_batch, self.run)
+        with _held_weights(self):  # no backward here (a segment reading the image, or evaluation)
+            return by_micro_batch(x, self.micro_batch, self.run)
 
     @property
     def repeats_every(self) -> int:
@@ -235,7 +282,8 @@ class StreamedSegment(nn.Module):
     def extra_repr(self) -> str:
         tail = f", then {type(self.tail).__name__}" if self._tail else ""
         again = ", recompute" if self.recompute else ""
-        return f"features[{self.start}:{self.stop}]{tail}, micro_batch={self.micro_batch}{again}"
+        held = ", hold_weights" if self.hold_weights else ""
+        return f"features[{self.start}:{self.stop}]{tail}, micro_batch={self.micro_batch}{again}{held}"
 
 
 @functools.lru_cache(maxsize=None)

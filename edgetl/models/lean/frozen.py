@@ -100,6 +100,9 @@ class FrozenConvBNAct(nn.Module):
     # read; BN, the activation (both in place) and the mask (a large batch's masks, sample by sample,
     # cost minutes on meta) are skipped
     shapes_only = False
+    # the converted weight a streamed segment holds across its micro-batches while it runs
+    # (``StreamedSegment.hold_weights``): ``dequantized_weight`` returns it instead of converting
+    held: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -188,6 +191,8 @@ class FrozenConvBNAct(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.act_dtype
+        if self.held is not None and dtype == self.act_dtype:
+            return self.held
         if self.weight_scale is None:
             return self.weight.to(dtype)
         scale = self.weight_scale.view(-1, 1, 1, 1)
@@ -200,6 +205,13 @@ class FrozenConvBNAct(nn.Module):
         for i in repeated(range(0, out.shape[0], rows)):
             out[i:i + rows].copy_(self.weight[i:i + rows].float().mul_(scale[i:i + rows]))
         return out
+
+    @property
+    def converts_weight(self) -> bool:
+        """Whether each call converts the stored weight whole into a new tensor in the act
+        dtype (int8, or a float dtype other than the activations', not chunked): what a
+        streamed segment can convert once and hold across its micro-batches."""
+        return not self.chunked and self._dequant_bytes(_dtype_bytes(self.act_dtype))[0] > 0
 
     def _dequant_rows(self) -> int:
         """Output channels dequantised at a time into a half weight (``DEQUANT_CHUNK`` values)."""
