@@ -317,6 +317,31 @@ def test_held_weights_give_the_per_micro_batch_results_bit_for_bit(mode, m, reco
     assert all(layer.held is None and "held" not in vars(layer) for layer in layers)
 
 
+def test_a_conversion_that_fails_while_holding_leaves_no_weight_held(monkeypatch):
+    """A segment's third conversion fails (out of memory, say): the two converted before are
+    not left held, where a later call outside the loop would use them."""
+    from edgetl.models import stream
+
+    net = build_network(SPEC, "repnet", lean=LeanOptions(pool=2, precision="bf16", frozen_weights="int8"),
+                        device="meta")
+    apply_streams(net, {a: (b, 1) for a, b in segments_of(len(net.features), tuple(net.side.taps))})
+    seg = next(s for s in net.streams.values() if len(s.holding_layers()) >= 3)
+    seg.execution = HELD
+    convert, calls = FrozenConvBNAct.dequantized_weight, []
+
+    def failing(self, dtype=None):
+        calls.append(self)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return convert(self, dtype)
+
+    monkeypatch.setattr(FrozenConvBNAct, "dequantized_weight", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with stream._held_weights(seg):
+            pass
+    assert len(calls) == 3 and all("held" not in vars(layer) for layer in seg.holding_layers())
+
+
 def test_held_weights_are_fitted_within_the_peak_and_predicted_exactly():
     """The schedule holds a segment's converted weights where its forward and backward stay
     within the step's peak: the peak is the one without any held, predicted = measured to the

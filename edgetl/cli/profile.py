@@ -111,8 +111,8 @@ def describe_schedule(schedule: dict) -> str:
         segs = " ".join(f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams)
         again = [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams if s.get("recompute")]
         held = [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams
-                if schedule.get("settings", {}).get(f"streams.{s['blocks'][0]}") ==
-                [{"shape": None, "choices": {"weights": "held"}}]]
+                if any(e["choices"].get("weights") == "held"
+                       for e in schedule.get("settings", {}).get(f"streams.{s['blocks'][0]}", []))]
         streamed = (f"; backbone streamed in micro-batches of {streams[0]['micro_batch']} "
                     f"(segments {segs}{'; recomputed: ' + ' '.join(again) if again else ''}"
                     f"{'; converted weights held across micro-batches: ' + ' '.join(held) if held else ''})")

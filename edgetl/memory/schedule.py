@@ -33,7 +33,7 @@ The lean frozen conv (``FrozenConvBNAct``) declares three:
 Streamed segments are accounted as one leaf each, so their convs are not scored one call at a
 time. Which of them recompute is fitted first, and the settings are scored on the step with
 it: the fewest segments found that keep the peak of recomputing every one whose masks
-outweigh its input (``_fit_recompute``). Last, each chunkable conv inside a streamed segment
+outweigh its input (``_fit_recompute``). Then each chunkable conv inside a streamed segment
 gets its whole weight where the whole step, simulated with it (and the ones taken before it),
 keeps the default peak (``_fit_segment_weights``): one conv kernel per micro-batch instead of
 a matrix product per chunk and sample (streamed paper configuration at 224 px, batch 8: all
@@ -43,8 +43,9 @@ A streamed segment whose convs convert their whole stored weight per call (int8,
 dtype other than the activations') is a tunable leaf too (``StreamedSegment.settings``):
 "weights", converted per micro-batch (the default) or once per pass and held across its
 micro-batches, scored with the settings above on the segment's forward and backward moments,
-after the whole weights are chosen (the paper configuration in bf16 + int8 at 224 px, batch
-8: 8 of 12 segments, 22,534 -> 17,476 ops a step, the peak unchanged).
+after the whole weights are chosen (a conv given its whole weight converts it per call, so it
+is held too; only the convs still chunked are not) (the paper configuration in bf16 + int8 at
+224 px, batch 8: 8 of 12 segments, 22,534 -> 17,476 ops a step, the peak unchanged).
 
 A ``Schedule`` stores the frozen convs' choices as it always has (``whole_batch_backward``,
 ``forward_mask_chunks``, ``whole_weight_convs``, the last now with convs inside segments) and
@@ -186,8 +187,8 @@ def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
 
 def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:
     """The schedule for ``net``'s step: each tunable layer's settings (whole-batch backward,
-    the largest forward mask chunks, whole weights) wherever they do not raise the predicted
-    peak (see the module docstring). ``net`` is not touched: the step is simulated on a meta
+    the largest forward mask chunks, whole weights, streamed segments' held weights) wherever
+    they do not raise the predicted peak (see the module docstring). ``net`` is not touched: the step is simulated on a meta
     copy of it, and each choice is measured on a configured copy of its layer."""
     step = resolve_step(step)
     work = meta_copy(net)  # the fitter's own: its streams are set and reset freely
@@ -260,7 +261,7 @@ def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: St
     if best.peak_bytes >= res.peak_bytes:
         net.streams = original
         return (), res
-    kept = net.streams
+    ran = net.streams
     for start in sorted(freed, key=lambda a: (freed[a], a)):
         if len(again) == 1:
             break  # none at all was tried above
@@ -268,8 +269,8 @@ def _fit_recompute(net, res, streams, resolution: int, batch_size: int, step: St
         apply_streams(net, streams, tuple(fewer))
         trial = simulate(net, resolution=resolution, batch_size=batch_size, step=step)
         if trial.peak_bytes <= best.peak_bytes:
-            again, best, kept = fewer, trial, net.streams
-    net.streams = kept
+            again, best, ran = fewer, trial, net.streams
+    net.streams = ran
     return tuple(again), best
 
 

@@ -20,6 +20,9 @@ How one segment runs (``_StreamFn``):
   holds nothing, so no graph keeps the batch-sized input alive). The micro-batch output is
   copied into the batch-sized output and dropped; only its gradient edge is kept, and with
   it whatever the lean layers save (1-bit masks): the same bytes as the whole batch saves.
+* where the step schedule says so (``StreamedSegment.hold_weights``), each frozen conv that
+  converts its stored weight per call (int8, or a float dtype other than the activations')
+  converts it once per pass over the micro-batches and every micro-batch uses that copy.
 * backward: micro-batch by micro-batch in reverse, ``torch.autograd.grad`` from the kept
   output edge to the entry edge (and the segment's trainable parameters, e.g. BN biases in
   bias-only TinyTL-B), written into the batch-sized input gradient; each micro-batch's
@@ -86,13 +89,13 @@ def _held_weights(segment: "StreamedSegment"):
     converts its weight per call converts it once here, and every micro-batch uses that copy
     (the same values); the copies go when the loop ends."""
     layers = segment.holding_layers() if segment.hold_weights else []
-    for layer in layers:
-        layer.held = layer.dequantized_weight()
     try:
-        yield
-    finally:
         for layer in layers:
-            del layer.held  # back to the class's None
+            layer.held = layer.dequantized_weight()
+        yield
+    finally:  # also when a conversion failed part way: no layer keeps a held weight
+        for layer in layers:
+            vars(layer).pop("held", None)  # back to the class's None
 
 
 class _Entry(Function):
