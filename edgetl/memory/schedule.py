@@ -188,8 +188,9 @@ def apply_schedule(net: nn.Module, schedule: Schedule) -> None:
 def fit_schedule(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None) -> Schedule:
     """The schedule for ``net``'s step: each tunable layer's settings (whole-batch backward,
     the largest forward mask chunks, whole weights, streamed segments' held weights) wherever
-    they do not raise the predicted peak (see the module docstring). ``net`` is not touched: the step is simulated on a meta
-    copy of it, and each choice is measured on a configured copy of its layer."""
+    they do not raise the predicted peak (see the module docstring). ``net`` is not touched:
+    the step is simulated on a meta copy of it, and each choice is measured on a configured
+    copy of its layer."""
     step = resolve_step(step)
     work = meta_copy(net)  # the fitter's own: its streams are set and reset freely
     streams = stream_segments(work, batch_size, step)
