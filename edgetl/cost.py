@@ -9,6 +9,7 @@ them both import this module and never each other.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
@@ -178,3 +179,11 @@ class Tunable(Protocol):
 
     def configured(self, choice: Execution) -> "Tunable":
         """A copy of this layer whose ``execution`` is ``choice``."""
+
+
+def configured_copy(layer, choice: Execution):
+    """What ``Tunable.configured`` returns: a shallow copy of ``layer`` (its tensors and the
+    modules it holds shared) whose ``execution`` is ``choice``."""
+    twin = copy.copy(layer)
+    twin.execution = {shape: dict(c) for shape, c in choice.items()}
+    return twin

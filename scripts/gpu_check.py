@@ -323,13 +323,16 @@ def main(argv: list[str] | None = None) -> int:
         summary["error"] = "--device cuda but torch sees no CUDA device"
     py = sys.executable
 
+    def time_left() -> float:
+        return args.deadline - (time.perf_counter() - started)
+
     def budget(own: float, keep: float = 0.0) -> float:  # what a part may take, so summary.json is
         # always written; ``keep``: seconds left for the parts after it that must run
-        return max(5.0, min(own, args.deadline - (time.perf_counter() - started) - keep))
+        return max(5.0, min(own, time_left() - keep))
 
     def no_time(name: str) -> bool:
         """Whether part ``name`` has too little time left to start (then recorded as skipped)."""
-        left = args.deadline - (time.perf_counter() - started)
+        left = time_left()
         if left >= MIN_PART_S:
             return False
         summary["parts"][name] = {"skipped": f"{left:.0f} s left before --deadline {args.deadline:.0f} s"}

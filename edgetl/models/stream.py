@@ -40,7 +40,6 @@ construction.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 
 import torch
@@ -49,7 +48,7 @@ from torch.autograd import Function
 from torch.autograd.graph import get_gradient_edge
 
 from edgetl.compat import release
-from edgetl.cost import CallShape, Execution, Setting
+from edgetl.cost import CallShape, Execution, Setting, configured_copy
 from edgetl.errors import ConfigError
 from edgetl.models.lean import by_micro_batch
 
@@ -234,9 +233,7 @@ class StreamedSegment(nn.Module):
 
     def configured(self, choice: Execution) -> "StreamedSegment":
         """A shallow copy of this segment (its blocks shared) whose ``execution`` is ``choice``."""
-        twin = copy.copy(self)
-        twin.execution = {shape: dict(c) for shape, c in choice.items()}
-        return twin
+        return configured_copy(self, choice)
 
     @property
     def tail(self) -> nn.Module | None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import struct
 from collections.abc import Hashable
 
@@ -13,7 +12,8 @@ from torch import nn
 from torch.autograd import Function
 
 from edgetl.errors import ConfigError
-from edgetl.cost import CallShape, Execution, Setting, dtype_bytes as _dtype_bytes, numel as _numel, repeated
+from edgetl.cost import (CallShape, Execution, Setting, configured_copy, dtype_bytes as _dtype_bytes,
+                         numel as _numel, repeated)
 from edgetl.models.lean.convgrad import conv_input_grad
 from edgetl.models.lean.masks import (
     _fold_bits,
@@ -176,9 +176,7 @@ class FrozenConvBNAct(nn.Module):
 
     def configured(self, choice: Execution) -> "FrozenConvBNAct":
         """A shallow copy of this layer (its tensors shared) whose ``execution`` is ``choice``."""
-        twin = copy.copy(self)
-        twin.execution = {shape: dict(c) for shape, c in choice.items()}
-        return twin
+        return configured_copy(self, choice)
 
     def choice(self, name: str, out_shape=None) -> Hashable | None:
         """The schedule's choice for setting ``name`` at this output shape (or for every
