@@ -90,6 +90,9 @@ class LeanOptions:
     recompute: bool = option(False, "with stream: segments whose saved masks outweigh their input keep the "
                                     "input and run forward again in backward, where that lowers the peak "
                                     "(same results, one more forward of those blocks)")
+    channels_last: bool = option(False, "run the network channels-last (NHWC in memory), the batch converted "
+                                        "where it reaches the device: faster convolution kernels on CPU, the "
+                                        "same memory, results equal to rounding")
 
     def __post_init__(self) -> None:
         self.check("")
@@ -154,6 +157,9 @@ class LeanOptions:
         ``FULL_FIXED`` and takes the float batch; a frozen backbone keeps each conv's input
         as nothing, so a conv storage other than exact has nothing to store."""
         if trains_convs:
+            if self.channels_last:
+                raise ConfigError(f"{prefix}channels_last is for a frozen lean backbone; lean full fine-tuning "
+                                  "(mode full) runs its convs plain (allowed: channels_last off with mode full)")
             if self.uint8_input:
                 raise ConfigError("uint8 input is for a frozen lean backbone; lean full fine-tuning takes "
                                   "the float batch (allowed: uint8_input off with mode full)")

@@ -89,7 +89,7 @@ class DataConfig:
 class ModelConfig(LeanOptions):
     """What trains, and how the lean runtime stores it: the fields of
     ``edgetl.options.LeanOptions`` (pool, bn, frozen_weights, precision, stream, storage,
-    keep, uint8_input, recompute; declared, documented and checked there) plus these.
+    keep, uint8_input, recompute, channels_last; declared, documented and checked there) plus these.
 
     Attributes:
         mode: which parameters train (see edgetl.models.side.set_trainable).

@@ -52,6 +52,13 @@ def lean() -> tuple[torch.nn.Module, str]:
     return net, "repnet"
 
 
+def lean_channels_last() -> tuple[torch.nn.Module, str]:
+    torch.manual_seed(0)
+    net = build_network(SPEC, "repnet", lean=LeanOptions(pool=2, channels_last=True))
+    prepare_step(net, resolution=RES, batch_size=BATCH)
+    return net, "repnet"
+
+
 def lean_full() -> tuple[torch.nn.Module, str]:
     torch.manual_seed(0)
     net = build_network(SPEC, "full").eval()
@@ -93,7 +100,8 @@ def _replay_scratch(net: torch.nn.Module, op: str, call: int, shapes: tuple) -> 
     return sorted(a.nbytes for a in events.live_at(events.peak_index()) if a.kind == "scratch")
 
 
-@pytest.mark.parametrize("build", [stock, lean, lean_full], ids=["stock-repnet", "lean-repnet", "lean-full"])
+@pytest.mark.parametrize("build", [stock, lean, lean_channels_last, lean_full],
+                         ids=["stock-repnet", "lean-repnet", "lean-repnet-channels-last", "lean-full"])
 def test_allocator_events_are_the_meter_plus_what_it_cannot_see(build):
     net, mode = build()
     predicted = runtime_report(net, mode=mode, resolution=RES, batch_size=BATCH).total_bytes

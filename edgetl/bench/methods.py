@@ -36,6 +36,9 @@ class Method:
     planned: bool = False  # storage and pruning come from ``edgetl.plan.plan`` for the budget
     hidden: dict[int, int] | None = None  # explicit kept hidden channels (a plan's pruning)
     unstreamed: str | None = None  # the same row without streaming (a speed ratio against it)
+    # stock modules run channels-last (weights and batch converted, as an expert runs stock
+    # PyTorch on a CPU); a lean row says so in its options (LeanOptions.channels_last)
+    channels_last: bool = False
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -64,6 +67,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("repnet-pruned-pool2-bf16-int8-stream", "+ backbone streamed by 1, uint8 batch, recompute", "repnet",
            LeanOptions(pool=2, precision="bf16", frozen_weights="int8", stream=1, uint8_input=True,
                        recompute=True), pruned=True, unstreamed="repnet-pruned-pool2-bf16-int8"),
+    Method("repnet-stock-cl", "Rep-Net, stock modules, channels-last", "repnet", channels_last=True),
+    Method("repnet-lean-cl", "Rep-Net, lean runtime, channels-last", "repnet", LeanOptions(pool=1, channels_last=True)),
+    Method("repnet-pruned-pool2-cl", "Rep-Net, lean, pruned, k=2 (the paper's configuration), channels-last", "repnet",
+           LeanOptions(pool=2, channels_last=True), pruned=True),
     Method(PLAN, "edgetl plan's pick for the budget", "repnet", planned=True),
 )}
 
@@ -142,6 +149,9 @@ def build_method(method: Method, *, width: float, num_classes: int, device: str 
     """The network of ``method`` on ``arch``, trainability set (random weights: memory and speed only)."""
     spec = BackboneSpec(arch=arch, width=width, num_classes=num_classes, hidden=dict(hidden or {}))
     net = build_network(spec, method.mode, device=device, lean=method.lean)
+    if method.channels_last:  # stock modules: weights, buffers and the batch (edgetl.train.input_memory_format)
+        net.to(memory_format=torch.channels_last)
+        net.input_memory_format = torch.channels_last
     if method.checkpoint:
         for i in range(len(net.features)):
             net.features[i] = Checkpointed(net.features[i])

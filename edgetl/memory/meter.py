@@ -227,7 +227,7 @@ def random_batch(net: nn.Module, *, resolution: int, batch_size: int, seed: int,
     dtype = getattr(net, "input_dtype", torch.float32)
     if dtype == torch.uint8:  # raw images (LeanOptions.uint8_input): the same draw, as pixels
         image = image.mul_(64).add_(128).clamp_(0, 255)
-    image = image.to(device, dtype)
+    image = image.to(device, dtype, memory_format=getattr(net, "input_memory_format", torch.contiguous_format))
     classes = _num_classes(net) if num_classes is None else num_classes
     labels = torch.randint(0, classes, (batch_size,), generator=gen).to(device)
     return image, labels
@@ -397,7 +397,8 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
     opt = step.optimizer(meta)
     set_train_mode(meta, step.bn)
     image = torch.empty(batch_size, 3, resolution, resolution, device="meta",
-                        dtype=getattr(meta, "input_dtype", torch.float32))
+                        dtype=getattr(meta, "input_dtype", torch.float32),
+                        memory_format=getattr(meta, "input_memory_format", torch.contiguous_format))
     labels = torch.zeros(batch_size, dtype=torch.int64, device="meta")
     if step.in_backward:  # the state is created inside backward: a whole first step
         training_step(meta, step, opt, image, labels)

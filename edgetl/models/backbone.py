@@ -109,10 +109,12 @@ class EdgeNet(nn.Module):
         self.input_norm: nn.Module | None = None
         # The runtime configuration, declared here and set once where the network is built
         # (edgetl.models.side.make_lean): the lean runtime's options (None: stock modules),
-        # which the step's schedule reads (stream, recompute), and the dtype the batch is fed
-        # in (the lean activation dtype, or uint8 pixels that input_norm normalises).
+        # which the step's schedule reads (stream, recompute), the dtype the batch is fed
+        # in (the lean activation dtype, or uint8 pixels that input_norm normalises) and its
+        # layout (channels-last where the lean runtime runs so: LeanOptions.channels_last).
         self.options = None  # edgetl.options.LeanOptions | None
         self.input_dtype: torch.dtype = torch.float32
+        self.input_memory_format: torch.memory_format = torch.contiguous_format
 
     def attach_side(self, side: nn.Module | None) -> None:
         self.side = side

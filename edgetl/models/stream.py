@@ -51,6 +51,7 @@ from edgetl.compat import release
 from edgetl.cost import CallShape, Execution, Setting, configured_copy
 from edgetl.errors import ConfigError
 from edgetl.models.lean import by_micro_batch
+from edgetl.models.lean.layout import empty_as, is_channels_last
 
 # Before torch 2.9 (pytorch PR #160098) a GradientEdge does not own its node: the edge of a
 # custom Function's output names the node through the Function's context, which holds it
@@ -103,7 +104,9 @@ class _Entry(Function):
 
     @staticmethod
     def forward(ctx, rows, anchor):
-        return rows.view_as(rows)
+        # an alias keeps every stride: ``view_as`` would renumber a 1-sample batch's, and a
+        # channels-last micro-batch of one would then read as contiguous to the convs
+        return torch.ops.aten.alias(rows)
 
     @staticmethod
     def backward(ctx, g):  # pragma: no cover - the engine stops at the captured edge
@@ -114,7 +117,7 @@ class _StreamFn(Function):
     @staticmethod
     def forward(ctx, x, segment: "StreamedSegment", *params):
         n, m = x.shape[0], segment.micro_batch
-        ctx.in_shape, ctx.in_dtype = tuple(x.shape), x.dtype
+        ctx.in_shape, ctx.in_dtype, ctx.in_channels_last = tuple(x.shape), x.dtype, is_channels_last(x)
         if segment.recompute:  # keep the input only; backward runs each micro-batch again
             # nothing of this pass is kept, so no layer saves (packs masks): neither for the input
             # (a view of a tensor that requires grad does, even without autograd) nor for the
@@ -133,7 +136,7 @@ class _StreamFn(Function):
                 entry = _Entry.apply(segment.enter(x[i:i + m].detach()), anchor)
                 y = segment.run_blocks(entry)
                 if out is None:
-                    out = y.new_empty((n, *y.shape[1:]))
+                    out = empty_as(y, (n, *y.shape[1:]))
                 out[i:i + m].copy_(y.detach())
                 # the entry's node is owned by the graph the output's edge keeps alive
                 edges.append((owned_gradient_edge(y), get_gradient_edge(entry), y.shape[0]))
@@ -145,7 +148,7 @@ class _StreamFn(Function):
     def backward(ctx, gy):
         edges, params = ctx.edges, ctx.params
         need_x = ctx.needs_input_grad[0]
-        gx = gy.new_empty(ctx.in_shape, dtype=ctx.in_dtype) if need_x else None
+        gx = empty_as(gy, ctx.in_shape, dtype=ctx.in_dtype, channels_last=ctx.in_channels_last) if need_x else None
         gps = [torch.zeros_like(p) for p in params]
         if edges is None:  # recompute: each micro-batch's forward again, then its backward
             x, = ctx.saved_tensors
@@ -265,7 +268,7 @@ class StreamedSegment(nn.Module):
             return self.run(x)
         if self.shapes_only:  # one sample gives the shape (a big batch's masks would cost minutes on meta)
             one = self.run(x[:1])
-            return one.new_empty((n, *one.shape[1:]))
+            return empty_as(one, (n, *one.shape[1:]))
         params = self.trainable()
         if torch.is_grad_enabled() and (x.requires_grad or params):
             return _StreamFn.apply(x, self, *params)

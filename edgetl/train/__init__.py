@@ -87,6 +87,7 @@ from edgetl.train.loop import (
     distill_loss,
     evaluate,
     input_dtype,
+    input_memory_format,
     note_skipped,
 )
 from edgetl.train.graph import CapturedStep, rate_changes, why_eager
@@ -123,6 +124,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "input_dtype",
+    "input_memory_format",
     "is_main_process",
     "load_checkpoint",
     "lr_factor",
@@ -222,7 +224,8 @@ def fit(
             progress.saved = (progress.start_epoch, progress.start_step) if resume else None
             net = ddp_wrap(model, step_spec, device) if step_spec.ddp else model
             captured = None if eager is not None else CapturedStep(
-                training_step, net, step_spec, optimizer, device, dtype=input_dtype(model), autocast=autocast,
+                training_step, net, step_spec, optimizer, device, dtype=input_dtype(model),
+                memory_format=input_memory_format(model), autocast=autocast,
                 tensor_lr=rate_changes(recipe))
             if captured is not None:  # the graphs go when the loop ends, however it ends
                 stack.callback(captured.release)

@@ -179,6 +179,8 @@ class CapturedStep:
         device: the CUDA device.
         dtype: the dtype the network takes its images in (``edgetl.train.input_dtype``); the
             static buffer keeps the loader's dtype and the graph converts, as the eager step does.
+        memory_format: the layout it takes them in (``edgetl.train.input_memory_format``),
+            converted in the same copy as the dtype.
         autocast: the loop's autocast factory (mixed precision), or None.
         tensor_lr: whether the learning rate becomes a device tensor (``rate_changes``).
         warmup: eager steps before the first capture. A batch size's first batch also runs
@@ -189,10 +191,11 @@ class CapturedStep:
     """
 
     def __init__(self, run_step: Callable, net: nn.Module, step: Step, optimizer: torch.optim.Optimizer,
-                 device: torch.device, *, dtype: torch.dtype = torch.float32, autocast: Callable | None = None,
+                 device: torch.device, *, dtype: torch.dtype = torch.float32,
+                 memory_format: torch.memory_format = torch.contiguous_format, autocast: Callable | None = None,
                  tensor_lr: bool = True, warmup: int = WARMUP_STEPS) -> None:
         self.run_step, self.net, self.step, self.optimizer = run_step, net, step, optimizer
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.memory_format = device, dtype, memory_format
         self.autocast = graph_autocast(autocast) if autocast is not None else None
         self.warmup = warmup
         self.eager_steps = 0
@@ -252,6 +255,10 @@ class CapturedStep:
             g.graph.replay()
             return g.loss, g.correct
 
+    def _input(self, images: torch.Tensor) -> torch.Tensor:
+        """The batch in the network's dtype and layout (itself where it has both)."""
+        return images.to(self.dtype, memory_format=self.memory_format)
+
     def _eager(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One eager step on a side stream, the batch (as the loader gives it) copied to the device
         first; after the warm-up's last, and after a new batch size's, the blocks the eager steps
@@ -265,7 +272,7 @@ class CapturedStep:
         # the warm-up's later steps (the first makes handles and state) are what the capture records
         check = self.failed is None and 1 <= self.eager_steps < self.warmup
         with torch.cuda.stream(side), _host_syncs(check) as syncs:
-            loss, correct = self.run_step(self.net, self.step, self.optimizer, images.to(self.dtype), labels,
+            loss, correct = self.run_step(self.net, self.step, self.optimizer, self._input(images), labels,
                                           autocast=self.autocast)
         main.wait_stream(side)
         self.eager_steps += 1
@@ -296,7 +303,7 @@ class CapturedStep:
         start = time.perf_counter()
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
-                loss, correct = self.run_step(self.net, self.step, self.optimizer, static_images.to(self.dtype),
+                loss, correct = self.run_step(self.net, self.step, self.optimizer, self._input(static_images),
                                               static_labels, autocast=self.autocast)
         except BaseException:
             # torch < 2.6 ends the capture before it leaves the side stream: a failed end would

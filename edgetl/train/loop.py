@@ -48,6 +48,14 @@ def input_dtype(model: nn.Module) -> torch.dtype:
     return getattr(unwrap(model), "input_dtype", torch.float32)
 
 
+def input_memory_format(model: nn.Module) -> torch.memory_format:
+    """The layout the model takes its images in: channels-last where its lean runtime runs so
+    (``LeanOptions.channels_last``), else contiguous. The batch is converted where it is moved
+    to the device, in the same copy as its dtype: a network given the other layout converts it
+    inside its first conv, in scratch memory no tensor meter sees."""
+    return getattr(unwrap(model), "input_memory_format", torch.contiguous_format)
+
+
 @dataclass
 class FitResult:
     """What a run produced; ``history`` has one metrics dict per epoch (as metrics.jsonl),
@@ -112,7 +120,8 @@ def evaluate(
             images, labels = batch
             if images is None:
                 continue
-            images = images.to(device, dtype=input_dtype(model), non_blocking=True)
+            images = images.to(device, dtype=input_dtype(model), memory_format=input_memory_format(model),
+                               non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             logits = model(images).float()
             loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
@@ -412,7 +421,8 @@ class _Loop:
         if self.captured is not None:  # copies the batch into its static buffers
             loss, correct = self.captured(images, labels)
         else:
-            images = images.to(device, dtype=input_dtype(self.model), non_blocking=True)
+            images = images.to(device, dtype=input_dtype(self.model),
+                               memory_format=input_memory_format(self.model), non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             mix = None
             if s.recipe.distill is not None:

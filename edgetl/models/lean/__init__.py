@@ -37,6 +37,8 @@ and each leaf's moments, against the meter on a real step to the byte.
 Rooms, by concern (import from this package; the submodules are its layout):
 
     masks         1-bit masks: pack_mask, unpack_mask, unpack_as, mask_bytes
+    layout        channels-last or plain: every layer keeps the layout it is given
+                  (is_channels_last, empty_as, memory_flat)
     pooled_conv   PooledConv2d and its pooled-input gradient (effective_pool, POOLS)
     pooling       pooling that saves nothing: LeanAvgPool2d, InputNorm, ImagePool,
                   LeanGlobalAvgPool

@@ -8,13 +8,14 @@ from torch import nn
 from torch.autograd import Function
 
 from edgetl.models.lean.frozen import _act_mask
+from edgetl.models.lean.layout import is_channels_last
 from edgetl.models.lean.masks import unpack_as, unpack_table
 
 
 class _MaskedReLUFn(Function):
     @staticmethod
     def forward(ctx, y, upper, chunk, shapes_only=False):
-        ctx.shape = tuple(y.shape)
+        ctx.shape, ctx.channels_last = tuple(y.shape), is_channels_last(y)
         ctx.mark_dirty(y)
         if shapes_only:  # a meta trace: the same tensor back, no values
             return y
@@ -26,7 +27,8 @@ class _MaskedReLUFn(Function):
     @staticmethod
     def backward(ctx, gy):
         (packed,) = ctx.saved_tensors
-        return unpack_as(packed, ctx.shape, unpack_table(gy.dtype, gy.device)).mul_(gy), None, None, None
+        mask = unpack_as(packed, ctx.shape, unpack_table(gy.dtype, gy.device), ctx.channels_last)
+        return mask.mul_(gy), None, None, None
 
 
 class LeanReLU(nn.Module):

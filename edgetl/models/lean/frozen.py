@@ -14,7 +14,8 @@ from torch.autograd import Function
 from edgetl.errors import ConfigError
 from edgetl.cost import (CallShape, Execution, Setting, configured_copy, dtype_bytes as _dtype_bytes,
                          numel as _numel, repeated)
-from edgetl.models.lean.convgrad import conv_input_grad
+from edgetl.models.lean.convgrad import conv_input_grad, pointwise_conv
+from edgetl.models.lean.layout import empty_as, is_channels_last, memory_flat, rows_of_channels
 from edgetl.models.lean.masks import (
     _fold_bits,
     pack_mask_,
@@ -198,7 +199,7 @@ class FrozenConvBNAct(nn.Module):
             return self.weight.float().mul_(scale)
         # a half weight: dequantised a few output channels at a time through a small fp32
         # chunk (the same values as the whole weight in fp32 cast at once)
-        out = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+        out = empty_as(self.weight, self.weight.shape, dtype=dtype)  # laid out as the stored weight
         rows = self._dequant_rows()
         for i in repeated(range(0, out.shape[0], rows)):
             out[i:i + rows].copy_(self.weight[i:i + rows].float().mul_(scale[i:i + rows]))
@@ -273,12 +274,21 @@ class FrozenConvBNAct(nn.Module):
         return self.chunk_peak_bytes(self.out_channels * cols, dtype_bytes)
 
     def pointwise_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The 1x1 conv of ``x`` (in the act dtype), a chunk of output channels at a time.
-        ``x`` is contiguous here (every producer's output is); the cost rule counts no copy."""
+        """The 1x1 conv of ``x`` (in the act dtype), a chunk of output channels at a time:
+        one matrix product per sample, or, channels-last, one for the whole batch (its pixels
+        are the rows of one matrix). ``x`` is contiguous or channels-last here (every
+        producer's output is); the cost rule counts no copy."""
         n, _, h, w = x.shape
-        y = torch.empty((n, self.out_channels, h, w), dtype=x.dtype, device=x.device)
-        xs = x.reshape(n, self.in_channels, h * w)
+        y = empty_as(x, (n, self.out_channels, h, w))
         step = self._chunk_size(self.in_channels)
+        if is_channels_last(x):
+            rows = rows_of_channels(x)
+            for i in repeated(range(0, self.out_channels, step)):
+                wc = self.weight_chunk(slice(i, i + step), slice(None), x.dtype)
+                torch.mm(rows, wc.t(), out=rows_of_channels(y[:, i:i + wc.shape[0]]))
+                del wc
+            return y
+        xs = x.reshape(n, self.in_channels, h * w)
         for i in repeated(range(0, self.out_channels, step)):
             wc = self.weight_chunk(slice(i, i + step), slice(None), x.dtype)
             for s in repeated(range(n)):
@@ -287,11 +297,18 @@ class FrozenConvBNAct(nn.Module):
         return y
 
     def pointwise_grad_input(self, g: torch.Tensor, out: torch.Tensor) -> None:
-        """W^T @ g of a 1x1 conv written into ``out`` (samples of ``g``, same count), a chunk
-        of input channels at a time."""
+        """W^T @ g of a 1x1 conv written into ``out`` (samples of ``g``, same count, laid out
+        as ``g``), a chunk of input channels at a time."""
         n, _, h, w = g.shape
-        gs = g.reshape(n, self.out_channels, h * w)
         step = self._chunk_size(self.out_channels)
+        if is_channels_last(g):
+            rows = rows_of_channels(g)
+            for j in repeated(range(0, self.in_channels, step)):
+                wc = self.weight_chunk(slice(None), slice(j, j + step), g.dtype)
+                torch.mm(rows, wc, out=rows_of_channels(out[:, j:j + wc.shape[1]]))
+                del wc
+            return
+        gs = g.reshape(n, self.out_channels, h * w)
         for j in repeated(range(0, self.in_channels, step)):
             wc = self.weight_chunk(slice(None), slice(j, j + step), g.dtype)
             for s in repeated(range(n)):
@@ -345,18 +362,25 @@ class _FrozenConvFn(Function):
     def forward(ctx, x, bias, m: FrozenConvBNAct, momentum):
         act = m.act_dtype
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        biased = False  # the folded bias already added (inside a matrix product)
         if m.chunked and not m.shapes_only:
             y = m.pointwise_forward(x.to(act))
         else:
             w = m.dequantized_weight(act)
-            y = F.conv2d(x.to(act), w, None, m.stride, m.padding, m.dilation, m.groups)
-            del w
+            xa = x.to(act)
+            if m.pointwise and is_channels_last(xa) and xa.device.type != "cuda":  # pixels as rows
+                biased = m.bn_mode == "fold" and not m.shapes_only
+                y = pointwise_conv(xa, w, bias.to(act) if biased else None)
+            else:
+                y = F.conv2d(xa, w, None, m.stride, m.padding, m.dilation, m.groups)
+            del w, xa
         if m.shapes_only:  # a meta trace: the conv's output is all it reads (BN and the activation are in place)
             return y
         c = (1, -1, 1, 1)
         saved: tuple = ()
         if m.bn_mode == "fold":
-            y.add_(bias.to(act).view(c))
+            if not biased:
+                y.add_(bias.to(act).view(c))
         elif m._uses_batch_stats():
             n = y.numel() // y.shape[1]
             if n <= 1:
@@ -380,6 +404,7 @@ class _FrozenConvFn(Function):
             if need and not saved:
                 saved = (_act_mask(y, m.mask_chunk(y.shape), m.upper),)
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
+        ctx.channels_last, ctx.in_channels_last = is_channels_last(y), is_channels_last(x)
         ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
         ctx.save_for_backward(*saved)
         return y
@@ -415,7 +440,7 @@ class _FrozenConvFn(Function):
         else:
             if ctx.kind == "mask":
                 (packed,) = ctx.saved_tensors
-                gy = unpack_as(packed, ctx.out_shape, unpack_table(act, gy.device)).mul_(gy)
+                gy = unpack_as(packed, ctx.out_shape, unpack_table(act, gy.device), ctx.channels_last).mul_(gy)
             if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
                 scale = m.bn_weight * torch.rsqrt(m.running_var + m.eps)
                 g_conv = gy * scale.to(act).view(c)
@@ -428,7 +453,7 @@ class _FrozenConvFn(Function):
         gx = None
         if ctx.needs_input_grad[0]:
             if m.chunked:
-                gx = torch.empty(ctx.in_shape, dtype=act, device=g_conv.device)
+                gx = empty_as(g_conv, ctx.in_shape, dtype=act, channels_last=ctx.in_channels_last)
                 m.pointwise_grad_input(g_conv, gx)
                 del g_conv
             else:
@@ -457,13 +482,13 @@ def _act_mask(y: torch.Tensor, chunk: int = 1, upper: float | None = 6.0) -> tor
     if chunk >= n:  # one chunk: its folded bytes copied out last, no batch-sized slot to copy into
         # (the packed bytes then live beside the mask and the product, not beside the two
         # masks: the same largest moment, with three ops fewer)
-        return _fold_bits(_clamped_mask(y, upper).reshape(-1)).contiguous()
+        return _fold_bits(memory_flat(_clamped_mask(y, upper))).contiguous()
     step = y.numel() // n // 8
     packed = torch.empty(n * step, dtype=torch.uint8, device=y.device)
     for i in repeated(range(0, n, chunk)):
         part = y[i : i + chunk]
         mask = _clamped_mask(part, upper)
-        packed[i * step : (i + part.shape[0]) * step] = _fold_bits(mask.reshape(-1))
+        packed[i * step : (i + part.shape[0]) * step] = _fold_bits(memory_flat(mask))
         del mask
     return packed
 
@@ -541,7 +566,7 @@ def _per_sample_backward(ctx, gy):
     one_out, one_in = (1,) + tuple(ctx.out_shape[1:]), (1,) + tuple(ctx.in_shape[1:])
     step = _numel(one_out) // 8
     gbias = torch.zeros(m.out_channels, dtype=torch.float32, device=gy.device) if ctx.needs_input_grad[1] else None
-    gx = torch.empty(ctx.in_shape, dtype=act, device=gy.device)
+    gx = empty_as(gy, ctx.in_shape, dtype=act, channels_last=ctx.in_channels_last)
     scale = None
     if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
         scale = (m.bn_weight * torch.rsqrt(m.running_var + m.eps)).to(act).view(1, -1, 1, 1)
@@ -551,13 +576,15 @@ def _per_sample_backward(ctx, gy):
     # to copy, and no batch-1 conv backward (which falls to a slow kernel on CPU)
     wt = w.view(m.out_channels, m.in_channels).t() if m.pointwise and w is not None else None
     for i in repeated(range(n)):
-        g = unpack_as(packed[i * step : (i + 1) * step], one_out, table).mul_(gy[i : i + 1])
+        g = unpack_as(packed[i * step : (i + 1) * step], one_out, table, ctx.channels_last).mul_(gy[i : i + 1])
         if gbias is not None:
             gbias.add_(g.sum((0, 2, 3), dtype=torch.float32))
         if scale is not None:
             g.mul_(scale)
         if w is None:  # the weight a chunk of input channels at a time (``chunked``)
             m.pointwise_grad_input(g, gx[i : i + 1])
+        elif wt is not None and ctx.in_channels_last:  # pixels as rows: g (h w, out) @ W (out, in)
+            torch.mm(rows_of_channels(g), wt.t(), out=rows_of_channels(gx[i : i + 1]))
         elif wt is not None:
             torch.mm(wt, g.reshape(m.out_channels, -1), out=gx[i].view(m.in_channels, -1))
         else:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from edgetl.cost import numel as _numel
+from edgetl.models.lean.layout import from_memory_order, memory_flat
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -14,8 +15,9 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def pack_mask_(mask: torch.Tensor) -> torch.Tensor:
-    """``pack_mask`` that consumes its bool/uint8 argument as scratch."""
-    flat = mask.reshape(-1)
+    """``pack_mask`` that consumes its bool/uint8 argument as scratch, in its memory order (a
+    channels-last mask pixel by pixel: ``unpack_as(..., channels_last=True)`` reads it back)."""
+    flat = memory_flat(mask)
     pad = (-flat.numel()) % 8
     flat = F.pad(flat.view(torch.uint8), (0, pad)) if pad else flat.view(torch.uint8)
     # folded in place (no temporary): the scratch is this function's own
@@ -59,17 +61,19 @@ def unpack_table(dtype: torch.dtype, device: torch.device | str) -> torch.Tensor
     return torch.bitwise_right_shift(codes.unsqueeze(1), codes[:8]).bitwise_and_(1).to(dtype)
 
 
-def unpack_as(packed: torch.Tensor, shape, table: torch.Tensor) -> torch.Tensor:
+def unpack_as(packed: torch.Tensor, shape, table: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
     """``unpack_mask`` as 0 and 1 in the table's dtype, ready to multiply a gradient in
     place: one gather of 8-value rows, with int32 row indices (4 bytes a packed byte) the
     only temporary. About 2x faster than shifting bits and casting them, and never
     ``grad * bool_mask``, which on CPU casts the mask inside the kernel to a hidden
-    full-size copy (memory no tensor meter sees) and runs 3-5x slower."""
+    full-size copy (memory no tensor meter sees) and runs 3-5x slower. ``channels_last``:
+    the bits were packed from a channels-last tensor in its memory order
+    (``edgetl.models.lean.layout.memory_flat``); the mask comes back laid out so."""
     rows = table.index_select(0, packed.int())
     numel = _numel(shape)
-    if rows.numel() == numel:  # whole bytes: no padding to cut (two view ops fewer)
-        return rows.view(shape)
-    return rows.view(-1)[:numel].view(shape)
+    if rows.numel() != numel:  # padding to cut (whole bytes need no cut: two view ops fewer)
+        rows = rows.view(-1)[:numel]
+    return from_memory_order(rows, shape, channels_last)
 
 
 def mask_bytes(numel: int) -> int:

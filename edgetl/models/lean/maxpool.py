@@ -10,6 +10,7 @@ from torch.autograd import Function
 
 from edgetl.cost import repeated
 from edgetl.errors import ConfigError
+from edgetl.models.lean.layout import empty_as, is_channels_last, memory_flat
 
 
 def _square(value, what: str) -> int:
@@ -49,7 +50,7 @@ class _MaxPoolFn(Function):
         out_hw = ((h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1)
         per = c * out_hw[0] * out_hw[1]
         four = code_bits(k) == 4
-        y = x.new_empty((n, c, *out_hw))
+        y = empty_as(x, (n, c, *out_hw))  # laid out as x (channels-last or not)
         codes = torch.empty((n, code_bytes(per, k)), dtype=torch.uint8, device=x.device)
         starts = _window_starts(w, out_hw, k, s, p, x.device)
         # torch's int64 indices (8 bytes an output) exist a sample at a time; the offset
@@ -58,11 +59,11 @@ class _MaxPoolFn(Function):
             yi, idx = F.max_pool2d(x[i:i + 1], k, s, p, return_indices=True)
             y[i:i + 1].copy_(yi)
             del yi
-            off = idx.view(c, -1).sub_(starts)           # r * w + c
+            off = idx.sub_(starts.view(out_hw))          # r * w + c
             rows = off.div(w, rounding_mode="floor")
             off.sub_(rows.mul_(w - k))                    # r * k + c
             del rows
-            code = off.view(-1).to(torch.uint8)
+            code = memory_flat(off).to(torch.uint8)       # in memory order (channels-last: pixel by pixel)
             del off, idx
             if four:
                 dst = codes[i]
@@ -73,17 +74,20 @@ class _MaxPoolFn(Function):
             else:
                 codes[i].copy_(code)
             del code
-        ctx.conf = (k, s, p, (n, c, h, w), x.dtype, out_hw)
+        ctx.conf = (k, s, p, (n, c, h, w), x.dtype, out_hw, is_channels_last(x))
         ctx.save_for_backward(codes)
         return y
 
     @staticmethod
     def backward(ctx, gy):
         (codes,) = ctx.saved_tensors
-        k, s, p, shape, dtype, out_hw = ctx.conf
+        k, s, p, shape, dtype, out_hw, channels_last = ctx.conf
         n, c, h, w = shape
         per = c * out_hw[0] * out_hw[1]
-        gx = torch.zeros(shape, dtype=gy.dtype, device=gy.device)
+        if channels_last:
+            gx = empty_as(gy, shape, channels_last=True).zero_()
+        else:
+            gx = torch.zeros(shape, dtype=gy.dtype, device=gy.device)
         starts = _window_starts(w, out_hw, k, s, p, gy.device)
         for i in repeated(range(n)):
             if code_bits(k) == 4:
@@ -99,10 +103,10 @@ class _MaxPoolFn(Function):
             rows = idx.div(k, rounding_mode="floor")
             idx.add_(rows.mul_(w - k))                     # r * w + c
             del rows
-            idx = idx.view(c, -1).add_(starts)
+            idx = (idx.view(-1, c).t() if channels_last else idx.view(c, -1)).add_(starts)
             # the same sums in the same order as torch's max_pool2d backward (per channel,
             # outputs in order), so the gradient is autograd's bit for bit
-            gx[i].view(c, h * w).scatter_add_(1, idx, gy[i].reshape(c, -1))
+            gx[i].view(c, h * w).scatter_add_(1, idx, gy[i].view(c, -1))
             del idx
         return gx.to(dtype), None, None, None, None
 

@@ -10,6 +10,7 @@ from torch.nn.grad import conv2d_weight
 
 from edgetl.errors import ConfigError
 from edgetl.models.lean.convgrad import conv_input_grad
+from edgetl.models.lean.layout import empty_as
 from edgetl.options import POOLS
 
 # A conv input is stored pooled only while the pooled map keeps at least this many cells
@@ -50,7 +51,7 @@ def pool_for_save(x: torch.Tensor, k: int) -> torch.Tensor:
 def inflate_saved(saved: torch.Tensor, k: int, hw: tuple[int, int]) -> torch.Tensor:
     """Nearest-upsample a pooled input by k and crop it to the original (H, W).
 
-    The result is one contiguous (N, C, H, W) tensor written by broadcast copies: no
+    The result is one (N, C, H, W) tensor, contiguous or channels-last as ``saved`` is, written by broadcast copies: no
     k-times intermediate (repeat_interleave), and no cropped view handed to the weight
     gradient's kernel, which on CUDA would copy it contiguous again (issue #17 item 5).
     """
@@ -58,7 +59,7 @@ def inflate_saved(saved: torch.Tensor, k: int, hw: tuple[int, int]) -> torch.Ten
         return saved
     h, w = hw
     n, c = saved.shape[:2]
-    out = saved.new_empty((n, c, h, w))
+    out = empty_as(saved, (n, c, h, w))  # laid out as the saved input (channels-last or not)
     hf, wf = h // k, w // k  # whole k x k cells; a partial last row/column of cells follows
     rh, rw = h - hf * k, w - wf * k
     out[:, :, :hf * k, :wf * k].unflatten(3, (wf, k)).unflatten(2, (hf, k)).copy_(

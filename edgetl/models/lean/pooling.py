@@ -13,17 +13,18 @@ from torch.autograd import Function
 from edgetl.errors import ConfigError
 from edgetl.imagenet import IMAGENET_MEAN, IMAGENET_STD
 from edgetl.cost import repeated
+from edgetl.models.lean.layout import empty_as, is_channels_last, layout_of
 
 
 class _AvgPoolFn(Function):
     @staticmethod
     def forward(ctx, x, k):
-        ctx.conf = (k, tuple(x.shape), x.dtype)
+        ctx.conf = (k, tuple(x.shape), x.dtype, is_channels_last(x))
         return F.avg_pool2d(x, k)
 
     @staticmethod
     def backward(ctx, gy):
-        k, shape, dtype = ctx.conf
+        k, shape, dtype, channels_last = ctx.conf
         n, c, h, w = shape
         hp, wp = gy.shape[-2:]
         # Every cell of a k x k window gets the window's gradient / k^2 (floor mode: the rows
@@ -31,7 +32,12 @@ class _AvgPoolFn(Function):
         # broadcast copy. No full-size temporary on any device: avg_pool2d_backward would
         # need a stand-in for the input, and its CUDA kernel makes that contiguous (issue 17).
         covered = (hp * k, wp * k) == (h, w)
-        gx = gy.new_empty(shape, dtype=dtype) if covered else gy.new_zeros(shape, dtype=dtype)
+        if covered:  # laid out as the input (channels-last or not)
+            gx = empty_as(gy, shape, dtype=dtype, channels_last=channels_last)
+        elif channels_last:
+            gx = empty_as(gy, shape, dtype=dtype, channels_last=True).zero_()
+        else:
+            gx = gy.new_zeros(shape, dtype=dtype)
         windows = gx[:, :, :hp * k, :wp * k].unflatten(3, (wp, k)).unflatten(2, (hp, k))
         windows.copy_(gy[:, :, :, None, :, None].expand(n, c, hp, k, wp, k))
         return gx.div_(k * k), None
@@ -54,7 +60,7 @@ def by_micro_batch(x: torch.Tensor, m: int, fn: Callable[[torch.Tensor], torch.T
     for i in repeated(range(0, n, m)):
         part = fn(x[i:i + m])
         if out is None:
-            out = part.new_empty((n, *part.shape[1:]))
+            out = empty_as(part, (n, *part.shape[1:]))
         out[i:i + part.shape[0]].copy_(part)
         del part
     return out
@@ -89,7 +95,7 @@ class InputNorm(nn.Module):
             return x
         if self.out_dtype == torch.float32:
             return x.float().div_(255).sub_(self.mean).div_(self.std)
-        out = torch.empty(x.shape, dtype=self.out_dtype, device=x.device)
+        out = empty_as(x, x.shape, dtype=self.out_dtype)  # laid out as the batch
         if self.shapes_only:
             return out
         for i in repeated(range(x.shape[0])):
@@ -129,14 +135,14 @@ class ImagePool(LeanAvgPool2d):
 class _GlobalPoolFn(Function):
     @staticmethod
     def forward(ctx, x, out_dtype):
-        ctx.conf = (tuple(x.shape), x.dtype)
+        ctx.conf = (tuple(x.shape), x.dtype, layout_of(x))
         return x.mean((2, 3), keepdim=True, dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, gy):
-        shape, dtype = ctx.conf
+        shape, dtype, layout = ctx.conf
         g = (gy / (shape[2] * shape[3])).to(dtype)
-        return g.expand(shape).contiguous(), None
+        return g.expand(shape).contiguous(memory_format=layout), None
 
 
 class LeanGlobalAvgPool(nn.AdaptiveAvgPool2d):

@@ -1,0 +1,50 @@
+"""Memory layouts: the lean layers keep whichever layout reaches them, plain (NCHW) or
+channels-last (NHWC in memory, ``LeanOptions.channels_last``), and never copy a tensor to
+change it. Every tensor they make is laid out like the one it comes from, and what they
+store in memory order (1-bit masks, a max pool's window codes) is read back in the order
+it was written."""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_channels_last(t: torch.Tensor) -> bool:
+    """Whether a 4-d tensor is laid out channels-last and not also plainly contiguous (a map of
+    one channel, or of one pixel, is both: its two orders are the same)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def layout_of(t: torch.Tensor) -> torch.memory_format:
+    """``torch.channels_last`` for a channels-last tensor, else ``torch.contiguous_format``."""
+    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
+
+
+def empty_as(like: torch.Tensor, shape, *, dtype: torch.dtype | None = None, channels_last: bool | None = None
+             ) -> torch.Tensor:
+    """A new tensor of ``shape`` on ``like``'s device, in ``dtype`` (``like``'s by default),
+    laid out as ``like`` is (or channels-last where ``channels_last`` says so); a shape that
+    is not 4-d is plain."""
+    cl = is_channels_last(like) if channels_last is None else channels_last
+    layout = torch.channels_last if cl and len(shape) == 4 else torch.contiguous_format
+    return torch.empty(tuple(shape), dtype=dtype or like.dtype, device=like.device, memory_format=layout)
+
+
+def memory_flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values flat in memory order: a view of a contiguous or channels-last tensor
+    (``reshape(-1)`` of a channels-last tensor would copy it into NCHW order)."""
+    return t.permute(0, 2, 3, 1).reshape(-1) if is_channels_last(t) else t.reshape(-1)
+
+
+def from_memory_order(t: torch.Tensor, shape, channels_last: bool) -> torch.Tensor:
+    """The inverse of ``memory_flat``: a flat tensor viewed as ``shape`` (NCHW), read in the
+    order a channels-last tensor of that shape lays its values out where ``channels_last``."""
+    if not channels_last:
+        return t.view(shape)
+    n, c, h, w = shape
+    return t.view(n, h, w, c).permute(0, 3, 1, 2)
+
+
+def rows_of_channels(t: torch.Tensor) -> torch.Tensor:
+    """A channels-last (n, c, h, w) tensor as its (n * h * w, c) matrix of pixels: a view."""
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
