@@ -59,15 +59,15 @@ def meta_call(func, args: tuple, kwargs: dict):
         # a factory op without a dtype makes torch's default dtype: part of the layout
         key = (func, _key(args), _key(kwargs) if kwargs else None, torch.get_default_dtype())
     except _Unkeyable:
-        return func(*args, **kwargs)
+        return _run(func, args, kwargs)
     entry = _MEMO.get(key, _MISSING)
     if entry is None:
-        return func(*args, **kwargs)
+        return _run(func, args, kwargs)
     if entry is _MISSING:
         if len(_MEMO) > _MEMO_LIMIT:
             _MEMO.clear()
         before = _layout(args[0]) if form == _SELF and args else None
-        out = func(*args, **kwargs)
+        out = _run(func, args, kwargs)
         _MEMO[key] = _remember(form, args, out, before, len(func._schema.returns))
         return out
     if form == _SELF:
@@ -75,6 +75,30 @@ def meta_call(func, args: tuple, kwargs: dict):
     made = tuple(None if layout is None else torch.empty_strided(*layout[:2], dtype=layout[2], device=_META)
                  for layout in entry)
     return made if len(made) != 1 else made[0]
+
+
+_CONVOLUTION = torch.ops.aten.convolution.default
+
+
+def _run(func, args: tuple, kwargs: dict):
+    """``func`` on meta tensors, a convolution's result laid out as a device lays it out.
+
+    torch's CPU and CUDA kernels write a conv's output channels-last where its input or its
+    weight suggests that layout (``suggest_memory_format``: oneDNN, the CPU's own kernels,
+    cuDNN); its meta kernel always writes it plain. A channels-last network measured on meta
+    would then run its plain paths (``edgetl.models.lean.layout``): the same bytes, other ops.
+    The result is made again channels-last (same shape, dtype and storage size)."""
+    out = func(*args, **kwargs)
+    if func is not _CONVOLUTION:
+        return out
+    from torch._prims_common import suggest_memory_format
+
+    from edgetl.models.lean.layout import is_channels_last
+
+    if out.dim() == 4 and out.shape[1] > 1 and out.shape[2] * out.shape[3] > 1 and not is_channels_last(out) \
+            and torch.channels_last in (suggest_memory_format(args[0]), suggest_memory_format(args[1])):
+        return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
+    return out
 
 
 class MetaMemo(TorchDispatchMode):

@@ -129,7 +129,7 @@ def render_results() -> str:
         BENCH / "table1_224.json",
         ["full", "full-lean-pool2", "bias-lean", "repnet-stock", "repnet-lean", "repnet-lean-stream",
          "repnet-pruned", "repnet-pruned-pool2", "repnet-pruned-pool2-bf16-int8",
-         "repnet-pruned-pool2-bf16-int8-stream"],
+         "repnet-pruned-pool2-bf16-int8-stream", "repnet-stock-cl", "repnet-lean-cl", "repnet-pruned-pool2-cl"],
         ["paper MB", "runtime MB", "measured MB", "images/s", "largest batch in 256 MB"])
 
 

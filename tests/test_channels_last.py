@@ -29,6 +29,10 @@ from edgetl.recipe import ModelConfig
 from edgetl.step import Step, set_train_mode
 from edgetl.train import input_memory_format
 
+from tests.conftest import FMNIST_REASON, HAVE_FMNIST
+
+needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason=FMNIST_REASON)
+
 CL = torch.channels_last
 TINY = BackboneSpec(width=0.35, num_classes=10)
 PRUNED = BackboneSpec(width=0.35, num_classes=10, hidden={1: 5, 2: 10})
@@ -211,3 +215,76 @@ def test_the_deepcopy_and_meta_copy_keep_the_layout():
     for twin in (copy.deepcopy(net), copy.deepcopy(net).to("meta")):
         assert all(p.is_contiguous(memory_format=CL) for p in twin.parameters() if p.dim() == 4)
         assert twin.input_memory_format == CL
+
+
+def test_the_accounting_measures_each_leaf_laid_out_as_it_runs():
+    """The runtime accounting's trace keeps the layout (torch's meta kernel writes a conv's
+    output plain; ``edgetl.metaop`` lays it out as a device does), so every frozen conv of a
+    channels-last network is measured on a channels-last input, running the code it runs, and
+    the meta op count is the real step's."""
+    from edgetl.memory.meter import count_step_ops
+    from edgetl.memory.runtime import simulate
+    from edgetl.models.lean import FrozenConvBNAct
+
+    spec, lean, batch, mode = CONFIGS["k1-fp32"]
+    plain, cl = twins(spec, lean, batch, mode)
+    for net, want in ((plain, False), (cl, True)):
+        res = simulate(net, resolution=RES, batch_size=batch)
+        layouts = {args["in_channels_last"] for m, args in res.layer_args.values() if isinstance(m, FrozenConvBNAct)}
+        assert layouts == {want}
+    counted = count_step_ops(cl, resolution=RES, batch_size=batch)
+
+    class _Count(TorchDispatchMode):  # every op of a real CPU step, as the meta counter splits them
+        op_count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.op_count += 1
+            return func(*args, **(kwargs or {}))
+
+    from edgetl.memory.meter import _counted_step
+    from edgetl.step import training_step
+
+    step = Step()
+    opt = step.optimizer(cl)
+    set_train_mode(cl, step.bn)
+    image, labels = random_batch(cl, resolution=RES, batch_size=batch, seed=0, device="cpu")
+    training_step(cl, step, opt, image, labels)  # the optimizer's state exists, as counted
+    counter = _Count()
+    with counter:
+        real = _counted_step(cl, opt, lambda: training_step(cl, step, opt, image, labels), counter)
+    assert (real.forward, real.backward, real.optimizer) == (counted.forward, counted.backward, counted.optimizer)
+
+
+@needs_fmnist
+def test_finetune_channels_last_trains_as_the_plain_run(calibrated_backbone, tmp_path, monkeypatch):
+    """`finetune` on real data, channels-last against plain: every batch (training, validation)
+    reaches the network channels-last, the pre-flight measurement holds, the recipe records the
+    option, and the run's losses are the plain run's to rounding (weights after Adam are not a
+    fair comparison: its first updates are the sign of each gradient entry, and an entry near
+    zero may round to either sign)."""
+    from edgetl.finetune import finetune
+    from edgetl.models.backbone import EdgeNet
+    from edgetl.recipe import load_recipe
+
+    layouts = []
+    forward = EdgeNet.forward
+
+    def watched(self, image):
+        layouts.append((self.input_memory_format == CL, is_channels_last(image)))
+        return forward(self, image)
+
+    monkeypatch.setattr(EdgeNet, "forward", watched)
+    runs = {}
+    for cl in (False, True):
+        recipe = load_recipe("fashion_mnist", {
+            "model.backbone": str(calibrated_backbone), "data.max_samples": 96, "data.max_val_samples": 32,
+            "train.epochs": 2, "train.checkpoint_every": 100, "model.pool": 2, "model.channels_last": cl})
+        runs[cl] = finetune(recipe=recipe, out_dir=tmp_path / f"cl{int(cl)}", measure=True).history
+    assert "channels_last: true" in (tmp_path / "cl1" / "recipe.yaml").read_text()
+    assert {net_cl for net_cl, _ in layouts} == {False, True}
+    assert all(net_cl == image_cl for net_cl, image_cl in layouts if image_cl or net_cl)
+    assert sum(net_cl for net_cl, _ in layouts) >= 8  # 3 steps and a validation pass an epoch
+    assert len(runs[True]) == len(runs[False]) == 2
+    for a, b in zip(runs[True], runs[False]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)

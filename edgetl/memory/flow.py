@@ -19,6 +19,7 @@ from edgetl.memory.leaf import Call, call_of, leaf_parameters
 from edgetl.memory.trace import Leaf, meta_copy, trace_meta
 from edgetl.metaop import tensors_in
 from edgetl.models.backbone import EdgeNet
+from edgetl.models.lean.layout import is_channels_last
 from edgetl.models.stream import mark_shapes_only
 
 
@@ -43,6 +44,7 @@ class Value:
     dtype: torch.dtype
     requires_grad: bool = False
     producer: int | None = None  # op index
+    channels_last: bool = False  # laid out channels-last (edgetl.models.lean.layout): a leaf is measured so
 
     @property
     def act_bytes(self) -> int:
@@ -120,7 +122,8 @@ class _FlowRecorder(TorchFunctionMode):
         """The newest value of ``t``'s storage (a new one for a storage not seen yet)."""
         key = self.number(t)
         if key not in self.latest:
-            self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype))
+            self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype,
+                                     channels_last=is_channels_last(t)))
             self.latest[key] = len(self.values) - 1
         return self.latest[key]
 
@@ -128,7 +131,7 @@ class _FlowRecorder(TorchFunctionMode):
         """A new value for ``t``, written by op ``producer``."""
         key = self.number(t)
         self.values.append(Value(key, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype,
-                                  producer=producer))
+                                  producer=producer, channels_last=is_channels_last(t)))
         self.latest[key] = len(self.values) - 1
         return len(self.values) - 1
 

@@ -133,11 +133,12 @@ def leaf_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def measured_cost(module: nn.Module, *, in_shape, in_dtype: torch.dtype, input_requires_grad: bool,
-                  output_requires_grad: bool) -> LayerCost:
-    """The leaf's cost for one call on an input of this shape and dtype (cached by signature)."""
+                  output_requires_grad: bool, in_channels_last: bool = False) -> LayerCost:
+    """The leaf's cost for one call on an input of this shape and dtype, laid out channels-last
+    where ``in_channels_last`` (cached by signature)."""
     sig = signature(module)
     shape = tuple(int(d) for d in in_shape)
-    args = (in_dtype, bool(input_requires_grad), bool(output_requires_grad))
+    args = (in_dtype, bool(input_requires_grad), bool(output_requires_grad), bool(in_channels_last))
     period = getattr(module, "repeats_every", None)
     if period and shape[0] // period > 3:
         return _periodic(sig, module, shape, period, args)
@@ -170,18 +171,18 @@ _CACHE: dict[tuple, LayerCost] = {}
 _ALIKE: set[tuple] = set()
 
 
-def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
+def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad, channels_last) -> LayerCost:
     """``measure`` once per (``signature(module)``'s key, input); ``sig``: that signature."""
     key = sig.key
-    full = (key, in_shape, in_dtype, input_grad, output_grad)
+    full = (key, in_shape, in_dtype, input_grad, output_grad, channels_last)
     cost = _CACHE.get(full)
     if cost is None:
         if len(_CACHE) > 4096:
             _CACHE.clear()
             _ALIKE.clear()
-        args = (module, sig, in_shape, in_dtype, input_grad, output_grad)
+        args = (module, sig, in_shape, in_dtype, input_grad, output_grad, channels_last)
         cost, cut = measure(*args, passes=2)
-        layout = (key, in_shape[1:], in_dtype, input_grad, output_grad)
+        layout = (key, in_shape[1:], in_dtype, input_grad, output_grad, channels_last)
         if cut and layout not in _ALIKE:
             if measure(*args, passes=3)[0] == cost:
                 _ALIKE.add(layout)
@@ -192,24 +193,26 @@ def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad) -> LayerCo
 
 
 def measure(module: nn.Module, sig: Signature, in_shape: tuple, in_dtype: torch.dtype,
-            input_grad: bool, output_grad: bool, *, passes: int | None = None) -> tuple[LayerCost, bool]:
+            input_grad: bool, output_grad: bool, channels_last: bool = False, *,
+            passes: int | None = None) -> tuple[LayerCost, bool]:
     """Run a meta twin of ``module`` once, forward (and backward when ``output_grad``), under
     the storage meter (see the module docstring): (its cost, whether a loop was cut short).
     ``sig``: ``signature(module)`` (the tensors and hook tables the twin replaces).
     ``passes``: how many passes of each of its ``repeated`` loops run (all when None)."""
     Passes.limit, Passes.cut = passes, False
     try:
-        return _measure(module, sig, in_shape, in_dtype, input_grad, output_grad), Passes.cut
+        return _measure(module, sig, in_shape, in_dtype, input_grad, output_grad, channels_last), Passes.cut
     finally:
         Passes.limit = None
 
 
-def _measure(module, sig: Signature, in_shape, in_dtype, input_grad, output_grad) -> LayerCost:
+def _measure(module, sig: Signature, in_shape, in_dtype, input_grad, output_grad, channels_last) -> LayerCost:
     copies = meta_tensors(sig.tensors)
     # (deepcopy adds its own entries to a memo); the twin's hook tables start empty
     twin = copy.deepcopy(module, {**copies, **sig.hook_tables})
     params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
-    x = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad)
+    layout = torch.channels_last if channels_last and len(in_shape) == 4 else torch.contiguous_format
+    x = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad, memory_format=layout)
     c = _metered(twin, [x], output_grad, held=list(copies.values()), params=params)
     return LayerCost(saves_input=c.inputs_kept[0], saves_output=c.saves_output, saved_new_bytes=c.saved_new_bytes,
                      inplace=c.inplace, forward_temp_bytes=c.forward_temp_bytes,

@@ -31,6 +31,7 @@ from torch import nn
 from edgetl.errors import CapabilityError
 from edgetl.cost import LayerCost, numel as _numel
 from edgetl.memory.leaf import measured_cost
+from edgetl.models.lean.layout import is_channels_last
 
 
 def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
@@ -89,14 +90,15 @@ def stock_cost(module: nn.Module, *, in_shape, out_shape, act_bytes: int,
         f"edgetl.memory.rules.stock_cost")
 
 
-def layer_cost(module: nn.Module, *, in_dtype, **kwargs) -> LayerCost:
+def layer_cost(module: nn.Module, *, in_dtype, in_channels_last: bool = False, **kwargs) -> LayerCost:
     """The stock rule table for torch's own layers (and the side network's ``Resize``, a
-    bilinear interpolation to a size given at call time); any other leaf measured on meta."""
+    bilinear interpolation to a size given at call time); any other leaf measured on meta, on
+    an input laid out as the traced one (``in_channels_last``)."""
     if _tabled(module):
         return stock_cost(module, **kwargs)
     return measured_cost(module, in_shape=kwargs["in_shape"], in_dtype=in_dtype,
                          input_requires_grad=kwargs["input_requires_grad"],
-                         output_requires_grad=kwargs["output_requires_grad"])
+                         output_requires_grad=kwargs["output_requires_grad"], in_channels_last=in_channels_last)
 
 
 def _tabled(module: nn.Module) -> bool:
@@ -122,7 +124,8 @@ def predicted_saved_bytes(model: nn.Module, run: Callable[[], object]) -> dict[s
                 return
             x = next(a for a in args if isinstance(a, torch.Tensor))
             cost = measured_cost(module, in_shape=tuple(x.shape), in_dtype=x.dtype,
-                                 input_requires_grad=x.requires_grad, output_requires_grad=True)
+                                 input_requires_grad=x.requires_grad, output_requires_grad=True,
+                                 in_channels_last=is_channels_last(x))
             kept = cost.saved_new_bytes
             kept += x.untyped_storage().nbytes() if cost.saves_input else 0
             kept += output.untyped_storage().nbytes() if cost.saves_output and not cost.inplace else 0

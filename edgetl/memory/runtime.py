@@ -188,7 +188,7 @@ class _Simulation:
         if op.module is not None:
             args = dict(in_shape=ins[0].shape, out_shape=out.shape, act_bytes=out.act_bytes,
                         in_bytes=ins[0].act_bytes, in_dtype=ins[0].dtype, input_requires_grad=ins[0].requires_grad,
-                        output_requires_grad=grad_fn)
+                        output_requires_grad=grad_fn, in_channels_last=ins[0].channels_last)
             self.res.layer_args[i] = (op.module, args)
             cost = layer_cost(op.module, **args)
             if cost.inplace and out.storage != ins[0].storage:

@@ -290,7 +290,7 @@ def side_conv_sizes(net: nn.Module, resolution: int) -> list[tuple[int, int]]:
     handles = [b.conv1.register_forward_pre_hook(record(j)) for j, b in enumerate(side.blocks)]
     modes = {m: m.training for m in net.modules()}
     image = torch.zeros(1, 3, resolution, resolution, device=next(net.parameters()).device,
-                        dtype=net.input_dtype)
+                        dtype=net.input_dtype).contiguous(memory_format=net.input_memory_format)
     try:
         net.eval()
         with torch.no_grad():
