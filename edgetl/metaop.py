@@ -87,17 +87,17 @@ def _run(func, args: tuple, kwargs: dict):
     weight suggests that layout (``suggest_memory_format``: oneDNN, the CPU's own kernels,
     cuDNN); its meta kernel always writes it plain. A channels-last network measured on meta
     would then run its plain paths (``edgetl.models.lean.layout``): the same bytes, other ops.
-    The result is made again channels-last (same shape, dtype and storage size)."""
+    The result is made again with the channels-last strides (same shape, dtype and storage size;
+    a map of one channel or one pixel too, whose strides differ only in its size-1 dimensions)."""
     out = func(*args, **kwargs)
-    if func is not _CONVOLUTION:
+    if func is not _CONVOLUTION or out.dim() != 4:
         return out
     from torch._prims_common import suggest_memory_format
 
-    from edgetl.models.lean.layout import is_channels_last
-
-    if out.dim() == 4 and out.shape[1] > 1 and out.shape[2] * out.shape[3] > 1 and not is_channels_last(out) \
-            and torch.channels_last in (suggest_memory_format(args[0]), suggest_memory_format(args[1])):
-        return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
+    if torch.channels_last in (suggest_memory_format(args[0]), suggest_memory_format(args[1])):
+        laid = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
+        if laid.stride() != out.stride():
+            return laid
     return out
 
 

@@ -194,7 +194,15 @@ def test_channels_last_network_and_batch():
     assert all(p.is_contiguous(memory_format=CL) for p in net.parameters() if p.dim() == 4)
     image, _ = random_batch(net, resolution=RES, batch_size=2, seed=0, device="cpu")
     assert is_channels_last(image)
+    # the loop's batch: one copy on a CPU; on another device (meta stands in for one here)
+    # converted on the host first, so the device holds it once, channels-last
+    from edgetl.train.loop import device_batch
+
+    loaded = torch.rand(2, 3, RES, RES)
+    for device in ("cpu", "meta"):
+        assert is_channels_last(device_batch(loaded, net, torch.device(device)))
     plain = build_network(TINY, "repnet", lean=LeanOptions())
+    assert device_batch(loaded, plain, torch.device("cpu")) is loaded
     assert input_memory_format(plain) == torch.contiguous_format
     assert random_batch(plain, resolution=RES, batch_size=2, seed=0, device="cpu")[0].is_contiguous()
 
@@ -288,3 +296,43 @@ def test_finetune_channels_last_trains_as_the_plain_run(calibrated_backbone, tmp
     for a, b in zip(runs[True], runs[False]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)
+
+
+def test_a_run_saved_before_the_option_resumes_as_plain():
+    """A checkpoint's recipe from before ``channels_last`` existed resumes as a plain run, and
+    a channels-last resume of a plain run is refused (the results differ to rounding)."""
+    from edgetl.recipe import load_recipe
+    from edgetl.train.checkpoint import _recipe_differences
+
+    current = load_recipe("fashion_mnist", {}).to_dict()
+    saved = copy.deepcopy(current)
+    del saved["model"]["channels_last"]
+    assert _recipe_differences(saved, current) == []
+    asked = load_recipe("fashion_mnist", {"model.channels_last": True}).to_dict()
+    assert _recipe_differences(saved, asked) == ["model.channels_last"]
+
+
+def test_a_chunked_pointwise_conv_writes_its_gradient_whatever_the_layouts():
+    """A chunked 1x1 conv (int8 weight over one chunk, no activation) whose input is plain and
+    whose incoming gradient is channels-last (or the other way) writes its whole input gradient,
+    in the input's layout: never into a copy that is then lost."""
+    from torch import nn
+
+    from edgetl.models.lean import FrozenConvBNAct
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(256, 512, 1, bias=False).requires_grad_(False)
+    bn = nn.BatchNorm2d(512).requires_grad_(False).eval()
+    layer = FrozenConvBNAct(conv, bn, None, weight_dtype=torch.int8)
+    assert layer.chunked
+    x = torch.randn(3, 256, 2, 2)
+    g = torch.randn(3, 512, 2, 2)
+    grads = []
+    for x_cl, g_cl in ((False, False), (False, True), (True, False), (True, True)):
+        xx = (x.contiguous(memory_format=CL) if x_cl else x.clone()).requires_grad_()
+        y = layer(xx)
+        y.backward(g.contiguous(memory_format=CL) if g_cl else g)
+        assert is_channels_last(xx.grad) == x_cl
+        grads.append(xx.grad)
+    for got in grads[1:]:
+        torch.testing.assert_close(got, grads[0], rtol=1e-5, atol=1e-5)

@@ -29,7 +29,7 @@ RESUME_MAY_CHANGE = ("data.root", "data.download", "data.on_bad_image", "train.w
                      "model.stream", "model.uint8_input", "model.recompute")
 # settings added after checkpoints were first written: one that a checkpoint lacks ran as this
 ADDED_SETTINGS = {"optim.foreach": False, "model.stream": 0, "model.uint8_input": False,
-                  "model.recompute": False, "optim.fused": False}
+                  "model.recompute": False, "optim.fused": False, "model.channels_last": False}
 # Upper bounds of what torch.save adds to the tensor data: zip headers, 64-byte alignment and
 # pickled key names per tensor (about 330 B measured), the pickle, recipe and RNG states.
 FILE_BYTES_PER_TENSOR = 512

@@ -179,8 +179,9 @@ class CapturedStep:
         device: the CUDA device.
         dtype: the dtype the network takes its images in (``edgetl.train.input_dtype``); the
             static buffer keeps the loader's dtype and the graph converts, as the eager step does.
-        memory_format: the layout it takes them in (``edgetl.train.input_memory_format``),
-            converted in the same copy as the dtype.
+        memory_format: the layout it takes them in (``edgetl.train.input_memory_format``): a
+            channels-last batch is converted on the host, so the device (and the static buffer)
+            holds it once, in that layout.
         autocast: the loop's autocast factory (mixed precision), or None.
         tensor_lr: whether the learning rate becomes a device tensor (``rate_changes``).
         warmup: eager steps before the first capture. A batch size's first batch also runs
@@ -234,6 +235,8 @@ class CapturedStep:
                 f"{len(self.sizes)} graph(s) captured and replayed (batch sizes {sizes}){again}")
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.memory_format != torch.contiguous_format:  # on the host: one batch on the device
+            images = images.contiguous(memory_format=self.memory_format)
         key = (tuple(images.shape), images.dtype, tuple(labels.shape), labels.dtype)
         with torch.cuda.device(self.device):
             if self.failed is not None:

@@ -51,9 +51,19 @@ def input_dtype(model: nn.Module) -> torch.dtype:
 def input_memory_format(model: nn.Module) -> torch.memory_format:
     """The layout the model takes its images in: channels-last where its lean runtime runs so
     (``LeanOptions.channels_last``), else contiguous. The batch is converted where it is moved
-    to the device, in the same copy as its dtype: a network given the other layout converts it
-    inside its first conv, in scratch memory no tensor meter sees."""
+    to the device (``device_batch``): a network given the other layout converts it inside its
+    first conv, in scratch memory no tensor meter sees."""
     return getattr(unwrap(model), "input_memory_format", torch.contiguous_format)
+
+
+def device_batch(images: torch.Tensor, model: nn.Module, device: torch.device) -> torch.Tensor:
+    """The loader's batch on ``device`` in the model's dtype and layout: one copy on a CPU; on
+    another device the layout is changed on the host first (a copy across devices into another
+    layout goes through a plain copy on the device: a second batch there)."""
+    layout = input_memory_format(model)
+    if device.type != "cpu" and layout != torch.contiguous_format:
+        images = images.contiguous(memory_format=layout)
+    return images.to(device, dtype=input_dtype(model), memory_format=layout, non_blocking=True)
 
 
 @dataclass
@@ -120,8 +130,7 @@ def evaluate(
             images, labels = batch
             if images is None:
                 continue
-            images = images.to(device, dtype=input_dtype(model), memory_format=input_memory_format(model),
-                               non_blocking=True)
+            images = device_batch(images, model, device)
             labels = labels.to(device, non_blocking=True)
             logits = model(images).float()
             loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
@@ -421,8 +430,7 @@ class _Loop:
         if self.captured is not None:  # copies the batch into its static buffers
             loss, correct = self.captured(images, labels)
         else:
-            images = images.to(device, dtype=input_dtype(self.model),
-                               memory_format=input_memory_format(self.model), non_blocking=True)
+            images = device_batch(images, self.model, device)
             labels = labels.to(device, non_blocking=True)
             mix = None
             if s.recipe.distill is not None:

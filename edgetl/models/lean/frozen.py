@@ -15,7 +15,7 @@ from edgetl.errors import ConfigError
 from edgetl.cost import (CallShape, Execution, Setting, configured_copy, dtype_bytes as _dtype_bytes,
                          numel as _numel, repeated)
 from edgetl.models.lean.convgrad import conv_input_grad, pointwise_conv
-from edgetl.models.lean.layout import empty_as, is_channels_last, memory_flat, rows_of_channels
+from edgetl.models.lean.layout import empty_as, is_channels_last, memory_flat, rows_into, rows_of_channels
 from edgetl.models.lean.masks import (
     _fold_bits,
     pack_mask_,
@@ -281,11 +281,11 @@ class FrozenConvBNAct(nn.Module):
         n, _, h, w = x.shape
         y = empty_as(x, (n, self.out_channels, h, w))
         step = self._chunk_size(self.in_channels)
-        if is_channels_last(x):
+        if is_channels_last(y):
             rows = rows_of_channels(x)
             for i in repeated(range(0, self.out_channels, step)):
                 wc = self.weight_chunk(slice(i, i + step), slice(None), x.dtype)
-                torch.mm(rows, wc.t(), out=rows_of_channels(y[:, i:i + wc.shape[0]]))
+                torch.mm(rows, wc.t(), out=rows_into(y[:, i:i + wc.shape[0]]))
                 del wc
             return y
         xs = x.reshape(n, self.in_channels, h * w)
@@ -297,15 +297,16 @@ class FrozenConvBNAct(nn.Module):
         return y
 
     def pointwise_grad_input(self, g: torch.Tensor, out: torch.Tensor) -> None:
-        """W^T @ g of a 1x1 conv written into ``out`` (samples of ``g``, same count, laid out
-        as ``g``), a chunk of input channels at a time."""
+        """W^T @ g of a 1x1 conv written into ``out`` (samples of ``g``, same count), a chunk of
+        input channels at a time: channels-last as one product of ``g``'s pixels where ``out``
+        is channels-last (the input's layout), else a product per sample."""
         n, _, h, w = g.shape
         step = self._chunk_size(self.out_channels)
-        if is_channels_last(g):
+        if is_channels_last(out):
             rows = rows_of_channels(g)
             for j in repeated(range(0, self.in_channels, step)):
                 wc = self.weight_chunk(slice(None), slice(j, j + step), g.dtype)
-                torch.mm(rows, wc, out=rows_of_channels(out[:, j:j + wc.shape[1]]))
+                torch.mm(rows, wc, out=rows_into(out[:, j:j + wc.shape[1]]))
                 del wc
             return
         gs = g.reshape(n, self.out_channels, h * w)
@@ -584,7 +585,7 @@ def _per_sample_backward(ctx, gy):
         if w is None:  # the weight a chunk of input channels at a time (``chunked``)
             m.pointwise_grad_input(g, gx[i : i + 1])
         elif wt is not None and ctx.in_channels_last:  # pixels as rows: g (h w, out) @ W (out, in)
-            torch.mm(rows_of_channels(g), wt.t(), out=rows_of_channels(gx[i : i + 1]))
+            torch.mm(rows_of_channels(g), wt.t(), out=rows_into(gx[i : i + 1]))
         elif wt is not None:
             torch.mm(wt, g.reshape(m.out_channels, -1), out=gx[i].view(m.in_channels, -1))
         else:

@@ -46,5 +46,13 @@ def from_memory_order(t: torch.Tensor, shape, channels_last: bool) -> torch.Tens
 
 
 def rows_of_channels(t: torch.Tensor) -> torch.Tensor:
-    """A channels-last (n, c, h, w) tensor as its (n * h * w, c) matrix of pixels: a view."""
+    """An (n, c, h, w) tensor as its (n * h * w, c) matrix of pixels: a view of a channels-last
+    tensor (of another, a copy: to read only)."""
     return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+
+
+def rows_into(t: torch.Tensor) -> torch.Tensor:
+    """``rows_of_channels`` of a channels-last tensor (or a slice of its channels) to write into
+    (``out=``): always a view; a tensor laid out otherwise is an error, never a copy that a
+    result would be written into and lost."""
+    return t.permute(0, 2, 3, 1).view(-1, t.shape[1])

@@ -106,7 +106,7 @@ class _MaxPoolFn(Function):
             idx = (idx.view(-1, c).t() if channels_last else idx.view(c, -1)).add_(starts)
             # the same sums in the same order as torch's max_pool2d backward (per channel,
             # outputs in order), so the gradient is autograd's bit for bit
-            gx[i].view(c, h * w).scatter_add_(1, idx, gy[i].view(c, -1))
+            gx[i].view(c, h * w).scatter_add_(1, idx, gy[i].reshape(c, -1))
             del idx
         return gx.to(dtype), None, None, None, None
 

@@ -127,7 +127,7 @@ class ImagePool(LeanAvgPool2d):
         norm = self._norm[0]
         if self.shapes_only:  # one sample gives the shape (a big batch's loop would cost minutes on meta)
             one = F.avg_pool2d(norm.normalize(x[:1]), self.kernel_size)
-            return one.new_empty((x.shape[0], *one.shape[1:]))
+            return empty_as(one, (x.shape[0], *one.shape[1:]))
         return by_micro_batch(x, self.micro_batch or x.shape[0],
                               lambda rows: F.avg_pool2d(norm.normalize(rows), self.kernel_size))
 
