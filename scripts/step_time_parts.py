@@ -34,7 +34,8 @@ from edgetl.heap import hold_freed_memory  # noqa: E402
 from edgetl.io import atomic_text_json  # noqa: E402
 
 DEFAULT_METHODS = ("repnet-stock,repnet-lean,repnet-pruned-pool2,repnet-pruned-pool2-bf16-int8,"
-                   "repnet-pruned-pool2-bf16-int8-stream,bias-lean,bias-lean-stream")
+                   "repnet-pruned-pool2-bf16-int8-stream,bias-lean,bias-lean-stream,repnet-lean-cl,"
+                   "repnet-pruned-pool2-cl")
 CONV_OPS = ("conv", "mm")  # aten op names holding these: convolutions, and matrix products
 
 
