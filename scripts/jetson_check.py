@@ -507,6 +507,9 @@ class Checker:
     def c_pytest_metaop(self, r: Result) -> None:
         self.pytest(r, "metaop")
 
+    def c_pytest_channels_last(self, r: Result) -> None:
+        self.pytest(r, "channels_last")
+
     # -- the whole check ---------------------------------------------------------------
     def probe_versions(self) -> dict:
         run = self.run([*self.python, "-c", VERSIONS], "versions", timeout=600)
@@ -554,6 +557,7 @@ class Checker:
             ("pytest-stream", self.c_pytest_stream, (), True),
             ("pytest-uint8", self.c_pytest_uint8, (), True),
             ("pytest-metaop", self.c_pytest_metaop, (), True),
+            ("pytest-channels-last", self.c_pytest_channels_last, (), True),
         ]
         only = set(self.args.only.split(",")) if self.args.only else None
         if only:
@@ -617,9 +621,10 @@ class CheckFailed(Exception):
 
 
 # pytest at small shapes (the tests' own: 48-64 px, width 0.25-0.35): the accounting,
-# streaming and uint8-batch tests. All of these three files take about 40 min emulated, so
-# --short runs a few cases of each and the full check leaves out the slowest (each over
-# 4 s natively: large batches, recompute searches, the 224 px figure, CLI round trips).
+# streaming and uint8-batch tests (all of these three files take about 40 min emulated), the
+# meta-op memo and the channels-last runtime. --short runs a few cases of each and the full
+# check leaves out the slowest (each over 4 s natively: large batches, recompute searches, the
+# 224 px figure, CLI round trips; bf16 and ResNet-18, slow under qemu).
 PYTEST_SHORT = {
     "runtime_accounting": [
         *(f"test_each_rule_against_hand_count_and_meter[{rule}]" for rule in
@@ -654,6 +659,16 @@ PYTEST_SHORT = {
         "test_a_leaf_measures_the_same_with_torchs_meta_kernels_every_time[frozen_depthwise_int8]",
         "test_a_metered_step_on_meta_counts_the_same_bytes_and_ops",
     ],
+    # the channels-last lean runtime on this torch: one plain-against-channels-last step, a
+    # streamed one, the mask order, the accounting's layouts and the layout helpers
+    "channels_last": [
+        "test_channels_last_step_is_the_plain_step[k1-fp32]",
+        "test_channels_last_step_is_the_plain_step[stream1]",
+        "test_masks_are_packed_and_read_in_memory_order[1-shape1]",
+        "test_masks_are_packed_and_read_in_memory_order[8-shape0]",
+        "test_the_accounting_measures_each_leaf_laid_out_as_it_runs",
+        "test_layout_helpers",
+    ],
 }
 PYTEST_FULL_SKIP = {
     "runtime_accounting": ["test_full_size_repnet_matches_design_figure", "test_cli_runtime_measure",
@@ -667,6 +682,7 @@ PYTEST_FULL_SKIP = {
     "uint8_input": ["test_a_uint8_step_is_predicted_exactly", "test_a_copy_of_a_uint8_network_keeps_its_normalisation",
                     "bf16-bias", "1-bf16-repnet", "3-bf16-repnet"],
     "metaop": ["bf16"],
+    "channels_last": ["bf16", "resnet18", "finetune"],
 }
 
 
