@@ -30,6 +30,7 @@ On meta nothing but layout exists, so a remembered layout is the op's whole resu
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _FRESH, _SELF, _RUNS = 0, 1, 2
@@ -92,8 +93,6 @@ def _run(func, args: tuple, kwargs: dict):
     out = func(*args, **kwargs)
     if func is not _CONVOLUTION or out.dim() != 4:
         return out
-    from torch._prims_common import suggest_memory_format
-
     if torch.channels_last in (suggest_memory_format(args[0]), suggest_memory_format(args[1])):
         laid = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
         if laid.stride() != out.stride():

@@ -124,7 +124,7 @@ def label(name: str) -> str:
 def to_channels_last(trainer):
     """A trainer of a stock network whose parameters, buffers and batch are channels-last
     (the optimizer's parameters stay the same objects; its state is made at the first step)."""
-    trainer.net.to(memory_format=torch.channels_last)
+    trainer.net.to_channels_last()
     trainer.image = trainer.image.contiguous(memory_format=torch.channels_last)
     return trainer
 

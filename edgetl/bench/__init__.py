@@ -70,7 +70,7 @@ class _Trainer:
         self.opt = self.spec.optimizer(net)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         image = torch.randn(batch_size, 3, resolution, resolution, generator=gen)
-        self.image = image.to(device, net.input_dtype, memory_format=getattr(net, "input_memory_format", torch.contiguous_format))
+        self.image = image.to(device, net.input_dtype, memory_format=net.input_memory_format)
         self.labels = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
         self.device = device
 
@@ -95,8 +95,7 @@ class _GraphTrainer(_Trainer):
         self.host_image = self.image.cpu().pin_memory()
         self.host_labels = self.labels.cpu().pin_memory()
         self.captured = CapturedStep(training_step, net, self.spec, self.opt, self.device,
-                                     dtype=self.image.dtype, memory_format=getattr(
-                                         net, "input_memory_format", torch.contiguous_format), tensor_lr=False)
+                                     dtype=self.image.dtype, memory_format=net.input_memory_format, tensor_lr=False)
         for _ in range(WARMUP_STEPS + 1):  # eager warm-up, then the capture and its first replay
             self.captured(self.host_image, self.host_labels)
         torch.cuda.synchronize(self.device)

@@ -149,9 +149,8 @@ def build_method(method: Method, *, width: float, num_classes: int, device: str 
     """The network of ``method`` on ``arch``, trainability set (random weights: memory and speed only)."""
     spec = BackboneSpec(arch=arch, width=width, num_classes=num_classes, hidden=dict(hidden or {}))
     net = build_network(spec, method.mode, device=device, lean=method.lean)
-    if method.channels_last:  # stock modules: weights, buffers and the batch (edgetl.train.input_memory_format)
-        net.to(memory_format=torch.channels_last)
-        net.input_memory_format = torch.channels_last
+    if method.channels_last:  # stock modules (a lean row's options say so: make_lean converts it)
+        net.to_channels_last()
     if method.checkpoint:
         for i in range(len(net.features)):
             net.features[i] = Checkpointed(net.features[i])

@@ -136,7 +136,7 @@ def trace_meta(meta: EdgeNet, originals: dict[str, nn.Module], resolution: int, 
     """``trace_network`` of a meta copy made already (shapes only), by a ``MetaTracer`` whose
     hooks are removed again. ``originals``: the modules each leaf names, by name."""
     x = torch.empty(batch_size, 3, resolution, resolution, device="meta", dtype=meta.input_dtype,
-                    memory_format=getattr(meta, "input_memory_format", torch.contiguous_format))
+                    memory_format=meta.input_memory_format)
     with MetaTracer(meta, originals, observer) as tracer:
         return tracer.run(x)
 

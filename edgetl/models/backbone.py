@@ -116,6 +116,13 @@ class EdgeNet(nn.Module):
         self.input_dtype: torch.dtype = torch.float32
         self.input_memory_format: torch.memory_format = torch.contiguous_format
 
+    def to_channels_last(self) -> "EdgeNet":
+        """Lay the weights and buffers out channels-last and take the batch so
+        (``input_memory_format``: ``edgetl.train.loop.device_batch`` converts it); returns self."""
+        self.to(memory_format=torch.channels_last)
+        self.input_memory_format = torch.channels_last
+        return self
+
     def attach_side(self, side: nn.Module | None) -> None:
         self.side = side
 

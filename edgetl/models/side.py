@@ -243,8 +243,7 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
         net.input_dtype = torch.uint8
         if pool is not None:
             pool.set_input(norm, None)
-    if lean.channels_last:  # weights, buffers and the batch (edgetl.train.input_memory_format)
-        net.to(memory_format=torch.channels_last)
-        net.input_memory_format = torch.channels_last
+    if lean.channels_last:
+        net.to_channels_last()
     net.options = lean  # its stream and recompute: read by edgetl.memory.schedule.fit_schedule
     return net
