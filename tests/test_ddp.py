@@ -48,9 +48,23 @@ def test_a_ddp_step_is_predicted_exactly(group, name):
     predicted = runtime_report(net, mode="repnet", resolution=RES, batch_size=BATCH, step=step).total_bytes
     plain = runtime_report(net, mode="repnet", resolution=RES, batch_size=BATCH, step=Step(bn=bn)).total_bytes
     measured = measure_training_peak(net, resolution=RES, batch_size=BATCH, steps=3, step=step)
-    assert predicted == measured
+    assert measured - predicted in _late_bucket_order(net)
     trainable = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
     assert plain < predicted <= plain + trainable  # the buckets, less the gradients they hold
+
+
+def _late_bucket_order(net) -> set[int]:
+    """What torch's reducer may still hold at the peak beside the prediction: 0 almost always.
+
+    In the second step's forward the reducer rebuilds its buckets and broadcasts the new
+    order over gloo (``sync_bucket_indices``): an int32 index per trainable parameter plus
+    one, then an int32 bucket count, each waited on. gloo's worker thread drops its own
+    reference to a finished broadcast's tensor a moment after the wait returns; on a
+    loaded machine that moment can come after this thread reached the step's peak a
+    hundred ops later (seen once in a full suite: 4 bytes over). Nothing else may differ.
+    """
+    indices = 4 * (sum(p.requires_grad for p in net.parameters()) + 1)
+    return {0, 4, indices, indices + 4}
 
 
 @pytest.mark.parametrize("bn", ["fold", "batch"])
