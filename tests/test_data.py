@@ -182,6 +182,26 @@ def test_augmentation_is_a_function_of_seed_epoch_index(tmp_path):
     assert not torch.equal(other.train[(4, 0)][0], a)
 
 
+def test_augmentation_seeds_the_cpu_generator_alone(tmp_path, monkeypatch):
+    """A sample's seed goes to the CPU generator the transforms draw from and nowhere else:
+    ``torch.manual_seed`` also queued it for every accelerator torch knows, formatting a stack
+    trace for each while none was initialised, per sample. The crop is still the one that
+    seed gives the global generator."""
+    splits = D.build_datasets(preset="imagefolder", root=make_folder(tmp_path / "d"), resolution=32, seed=3)
+    seen = []
+    for module in (torch.cuda, torch.xpu, torch.mtia):
+        monkeypatch.setattr(module, "manual_seed_all", lambda seed: seen.append(seed))
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: seen.append(seed))
+    image, _ = splits.train[(4, 1)]
+    assert seen == []
+    monkeypatch.undo()
+    index, epoch = 4, 1
+    img, _ = splits.train.base[index]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(((3 * 1_000_003 + epoch) * 10_000_019 + index) % (2**63))
+        assert torch.equal(splits.train.transform(img), image)
+
+
 # --- samplers and loaders ----------------------------------------------------------------
 
 
