@@ -249,6 +249,33 @@ def test_run_folder_is_a_backbone_folder(toy, pruned, tmp_path, capsys):
                                                                   "weight": 0.5}
 
 
+def test_retrain_trains_channels_last_on_a_cpu_and_saves_a_backbone_that_loads_plain(toy, pruned, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """On a CPU too the network and every batch it trains and is evaluated on are channels-last
+    (faster kernels: benchmarks/demo_steps_64.json); the saved backbone loads into a plain
+    network with the same values."""
+    import edgetl.train.loop as loop
+
+    layouts = []
+    real = loop.device_batch
+
+    def spy(images, model, device):
+        out = real(images, model, device)
+        layouts.append(out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous())
+        return out
+
+    monkeypatch.setattr(loop, "device_batch", spy)
+    run = tmp_path / "run"
+    args = [a if a != "3" else "1" for a in TOY_ARGS]  # one epoch
+    assert main(["retrain", "--backbone", str(pruned), "--data", str(toy), *args, "-o", str(run)]) == 0
+    capsys.readouterr()
+    assert len(layouts) > 2 and all(layouts)
+    net = load_backbone(run)
+    saved = weights_of(run / "backbone.pt")
+    for name, value in net.state_dict().items():
+        assert value.is_contiguous() and torch.equal(value, saved[name]), name
+
+
 def test_pretrain_from_scratch_and_from_weights_file(toy, tmp_path, capsys):
     from torchvision.models import mobilenet_v2
 
