@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetl.cost import Setting
+from edgetl.cost import CallShape, Setting
 from edgetl.errors import ConfigError
 from edgetl.memory.meter import measure_training_peak
 from edgetl.memory.runtime import runtime_report
@@ -175,6 +175,21 @@ def test_profile_prints_the_segments_that_hold_converted_weights(capsys):
     assert "prediction vs measured: +0.0%" in out
 
 
+def test_profile_prints_the_segments_whose_convs_run_a_micro_batch_at_a_time(capsys):
+    from edgetl.cli import main
+
+    code = main(["profile", "--accounting", "runtime", "--width", "0.35", "--resolution", "64",
+                 "--batch-size", "8", "--num-classes", "10", "--stream", "4", "--measure"])
+    out = capsys.readouterr().out
+    assert code == 0
+    net = build_network(SPEC, "repnet", device="meta", lean=LeanOptions(pool=2, stream=4))
+    prepare_step(net, resolution=RES, batch_size=8)
+    whole = [f"{s.start}:{s.stop}" for s in net.streams.values() if s.whole_micro_batch]
+    assert 0 < len(whole) < len(net.streams)  # the largest maps' segments keep the peak sample by sample
+    assert f"; masked convs a micro-batch at a time: {' '.join(whole)})" in out
+    assert "prediction vs measured: +0.0%" in out
+
+
 def test_a_segment_cost_is_not_shared_by_networks_of_other_channels():
     """Pruned and unpruned segments take inputs of the same shape: their measured costs differ."""
     costs = []
@@ -289,8 +304,9 @@ def test_held_weights_give_the_per_micro_batch_results_bit_for_bit(mode, m, reco
     holding = [seg for seg in held.streams.values() if seg.holding_layers()]
     assert len(holding) > len(held.streams) // 2  # the rest: only chunked convs, no whole conversion
     for seg in held.streams.values():
-        assert seg.settings(None) == ((Setting("weights", ("per_micro_batch", "held"), "both", every_shape=True),)
-                                      if seg in holding else ())
+        settings = {s.name: s for s in seg.settings(CallShape((5, 3, RES, RES), (5, 1, 1, 1), True, True))}
+        assert settings.get("weights") == (Setting("weights", ("per_micro_batch", "held"), "both", every_shape=True)
+                                           if seg in holding else None)
         seg.execution = HELD
     assert all(s.hold_weights for s in held.streams.values())
     assert not any(s.hold_weights for s in per_batch.streams.values())
@@ -438,3 +454,38 @@ def test_streaming_as_on_older_torch_is_exact_too(mode, batch, m, monkeypatch):
     prepare_step(net, resolution=RES, batch_size=batch)
     predicted = runtime_report(net, mode=mode, resolution=RES, batch_size=batch).total_bytes
     assert predicted == measure_training_peak(net, resolution=RES, batch_size=batch, steps=2)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_whole_micro_batches_give_the_per_sample_results_with_fewer_ops(recompute):
+    """A segment whose masked frozen convs run each micro-batch at once (setting "convs":
+    "whole_micro_batch") computes the same step: the same outputs bit for bit (the masks are
+    the same bits, packed in one chunk), gradients to rounding; it dispatches fewer ops; the
+    convs' own choices are back when it is done; and predicted = measured with it."""
+    from edgetl.memory.meter import count_step_ops
+
+    torch.manual_seed(0)
+    per_sample = build_network(SPEC, "repnet", lean=LeanOptions(pool=2))
+    whole = copy.deepcopy(per_sample)
+    taps = tuple(per_sample.side.taps)
+    segments = {a: (b, 3) for a, b in segments_of(len(per_sample.features), taps)}
+    again = tuple(segments) if recompute else ()
+    apply_streams(per_sample, segments, recompute=again)
+    apply_streams(whole, segments, recompute=again)
+    call = CallShape((7, 3, RES, RES), (7, 1, 1, 1), True, True)
+    for seg in whole.streams.values():
+        assert ("convs" in {s.name for s in seg.settings(call)}) == bool(seg.masked_layers())
+        seg.execution = {None: {"convs": "whole_micro_batch"}}
+    assert sum(bool(seg.masked_layers()) for seg in whole.streams.values()) >= len(segments) - 1
+    before = {n: dict(m.execution) for n, m in whole.named_modules() if isinstance(m, FrozenConvBNAct)}
+    x, y = torch.randn(7, 3, RES, RES), torch.randint(0, CLASSES, (7,))  # 3 + 3 + 1: a partial micro-batch
+    out_a, grads_a = _grads(per_sample, x, y)
+    out_b, grads_b = _grads(whole, x, y)
+    assert torch.equal(out_a, out_b) and grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert before == {n: dict(m.execution) for n, m in whole.named_modules() if isinstance(m, FrozenConvBNAct)}
+    ops = [count_step_ops(net, resolution=RES, batch_size=7).total for net in (per_sample, whole)]
+    assert ops[1] < ops[0]
+    predicted = runtime_report(whole, mode="repnet", resolution=RES, batch_size=7).total_bytes
+    assert measure_training_peak(whole, resolution=RES, batch_size=7) == predicted

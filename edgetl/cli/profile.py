@@ -110,12 +110,16 @@ def describe_schedule(schedule: dict) -> str:
     if streams:
         segs = " ".join(f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams)
         again = [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams if s.get("recompute")]
-        held = [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams
-                if any(e["choices"].get("weights") == "held"
-                       for e in schedule.get("settings", {}).get(f"streams.{s['blocks'][0]}", []))]
+        def chose(setting: str, value: str) -> list[str]:
+            return [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams
+                    if any(e["choices"].get(setting) == value
+                           for e in schedule.get("settings", {}).get(f"streams.{s['blocks'][0]}", []))]
+
+        held, whole_micro = chose("weights", "held"), chose("convs", "whole_micro_batch")
         streamed = (f"; backbone streamed in micro-batches of {streams[0]['micro_batch']} "
                     f"(segments {segs}{'; recomputed: ' + ' '.join(again) if again else ''}"
-                    f"{'; converted weights held across micro-batches: ' + ' '.join(held) if held else ''})")
+                    f"{'; converted weights held across micro-batches: ' + ' '.join(held) if held else ''}"
+                    f"{'; masked convs a micro-batch at a time: ' + ' '.join(whole_micro) if whole_micro else ''})")
     weights = schedule.get("whole_weight_convs", [])
     converted = f"; {len(weights)} large 1x1 weights converted whole per call" if weights else ""
     return (f"masked backward on the whole batch in {whole} frozen convs ({left} sample by sample); "

@@ -47,6 +47,14 @@ after the whole weights are chosen (a conv given its whole weight converts it pe
 is held too; only the convs still chunked are not) (the paper configuration in bf16 + int8 at
 224 px, batch 8: 8 of 12 segments, 22,534 -> 17,476 ops a step, the peak unchanged).
 
+A streamed segment of micro-batches of two or more samples has a second setting, "convs":
+its masked frozen convs pack their masks and run their masked backward sample by sample (the
+default) or a micro-batch at a time (``StreamedSegment.whole_micro_batch``), scored on the
+segment's moments as any setting. A micro-batch at a time holds its samples' masked copies
+at once, so the segments on the largest maps keep the default where those set the peak (the
+demo's streamed fine-tune, 64 px, batch 32 by 4: 9 of 12 segments, the peak unchanged, the
+step 1.5x as fast on a CPU, benchmarks/demo_steps_64.json).
+
 A ``Schedule`` stores the frozen convs' choices as it always has (``whole_batch_backward``,
 ``forward_mask_chunks``, ``whole_weight_convs``, the last now with convs inside segments) and
 a segment's in ``settings``, so schedules stored with runs load.

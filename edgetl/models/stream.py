@@ -51,6 +51,7 @@ from edgetl.compat import release
 from edgetl.cost import CallShape, Execution, Setting, configured_copy
 from edgetl.errors import ConfigError
 from edgetl.models.lean import by_micro_batch
+from edgetl.models.lean.frozen import FrozenConvBNAct
 from edgetl.models.lean.layout import empty_as, is_channels_last
 
 # Before torch 2.9 (pytorch PR #160098) a GradientEdge does not own its node: the edge of a
@@ -98,6 +99,24 @@ def _held_weights(segment: "StreamedSegment"):
             vars(layer).pop("held", None)  # back to the class's None
 
 
+@contextlib.contextmanager
+def _whole_micro_batches(segment: "StreamedSegment"):
+    """While a segment runs its micro-batches (``whole_micro_batch``): each masked frozen conv
+    in it packs its activation mask and runs its masked backward on the whole micro-batch
+    (its settings "mask_chunk" and "backward", ``FrozenConvBNAct``), not sample by sample;
+    the layers' own choices come back when the loop ends."""
+    layers = segment.masked_layers() if segment.whole_micro_batch else []
+    before = [layer.execution for layer in layers]
+    try:
+        for layer in layers:
+            every = {**layer.execution.get(None, {}), "backward": "whole_batch", "mask_chunk": segment.micro_batch}
+            layer.execution = {**layer.execution, None: every}
+        yield
+    finally:
+        for layer, execution in zip(layers, before):
+            layer.execution = execution
+
+
 class _Entry(Function):
     """A micro-batch's rows as a graph input that holds nothing (its backward never runs:
     the gradient is taken at its edge)."""
@@ -122,7 +141,7 @@ class _StreamFn(Function):
             # nothing of this pass is kept, so no layer saves (packs masks): neither for the input
             # (a view of a tensor that requires grad does, even without autograd) nor for the
             # segment's trainable parameters
-            with _not_requiring_grad(params), _held_weights(segment):
+            with _not_requiring_grad(params), _held_weights(segment):  # no masks: nothing to pack
                 out = by_micro_batch(x.detach(), m, segment.run)
             ctx.save_for_backward(x)
             ctx.segment, ctx.params, ctx.edges = segment, params, None
@@ -131,7 +150,7 @@ class _StreamFn(Function):
         anchor = torch.empty(0, device=x.device, requires_grad=True)
         out = None
         edges = []
-        with torch.enable_grad(), _held_weights(segment):
+        with torch.enable_grad(), _held_weights(segment), _whole_micro_batches(segment):
             for i in range(0, n, m):
                 entry = _Entry.apply(segment.enter(x[i:i + m].detach()), anchor)
                 y = segment.run_blocks(entry)
@@ -155,7 +174,8 @@ class _StreamFn(Function):
             m = ctx.segment.micro_batch
             edges = [(None, None, min(m, x.shape[0] - i)) for i in range(0, x.shape[0], m)]
         stop = ctx.in_shape[0]
-        with _held_weights(ctx.segment):  # converted once for every micro-batch's backward (and forward again)
+        # converted once for every micro-batch's backward (and forward again)
+        with _held_weights(ctx.segment), _whole_micro_batches(ctx.segment):
             for out_edge, in_edge, rows in reversed(edges):
                 start = stop - rows
                 if out_edge is None:
@@ -214,6 +234,21 @@ class StreamedSegment(nn.Module):
         # the step schedule's choice (``edgetl.cost.Tunable``): setting "weights", see ``settings``
         self.execution: dict = {}
 
+    def masked_layers(self) -> list[nn.Module]:
+        """The frozen convs in the segment that keep an activation mask, where a micro-batch
+        of more than one sample can pack it and run its masked backward at once."""
+        if self.micro_batch < 2:
+            return []
+        return [m for b in self._blocks for m in b.modules() if isinstance(m, FrozenConvBNAct) and m.act]
+
+    @property
+    def whole_micro_batch(self) -> bool:
+        """Whether the masked frozen convs inside run each micro-batch at once
+        (``_whole_micro_batches``): a mask packed and a masked backward per conv and
+        micro-batch, where sample by sample took one per sample (the schedule's setting
+        "convs": "whole_micro_batch"; the more memory, the micro-batch's masked copies)."""
+        return self.execution.get(None, {}).get("convs") == "whole_micro_batch"
+
     def holding_layers(self) -> list[nn.Module]:
         """The layers whose converted weights ``hold_weights`` holds (``converts_weight``)."""
         return [m for b in self._blocks for m in b.modules() if getattr(m, "converts_weight", False)]
@@ -227,12 +262,16 @@ class StreamedSegment(nn.Module):
         return self.execution.get(None, {}).get("weights") == "held"
 
     def settings(self, call: CallShape) -> tuple[Setting, ...]:
-        """The execution settings of this call (``edgetl.cost.Tunable``): "weights",
-        converted per micro-batch (the default) or held across them, in the forward and the
-        backward (which runs the forward again where the segment recomputes)."""
-        if not self.holding_layers():
-            return ()
-        return (Setting("weights", ("per_micro_batch", "held"), "both", every_shape=True),)
+        """The execution settings of this call (``edgetl.cost.Tunable``), in the forward and
+        the backward (which runs the forward again where the segment recomputes): "weights",
+        converted per micro-batch (the default) or held across them; "convs", the masked
+        frozen convs inside sample by sample (the default) or a micro-batch at a time."""
+        out = []
+        if self.holding_layers():
+            out.append(Setting("weights", ("per_micro_batch", "held"), "both", every_shape=True))
+        if self.masked_layers() and call.output_requires_grad:
+            out.append(Setting("convs", ("per_sample", "whole_micro_batch"), "both", every_shape=True))
+        return tuple(out)
 
     def configured(self, choice: Execution) -> "StreamedSegment":
         """A shallow copy of this segment (its blocks shared) whose ``execution`` is ``choice``."""
@@ -286,6 +325,7 @@ class StreamedSegment(nn.Module):
         tail = f", then {type(self.tail).__name__}" if self._tail else ""
         again = ", recompute" if self.recompute else ""
         held = ", hold_weights" if self.hold_weights else ""
+        held += ", whole_micro_batch" if self.whole_micro_batch else ""
         return f"features[{self.start}:{self.stop}]{tail}, micro_batch={self.micro_batch}{again}{held}"
 
 
