@@ -71,8 +71,11 @@ FULL = DemoScale()
 
 # The streamed fine-tune's micro-batch: 4 of the batch of 32. At 64 px a sample's blocks are
 # tiny kernels and a step's cost is per micro-batch: streamed by 1 a step took 6.6x the
-# unstreamed one (232 vs 35 ms) for a 3.91 MB peak, by 4 it takes 3.7x (129 ms) for 4.04 MB,
-# the same memory story (a third of the unstreamed 12.71 MB) in about half the stage time.
+# unstreamed one (232 vs 35 ms) for a 3.91 MB peak, by 4 3.7x (129 ms) for 4.04 MB, the same
+# memory story (a third of the unstreamed 12.71 MB) in about half the stage time (AVX-512
+# EPYC). With the masked convs of 9 of its 12 segments run a micro-batch at a time
+# (``StreamedSegment.whole_micro_batch``) it takes 2.8x, 394 vs 139 ms, on a 2-core AVX2 EPYC
+# (4.3x before: benchmarks/demo_steps_64.json).
 STREAM = 4
 
 # finetune variants: name -> (backbone stage, recipe overrides)
@@ -209,7 +212,9 @@ class _Context:
             "data.root": self.data_root, "data.classes": classes, "data.max_samples": samples,
             "data.max_val_samples": scale.val_samples, "data.resolution": scale.resolution,
             "train.epochs": epochs, "train.batch_size": scale.batch_size, "train.checkpoint_every": 50,
-            "train.workers": 0,
+            # one loader process: it decodes and augments the next batch on the core the edgetl
+            # program leaves free (``edgetl.cli.thread_policy``), beside the training step
+            "train.workers": 1,
         }
         values.update(overrides)
         return load_recipe("fashion_mnist", values)
