@@ -31,7 +31,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from edgetl.bench import _Trainer, cpu_name, interleaved_step_times  # noqa: E402
-from edgetl.demo import STREAM, TARGET_CLASSES, SOURCE_CLASSES, DemoScale  # noqa: E402
+from edgetl.demo import SOURCE_CLASSES, STREAM, TARGET_CLASSES, DemoScale  # noqa: E402
 from edgetl.heap import hold_freed_memory  # noqa: E402
 from edgetl.io import atomic_text_json  # noqa: E402
 from edgetl.memory.runtime import runtime_report  # noqa: E402
@@ -45,7 +45,8 @@ ROWS = {
     "pretrain-channels-last": "pretrain / retrain: stock, every weight trained, channels-last (now)",
     "finetune": "fine-tune: lean Rep-Net, unstreamed",
     "streamed-per-sample": f"fine-tune streamed by {STREAM}: masked convs sample by sample (before)",
-    "streamed-whole-micro-batch": f"fine-tune streamed by {STREAM}: a micro-batch at a time where the peak allows (now)",
+    "streamed-whole-micro-batch": (f"fine-tune streamed by {STREAM}: a micro-batch at a time where the peak "
+                                   "allows (now)"),
 }
 
 

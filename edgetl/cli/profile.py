@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import (
     HelpFormatter,
@@ -110,6 +108,7 @@ def describe_schedule(schedule: dict) -> str:
     if streams:
         segs = " ".join(f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams)
         again = [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams if s.get("recompute")]
+
         def chose(setting: str, value: str) -> list[str]:
             return [f"{s['blocks'][0]}:{s['blocks'][1]}" for s in streams
                     if any(e["choices"].get(setting) == value

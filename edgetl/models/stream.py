@@ -231,7 +231,8 @@ class StreamedSegment(nn.Module):
         # tracing on meta needs only the output's shape: the blocks run once on one sample
         # and the output is made batch-sized (``mark_shapes_only``)
         self.shapes_only = False
-        # the step schedule's choice (``edgetl.cost.Tunable``): setting "weights", see ``settings``
+        # the step schedule's choices (``edgetl.cost.Tunable``): settings "weights" and "convs",
+        # see ``settings``
         self.execution: dict = {}
 
     def masked_layers(self) -> list[nn.Module]:
@@ -324,9 +325,9 @@ class StreamedSegment(nn.Module):
     def extra_repr(self) -> str:
         tail = f", then {type(self.tail).__name__}" if self._tail else ""
         again = ", recompute" if self.recompute else ""
-        held = ", hold_weights" if self.hold_weights else ""
-        held += ", whole_micro_batch" if self.whole_micro_batch else ""
-        return f"features[{self.start}:{self.stop}]{tail}, micro_batch={self.micro_batch}{again}{held}"
+        chosen = ", hold_weights" if self.hold_weights else ""
+        chosen += ", whole_micro_batch" if self.whole_micro_batch else ""
+        return f"features[{self.start}:{self.stop}]{tail}, micro_batch={self.micro_batch}{again}{chosen}"
 
 
 @functools.lru_cache(maxsize=None)
