@@ -20,6 +20,7 @@ with nothing else on the machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -58,8 +59,7 @@ def without_whole_micro_batches(schedule: Schedule) -> Schedule:
         kept = {shape: chosen for shape, chosen in kept.items() if chosen}
         if kept:
             settings[name] = kept
-    return Schedule(schedule.batch_size, schedule.resolution, schedule.whole_batch, schedule.sample_by_sample,
-                    schedule.mask_chunks, schedule.streams, schedule.recompute, schedule.whole_weight, settings)
+    return dataclasses.replace(schedule, settings=settings)
 
 
 def trainers(scale: DemoScale) -> tuple[dict[str, _Trainer], dict[str, int], int]:

@@ -51,9 +51,9 @@ def input_dtype(model: nn.Module) -> torch.dtype:
 def input_memory_format(model: nn.Module) -> torch.memory_format:
     """The layout the model takes its images in: channels-last where the network was laid out
     so (``EdgeNet.to_channels_last``: retraining, or a lean runtime's ``LeanOptions.channels_last``),
-    else contiguous. The batch is converted where it is moved
-    to the device (``device_batch``): a network given the other layout converts it inside its
-    first conv, in scratch memory no tensor meter sees."""
+    else contiguous. The batch is converted where it is moved to the device (``device_batch``):
+    a network given the other layout converts it inside its first conv, in scratch memory no
+    tensor meter sees."""
     return getattr(unwrap(model), "input_memory_format", torch.contiguous_format)
 
 
