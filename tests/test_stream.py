@@ -213,6 +213,33 @@ def test_a_big_batch_is_measured_at_two_small_ones_and_still_exact(mode, batch, 
     assert predicted == measure_training_peak(net, resolution=RES, batch_size=batch, steps=2)
 
 
+def test_a_segment_whose_temporaries_settle_after_three_periods_is_extrapolated_exactly(monkeypatch):
+    """bf16 + int8 segments of the last blocks: their forward temporaries differ at 2 and 3
+    samples and agree from 3 on. The cost at a big batch is extrapolated from the first two
+    periods that agree, and equals the segment measured at that batch (every sample run); a
+    segment that has not settled by ``_SETTLE_PERIODS`` is measured whole."""
+    from edgetl.memory import leaf
+
+    checked = []
+
+    def periodic(sig, module, shape, period, args):
+        got = original(sig, module, shape, period, args)
+        whole = leaf.measure(module, sig, shape, *args)[0]
+        assert got == whole, (shape, got, whole)
+        two, three, four = (leaf._cached(sig, module, (k * period, *shape[1:]), *args).forward_temp_bytes
+                            for k in (2, 3, 4))
+        checked.append("at once" if two == three else "at 3" if three == four else "later")
+        return got
+
+    original = leaf._periodic
+    monkeypatch.setattr(leaf, "_periodic", periodic)
+    monkeypatch.setattr(leaf, "_CACHE", {})
+    net = build_network(PRUNED, "repnet", lean=LeanOptions(pool=2, stream=1, precision="bf16", frozen_weights="int8"),
+                        device="meta")
+    prepare_step(net, resolution=RES, batch_size=12)
+    assert {"at once", "at 3"} <= set(checked)  # "later": not settled by 8 samples, measured whole
+
+
 @pytest.mark.parametrize("mode", ["repnet", "bias"])
 @pytest.mark.parametrize("m", [1, 2])
 def test_recomputed_segments_give_the_streamed_results_bit_for_bit(mode, m):

@@ -149,17 +149,30 @@ def _periodic(sig, module: nn.Module, shape: tuple, period: int, args: tuple) ->
     """The cost of a leaf whose work repeats every ``period`` samples (a streamed segment's
     micro-batch), at a batch of q full periods and a last part of r samples, q > 3.
 
-    Every full period allocates and keeps the same, so once q >= 2 the temporaries no longer
-    depend on q and what forward keeps grows by one period's share per period: the cost at q
-    is the cost at 2 and 3 periods extrapolated, checked: where those two disagree on the
-    temporaries, the batch itself is measured."""
+    Every full period allocates and keeps the same, so once the passes' own moments outgrow
+    what happens once (converting held weights, whole-batch buffers) the temporaries no longer
+    depend on the number of periods, and what forward keeps grows by one period's share per
+    period. The cost at q is measured at k and k + 1 periods, k = 2, 3, ... up to
+    ``_SETTLE_PERIODS``, and extrapolated from the first two that agree on the temporaries
+    (the bf16 + int8 streamed segments of MobileNetV2's last blocks settle at 3); where none
+    agree below q, the batch itself is measured."""
     q, r = divmod(shape[0], period)
-    two, three = (_cached(sig, module, (k * period + r, *shape[1:]), *args) for k in (2, 3))
-    if (two.forward_temp_bytes, two.backward_temp_bytes) != (three.forward_temp_bytes, three.backward_temp_bytes):
-        return _cached(sig, module, shape, *args)
-    share = three.saved_new_bytes - two.saved_new_bytes
-    return LayerCost(**{f: getattr(two, f) for f in _FLAGS}, saved_new_bytes=two.saved_new_bytes + (q - 2) * share,
-                     forward_temp_bytes=two.forward_temp_bytes, backward_temp_bytes=two.backward_temp_bytes)
+
+    def at(k: int) -> LayerCost:
+        return _cached(sig, module, (k * period + r, *shape[1:]), *args)
+
+    k, low, high = 2, at(2), at(3)
+    while (low.forward_temp_bytes, low.backward_temp_bytes) != (high.forward_temp_bytes, high.backward_temp_bytes):
+        if k + 2 >= min(q, _SETTLE_PERIODS):
+            return _cached(sig, module, shape, *args)
+        k, low, high = k + 1, high, at(k + 2)
+    share = high.saved_new_bytes - low.saved_new_bytes
+    return LayerCost(**{f: getattr(low, f) for f in _FLAGS}, saved_new_bytes=low.saved_new_bytes + (q - k) * share,
+                     forward_temp_bytes=low.forward_temp_bytes, backward_temp_bytes=low.backward_temp_bytes)
+
+
+# the most periods _periodic measures a leaf at before it measures the batch itself
+_SETTLE_PERIODS = 8
 
 
 _FLAGS = ("saves_input", "saves_output", "inplace", "grad_input")
