@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import edgetl.models.archs as archs
-from edgetl.errors import ConfigError
+from edgetl.errors import ConfigError, ResourceError
 from edgetl.io import atomic_text_json, read_json
 from edgetl.recipe import Recipe, load_recipe
 
@@ -189,8 +190,9 @@ class DemoReport:
 
     def to_dict(self) -> dict[str, dict]:
         """report.json: each stage's fields and its wall time."""
-        return {name: {**dataclasses.asdict(result), "wall_s": self.wall_s[name]}
-                for name, result in self.stages.items()}
+        order = [name for name in STAGE_NAMES if name in self.stages]
+        order += [name for name in self.stages if name not in STAGE_NAMES]
+        return {name: {**dataclasses.asdict(self.stages[name]), "wall_s": self.wall_s[name]} for name in order}
 
 
 @dataclass(frozen=True)
@@ -317,13 +319,20 @@ def _retrain(ctx: _Context, work: Path) -> Trained:
     return Trained(str(work), result.best_acc1)
 
 
-def _finetune(backbone_stage: str, mode: str = "repnet", stream: int = 0):
+@dataclass(frozen=True)
+class _FineTune:
     """A fine-tuning stage on the target task: Rep-Net with the plan's pooling (streamed by
     ``stream`` with the levers that stack on it at no accuracy cost), or full fine-tuning."""
-    def run(ctx: _Context, work: Path) -> FineTuned:
+
+    backbone_stage: str
+    mode: str = "repnet"
+    stream: int = 0
+
+    def __call__(self, ctx: _Context, work: Path) -> FineTuned:
         from edgetl.finetune import finetune
 
-        backbone = ctx.done[backbone_stage].backbone
+        mode, stream = self.mode, self.stream
+        backbone = ctx.done[self.backbone_stage].backbone
         pool = ctx.done["plan"].pool if mode == "repnet" else 1
         overrides = {"model.backbone": backbone, "model.mode": mode, "model.pool": pool, "model.stream": stream}
         if stream:
@@ -334,7 +343,6 @@ def _finetune(backbone_stage: str, mode: str = "repnet", stream: int = 0):
         result = finetune(recipe=recipe, out_dir=work, device=ctx.device, on_step=ctx.on_step)
         return FineTuned(str(work), mode, pool, stream, backbone, bool(stream), bool(stream), result.best_acc1,
                          result.predicted.total_bytes, result.measured_peak_bytes, result.predicted.runtime)
-    return run
 
 
 def _export(ctx: _Context, work: Path) -> Exported:
@@ -349,31 +357,37 @@ def _export(ctx: _Context, work: Path) -> Exported:
 
 @dataclass(frozen=True)
 class Stage:
-    """One row of the demo: its name (and folder), what it does, and the type of its result."""
+    """One row of the demo: its name (and folder), what it does, the type of its result, and
+    the stages whose results it reads (``needs``: the only ones its context holds)."""
 
     name: str
     title: str
     run: Callable[[_Context, Path], Any]
     result: type
+    needs: tuple[str, ...] = ()
 
 
-# The demo's stages in pipeline order; each reads the results of the stages before it.
+# The demo's stages in pipeline order; each reads the results of the stages it needs. Stages
+# whose needs are met run side by side where the demo runs more than one at a time (``jobs``):
+# the pruned backbone's retraining beside the unpruned backbone's fine-tunes.
 STAGES = (
     Stage("pretrain", "pretrain the backbone on the source task (classes 0-4)", _pretrain, Trained),
-    Stage("profile", "profile Rep-Net memory (paper + runtime accounting, measured)", _profile, Profiled),
-    Stage("plan", "plan pruning / pooling for a budget scaled to the model", _plan, Planned),
-    Stage("prune", "prune the planned hidden channels (activation-L2)", _prune, Pruned),
-    Stage("retrain", "retrain the pruned backbone on the source task", _retrain, Trained),
+    Stage("profile", "profile Rep-Net memory (paper + runtime accounting, measured)", _profile, Profiled,
+          ("pretrain",)),
+    Stage("plan", "plan pruning / pooling for a budget scaled to the model", _plan, Planned, ("pretrain", "profile")),
+    Stage("prune", "prune the planned hidden channels (activation-L2)", _prune, Pruned, ("pretrain", "plan")),
+    Stage("retrain", "retrain the pruned backbone on the source task", _retrain, Trained, ("prune",)),
     Stage("ft_pruned", "fine-tune the side network on the target task (classes 5-9), pruned backbone",
-          _finetune("retrain"), FineTuned),
-    Stage("ft_repnet", "fine-tune the side network, unpruned backbone (comparison)", _finetune("pretrain"),
-          FineTuned),
+          _FineTune("retrain"), FineTuned, ("retrain", "plan")),
+    Stage("ft_repnet", "fine-tune the side network, unpruned backbone (comparison)", _FineTune("pretrain"),
+          FineTuned, ("pretrain", "plan")),
     Stage("ft_streamed", f"the same, its frozen backbone streamed in micro-batches of {STREAM} (comparison)",
-          _finetune("pretrain", stream=STREAM), FineTuned),
-    Stage("ft_full", "full fine-tune of the unpruned backbone (comparison)", _finetune("pretrain", mode="full"),
-          FineTuned),
-    Stage("export", "export ONNX and check it against PyTorch", _export, Exported),
+          _FineTune("pretrain", stream=STREAM), FineTuned, ("pretrain", "plan")),
+    Stage("ft_full", "full fine-tune of the unpruned backbone (comparison)", _FineTune("pretrain", mode="full"),
+          FineTuned, ("pretrain",)),
+    Stage("export", "export ONNX and check it against PyTorch", _export, Exported, ("ft_pruned",)),
 )
+STAGE_NAMES = tuple(stage.name for stage in STAGES)
 
 
 def _claim_folder(out_dir: Path):
@@ -422,6 +436,15 @@ def _read_mark(mark: Path, result: type):
         return None
 
 
+def default_jobs(device: str) -> int:
+    """Stages run at once by default: two on a CPU with two or more cores (each stage's step
+    runs on one thread there, ``edgetl.cli.thread_policy``, so a second stage takes the core
+    the first leaves), else one (a GPU's stages take turns on it)."""
+    from edgetl.bench import cpu_cores
+
+    return min(2, cpu_cores()) if str(device) == "cpu" else 1
+
+
 def run_demo(
     *,
     out_dir: str | Path,
@@ -429,6 +452,7 @@ def run_demo(
     data: str | Path | None = None,
     device: str = "cpu",
     arch: str = DEFAULT_ARCH,
+    jobs: int | None = None,
     on_stage: Callable[[str, str, dict], None] | None = None,
     on_step: Callable[[dict], None] | None = None,
 ) -> DemoReport:
@@ -442,44 +466,191 @@ def run_demo(
         device: where to train.
         arch: the backbone, a registered architecture (``edgetl.models.archs``), pretrained
             from random init on the source task.
+        jobs: stages run at once (default ``default_jobs(device)``). A stage that runs beside
+            another runs in a process of its own, its torch threads this process's shared out;
+            a stage alone runs here. Results do not depend on it.
         on_stage: called with (stage, "start" | "done" | "reused", its report.json entry).
-        on_step: progress callback of the training loop (all training stages).
+        on_step: progress callback of the training loop (all training stages); its dict's
+            "stage" names the stage.
     """
     from edgetl.data import find_fashion_mnist
 
     out_dir = Path(out_dir)
     archs.get(arch)  # an unknown name: one line naming the registered ones
+    jobs = default_jobs(device) if jobs is None else jobs
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs {jobs!r} is not allowed; give a whole number of stages to run at once, 1 or more")
     root = str(find_fashion_mnist(data))
     manifest = _claim_folder(out_dir)
     _check_arch(out_dir, arch)
     on_stage = on_stage or (lambda *a: None)
     report = DemoReport(out_dir, arch=arch)
-    ctx = _Context(QUICK if quick else FULL, device, root, on_step, report.stages, arch)
-    for stage in STAGES:
-        _run_stage(stage, ctx, manifest, report, on_stage)
+    ctx = _Context(QUICK if quick else FULL, device, root, on_step, {}, arch)
+    _run_side_by_side(STAGES, ctx, manifest, report, on_stage, jobs)
     atomic_text_json(out_dir / "report.json", report.to_dict())
     return report
 
 
-def _run_stage(stage: Stage, ctx: _Context, manifest, report: DemoReport,
-               on_stage: Callable[[str, str, dict], None]) -> None:
-    """Run ``stage`` into ``report`` (its result and wall time), or reuse its mark."""
-    out_dir = report.out_dir
-    mark = out_dir / "stages" / f"{stage.name}.json"
-    done = _read_mark(mark, stage.result)
-    if done is not None:
-        report.stages[stage.name], report.wall_s[stage.name] = done
-        on_stage(stage.name, "reused", report.to_dict()[stage.name])
-        return
-    work = out_dir / stage.name
-    manifest.claim([stage.name])  # refuses a folder of the user's by that name
-    if work.exists():  # a stage of this demo killed part-way: start it again
+def _stage_context(ctx: _Context, stage: Stage, report: DemoReport, on_step) -> _Context:
+    """``ctx`` for ``stage``: the results of the stages it needs, nothing else."""
+    return dataclasses.replace(ctx, done={name: report.stages[name] for name in stage.needs}, on_step=on_step)
+
+
+def _claim_work(stage: Stage, manifest, report: DemoReport) -> Path:
+    """The stage's folder, claimed for edgetl (a folder of the user's by that name is refused);
+    a folder of this demo's left by a stage killed part-way is removed, to start again."""
+    work = report.out_dir / stage.name
+    manifest.claim([stage.name])
+    if work.exists():
         shutil.rmtree(work)
-    on_stage(stage.name, "start", {})
-    start = time.perf_counter()
-    report.stages[stage.name] = stage.run(ctx, work)
-    report.wall_s[stage.name] = round(time.perf_counter() - start, 1)
+    return work
+
+
+def _record(stage: Stage, result, wall_s: float, report: DemoReport, on_stage) -> None:
+    report.stages[stage.name], report.wall_s[stage.name] = result, wall_s
     info = report.to_dict()[stage.name]
-    atomic_text_json(mark, info)
+    atomic_text_json(report.out_dir / "stages" / f"{stage.name}.json", info)
     on_stage(stage.name, "done", info)
 
+
+def _reuse(stage: Stage, report: DemoReport, on_stage) -> bool:
+    """Read a finished stage back from its mark; False where there is none to read."""
+    done = _read_mark(report.out_dir / "stages" / f"{stage.name}.json", stage.result)
+    if done is None:
+        return False
+    report.stages[stage.name], report.wall_s[stage.name] = done
+    on_stage(stage.name, "reused", report.to_dict()[stage.name])
+    return True
+
+
+def _run_stage(stage: Stage, ctx: _Context | None, manifest, report: DemoReport,
+               on_stage: Callable[[str, str, dict], None]) -> None:
+    """Run ``stage`` here into ``report`` (its result and wall time), or reuse its mark."""
+    if _reuse(stage, report, on_stage):
+        return
+    work = _claim_work(stage, manifest, report)
+    on_stage(stage.name, "start", {})
+    start = time.perf_counter()
+    on_step = None if ctx is None or ctx.on_step is None else _Progress(stage.name, ctx.on_step)
+    result = stage.run(None if ctx is None else _stage_context(ctx, stage, report, on_step), work)
+    _record(stage, result, round(time.perf_counter() - start, 1), report, on_stage)
+
+
+@dataclass(frozen=True)
+class _Progress:
+    """A stage's progress callback: the training loop's dict with the stage's name added,
+    handed to ``forward`` (the caller's callback, or a queue's ``put`` in a stage's process)."""
+
+    stage: str
+    forward: Callable
+
+    def __call__(self, info: dict) -> None:
+        self.forward({**info, "stage": self.stage})
+
+
+def _run_side_by_side(stages, ctx: _Context, manifest, report: DemoReport, on_stage, jobs: int) -> None:
+    """Every stage of ``stages``, up to ``jobs`` at once, each as soon as the stages it needs
+    are done (in table order among those ready). A stage that is the only one that can run
+    (every stage, with one job) runs here; the others each in a spawned process of their own (a stage pickles: module-level
+    functions), with this process's threads shared out and its heap policy, which sends its
+    progress and result back on a queue. A stage that fails stops the demo: the stages beside
+    it are ended (each starts again on the next run) and its error is raised here."""
+    import multiprocessing
+
+    import torch
+
+    from edgetl.heap import DEFAULT, heap_policy
+
+    spawn = multiprocessing.get_context("spawn")
+    events = spawn.Queue()
+    threads = max(1, torch.get_num_threads() // jobs)
+    level = logging.getLogger("edgetl").getEffectiveLevel()
+    hold = not heap_policy().startswith(DEFAULT)
+    waiting, running = list(stages), {}
+    try:
+        while waiting or running:
+            ready = [s for s in waiting if all(n in report.stages for n in s.needs)]
+            if not ready and not running:
+                raise RuntimeError(f"demo stages {[s.name for s in waiting]} need stages that never run")
+            reused = [s for s in ready if _reuse(s, report, on_stage)]
+            if reused:
+                waiting = [s for s in waiting if s not in reused]
+                continue
+            if ready and not running and (len(ready) == 1 or jobs == 1):
+                waiting.remove(ready[0])
+                _run_stage(ready[0], ctx, manifest, report, on_stage)
+                continue
+            for stage in ready[:jobs - len(running)]:
+                waiting.remove(stage)
+                work = _claim_work(stage, manifest, report)
+                on_stage(stage.name, "start", {})
+                child = _stage_context(ctx, stage, report, None)
+                process = spawn.Process(target=_stage_process, name=f"edgetl demo {stage.name}",
+                                        args=(stage, child, work, events, threads, level, hold,
+                                              ctx.on_step is not None))
+                process.start()
+                running[stage.name] = stage, process
+            _wait_for_a_stage(events, running, report, on_stage, ctx.on_step)
+    finally:
+        for _, process in running.values():  # a failure, or an interrupt: end the stages beside it
+            process.terminate()
+        for _, process in running.values():
+            process.join()
+
+
+def _wait_for_a_stage(events, running: dict, report: DemoReport, on_stage, on_step) -> None:
+    """Pass progress on until a running stage ends; record its result, or raise its error."""
+    import queue
+
+    while True:
+        try:
+            kind, name, payload = events.get(timeout=1.0)
+        except queue.Empty:
+            ended = [name for name, (_, process) in running.items() if process.exitcode is not None]
+            if not ended:
+                continue
+            try:  # what it sent just before it ended may still be on its way
+                kind, name, payload = events.get(timeout=5.0)
+            except queue.Empty:  # killed (out of memory, a signal) before it could say
+                name = ended[0]
+                code = running.pop(name)[1].exitcode
+                raise ResourceError(f"demo stage {name} ended with exit code {code} before it finished; "
+                                    f"run the demo again to start it again") from None
+        if kind == "step":
+            if on_step is not None:
+                on_step(payload)
+            continue
+        stage, process = running.pop(name)
+        process.join()
+        if kind == "error":
+            raise payload
+        result, wall_s = payload
+        _record(stage, result, wall_s, report, on_stage)
+        return
+
+
+def _stage_process(stage: Stage, ctx: _Context, work: Path, events, threads: int, level: int, hold: bool,
+                   progress: bool) -> None:
+    """A stage's own process: the stage run with ``threads`` torch threads (freed memory held
+    where ``hold``, ``edgetl.heap``), its progress, result and wall time, or its error, sent
+    back on ``events``."""
+    import torch
+
+    from edgetl.heap import hold_freed_memory
+
+    torch.set_num_threads(threads)
+    if hold:
+        hold_freed_memory()
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    name = stage.name
+    on_step = _Progress(name, lambda info: events.put(("step", name, info))) if progress else None
+    try:
+        start = time.perf_counter()
+        result = stage.run(dataclasses.replace(ctx, on_step=on_step), work)
+        events.put(("done", name, (result, round(time.perf_counter() - start, 1))))
+    except BaseException as exc:  # sent whole where it pickles, else as a line naming the stage
+        try:
+            pickle.loads(pickle.dumps(exc))
+        except Exception:
+            exc = RuntimeError(f"demo stage {name} failed: {type(exc).__name__}: {exc}")
+        events.put(("error", name, exc))

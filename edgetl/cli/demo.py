@@ -6,7 +6,7 @@ from pathlib import Path
 
 import edgetl.models.archs as archs
 from edgetl.cli import COMMANDS
-from edgetl.cli._common import HelpFormatter, fmt_mb, given_path, print_table, torch_device
+from edgetl.cli._common import HelpFormatter, fmt_mb, given_path, positive_int, print_table, torch_device
 
 
 def add_parser(sub) -> None:
@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--data", metavar="PATH", help="Fashion-MNIST folder (default: the Debian package's)")
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
     p.add_argument("-o", "--out", type=given_path, default=Path("runs/demo"), metavar="DIR", help="demo folder")
+    p.add_argument("--jobs", type=positive_int, metavar="N",
+                   help="stages run at once, each beside the others in a process of its own (default: 2 on a "
+                        "CPU with 2 or more cores, else 1; the figures do not depend on it)")
     p.set_defaults(run=run)
 
 
@@ -37,35 +40,35 @@ def run(args) -> int:
     from edgetl.demo import STAGES, run_demo
 
     titles = {stage.name: stage.title for stage in STAGES}
-
-    bar = None
+    bars: dict[str, tqdm] = {}  # a progress bar per training stage running, one line each
 
     def on_stage(name, event, info):
-        nonlocal bar
-        if bar is not None:
-            bar.close()
-            bar = None
-        title = titles[name]
+        if name in bars:
+            bars.pop(name).close()
         if event == "start":
-            print(f"== {name}: {title}", flush=True)
+            tqdm.write(f"== {name}: {titles[name]}")
         elif event == "reused":
-            print(f"== {name}: reused from {args.out / 'stages' / (name + '.json')}")
+            tqdm.write(f"== {name}: reused from {args.out / 'stages' / (name + '.json')}")
         else:
-            print(f"   done in {info['wall_s']:.0f} s")
+            tqdm.write(f"   {name} done in {info['wall_s']:.0f} s")
 
     def on_step(info):
-        nonlocal bar
+        bar = bars.get(info["stage"])
         if bar is None:
-            bar = tqdm(total=info["steps"] * info["epochs"], initial=info["global_step"] - 1,
-                       unit="step", dynamic_ncols=True, leave=False)
-        bar.set_description(f"epoch {info['epoch'] + 1}/{info['epochs']}")
+            slots = {b.pos for b in bars.values()}
+            bar = bars[info["stage"]] = tqdm(
+                total=info["steps"] * info["epochs"], initial=info["global_step"] - 1, unit="step",
+                dynamic_ncols=True, leave=False, position=min(set(range(len(bars) + 1)) - slots))
+        bar.set_description(f"{info['stage']} epoch {info['epoch'] + 1}/{info['epochs']}")
         bar.set_postfix_str(f"loss {info['loss']:.3f}")
         bar.update(1)
 
-    report = run_demo(out_dir=args.out, quick=args.quick, data=args.data, device=args.device,
-                      arch=args.backbone, on_stage=on_stage, on_step=on_step)
-    if bar is not None:
-        bar.close()
+    try:
+        report = run_demo(out_dir=args.out, quick=args.quick, data=args.data, device=args.device,
+                          arch=args.backbone, jobs=args.jobs, on_stage=on_stage, on_step=on_step)
+    finally:
+        for bar in bars.values():
+            bar.close()
     print_report(report)
     return 0
 

@@ -1,0 +1,97 @@
+"""The demo's stages side by side (``edgetl.demo._run_side_by_side``), with stage functions of
+this module run in real spawned processes: each stage starts once the stages it needs are done,
+sees only their results, independent stages overlap in time, a failure ends the stages beside
+it, and a rerun reads every stage back."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from edgetl.demo import QUICK, DemoReport, Stage, _claim_folder, _Context, _run_side_by_side
+from edgetl.errors import DataError
+
+
+@dataclass(frozen=True)
+class Ran:
+    work: str
+    seen: list[str]  # (a list: a stage's mark is JSON)
+    start: float
+    end: float
+    pid: int
+
+
+def _sleep(ctx, work, seconds: float = 2.0) -> Ran:
+    start = time.time()
+    work.mkdir()
+    (work / "half.json").write_text("{")
+    time.sleep(seconds)
+    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid())
+
+
+def _sleep_long(ctx, work) -> Ran:
+    return _sleep(ctx, work, 60.0)
+
+
+def _fail(ctx, work) -> Ran:
+    time.sleep(0.5)
+    raise DataError("an image of the stage's data could not be read")
+
+
+def _ctx(tmp_path) -> _Context:
+    return _Context(QUICK, "cpu", str(tmp_path), None, {}, "mobilenet_v2")
+
+
+def _run(stages, out, jobs=2):
+    events = []
+    report = DemoReport(out)
+    _run_side_by_side(stages, _ctx(out), _claim_folder(out), report, lambda *e: events.append(e[:2]), jobs)
+    return report, events
+
+
+DIAMOND = (Stage("pretrain", "a", _sleep, Ran), Stage("profile", "b", _sleep, Ran, ("pretrain",)),
+           Stage("plan", "c", _sleep, Ran, ("pretrain",)), Stage("prune", "d", _sleep, Ran, ("plan", "profile")))
+
+
+def test_stages_run_side_by_side_once_their_needs_are_done_and_see_only_those(tmp_path):
+    out = tmp_path / "demo"
+    report, events = _run(DIAMOND, out)
+    a, b, c, d = (report.stages[n] for n in ("pretrain", "profile", "plan", "prune"))
+    assert [a.seen, b.seen, c.seen, d.seen] == [[], ["pretrain"], ["pretrain"], ["plan", "profile"]]
+    assert a.pid == d.pid == os.getpid()  # alone: run here
+    assert len({b.pid, c.pid, os.getpid()}) == 3  # beside each other: a process each
+    assert b.start < c.end and c.start < b.end  # side by side
+    assert a.end <= min(b.start, c.start) and max(b.end, c.end) <= d.start
+    assert list(report.to_dict()) == ["pretrain", "profile", "plan", "prune"]  # table order, whatever finished first
+    assert {e for e in events if e[1] == "done"} == {(n, "done") for n in report.stages}
+    # the wall time is the stage's own, measured where it ran
+    assert all(abs(report.wall_s[n] - (s.end - s.start)) < 0.5 for n, s in report.stages.items())
+
+    again, events = _run(DIAMOND, out)
+    assert events == [(n, "reused") for n in ("pretrain", "profile", "plan", "prune")]
+    assert again.stages == report.stages and again.wall_s == report.wall_s
+
+
+def test_one_job_runs_every_stage_here_in_table_order(tmp_path):
+    report, events = _run(DIAMOND, tmp_path / "demo", jobs=1)
+    assert {s.pid for s in report.stages.values()} == {os.getpid()}
+    starts = [n for n, e in events if e == "start"]
+    assert starts == ["pretrain", "profile", "plan", "prune"]
+
+
+def test_a_failing_stage_ends_the_stage_beside_it_and_raises_its_error_here(tmp_path):
+    out = tmp_path / "demo"
+    stages = (Stage("pretrain", "a", _sleep, Ran), Stage("profile", "b", _sleep_long, Ran, ("pretrain",)),
+              Stage("plan", "c", _fail, Ran, ("pretrain",)))
+    start = time.time()
+    with pytest.raises(DataError, match="^an image of the stage's data could not be read$"):
+        _run(stages, out)
+    assert time.time() - start < 30  # the 60-s stage beside it was ended, not waited for
+    assert not (out / "stages" / "profile.json").exists() and (out / "profile" / "half.json").exists()
+    # the next run reuses what finished and starts the ended stage again in a clean folder
+    report, events = _run((stages[0], Stage("profile", "b", _sleep, Ran, ("pretrain",)), DIAMOND[2]), out)
+    assert events[0] == ("pretrain", "reused") and ("profile", "done") in events
+    assert sorted(os.listdir(out / "profile")) == ["half.json"] and report.stages["profile"].seen == ["pretrain"]
