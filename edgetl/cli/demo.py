@@ -42,10 +42,12 @@ def run(args) -> int:
 
     titles = {stage.name: stage.title for stage in STAGES}
     bars: dict[str, tqdm] = {}  # a progress bar per training stage running, one line each
+    lines: dict[str, int] = {}  # the line each bar holds (tqdm keeps its own as -position)
 
     def on_stage(name, event, info):
         if name in bars:
             bars.pop(name).close()
+            del lines[name]
         if event == "start":
             tqdm.write(f"== {name}: {titles[name]}")
         elif event == "reused":
@@ -56,10 +58,10 @@ def run(args) -> int:
     def on_step(info):
         bar = bars.get(info["stage"])
         if bar is None:
-            slots = {b.pos for b in bars.values()}
+            line = lines[info["stage"]] = min(set(range(len(bars) + 1)) - set(lines.values()))
             bar = bars[info["stage"]] = tqdm(
                 total=info["steps"] * info["epochs"], initial=info["global_step"] - 1, unit="step",
-                dynamic_ncols=True, leave=False, position=min(set(range(len(bars) + 1)) - slots))
+                dynamic_ncols=True, leave=False, position=line)
         bar.set_description(f"{info['stage']} epoch {info['epoch'] + 1}/{info['epochs']}")
         bar.set_postfix_str(f"loss {info['loss']:.3f}")
         bar.update(1)
