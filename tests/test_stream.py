@@ -240,6 +240,48 @@ def test_a_segment_whose_temporaries_settle_after_three_periods_is_extrapolated_
     assert {"at once", "at 3"} <= set(checked)  # "later": not settled by 8 samples, measured whole
 
 
+def test_a_segment_whose_temporaries_decline_is_measured_whole_once_per_layout(monkeypatch):
+    """bf16 + int8 segments whose forward temporaries fall in a straight line past 8 samples (an
+    early moment of fixed size, then the last pass's): a batch measured whole tells the floor
+    (above the line) or bounds it (on the line), and later batches of the layout are
+    extrapolated from that. Every cost equals the segment measured at its batch (every sample
+    run), in an order that takes each way: measured, bounded by a bigger batch, above a floor
+    on the line, on the floor."""
+    from edgetl.memory import leaf
+
+    declining = []
+
+    def spy(sig, module, shape, period, args, costs):
+        declining.append((sig, module, shape[1:], period, args))
+        return original(sig, module, shape, period, args, costs)
+
+    original = leaf._declining
+    monkeypatch.setattr(leaf, "_declining", spy)
+    monkeypatch.setattr(leaf, "_CACHE", {})
+    monkeypatch.setattr(leaf, "_WHOLE", {})
+    net = build_network(PRUNED, "repnet", lean=LeanOptions(pool=2, stream=1, precision="bf16", frozen_weights="int8"),
+                        device="meta")
+    prepare_step(net, resolution=RES, batch_size=12)
+    layouts = {(sig.key, inner, period, args): (sig, module, inner, period, args)
+               for sig, module, inner, period, args in declining}
+    assert layouts  # the pruned network has declining segments at 64 px
+    ways = set()
+    for sig, module, inner, period, args in layouts.values():
+        layout = (sig.key, inner, period, 0, *args)
+        for n in (60, 30, 200, 100, 240):
+            shape = (n * period, *inner)
+            before = list(leaf._WHOLE.get(layout, ()))
+            got = leaf._periodic(sig, module, shape, period, args)
+            whole = leaf.measure(module, sig, shape, *args)[0]
+            assert got == whole, (inner, n, got, whole)
+            line = leaf._cached(sig, module, (2 * period, *inner), *args).forward_temp_bytes - (n - 2) * (
+                leaf._cached(sig, module, (2 * period, *inner), *args).forward_temp_bytes
+                - leaf._cached(sig, module, (3 * period, *inner), *args).forward_temp_bytes)
+            measured = leaf._WHOLE.get(layout, []) != before
+            ways.add("measured" if measured else "on the line" if got.forward_temp_bytes == line else "on the floor")
+    assert ways == {"measured", "on the line", "on the floor"}
+
+
 @pytest.mark.parametrize("mode", ["repnet", "bias"])
 @pytest.mark.parametrize("m", [1, 2])
 def test_recomputed_segments_give_the_streamed_results_bit_for_bit(mode, m):

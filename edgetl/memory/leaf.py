@@ -155,20 +155,68 @@ def _periodic(sig, module: nn.Module, shape: tuple, period: int, args: tuple) ->
     period. The cost at q is measured at k and k + 1 periods, k = 2, 3, ... up to
     ``_SETTLE_PERIODS``, and extrapolated from the first two that agree on the temporaries
     (the bf16 + int8 streamed segments of MobileNetV2's last blocks settle at 3); where none
-    agree below q, the batch itself is measured."""
+    agree below q, the cost is ``_declining``'s."""
     q, r = divmod(shape[0], period)
 
     def at(k: int) -> LayerCost:
         return _cached(sig, module, (k * period + r, *shape[1:]), *args)
 
-    k, low, high = 2, at(2), at(3)
-    while (low.forward_temp_bytes, low.backward_temp_bytes) != (high.forward_temp_bytes, high.backward_temp_bytes):
-        if k + 2 >= min(q, _SETTLE_PERIODS):
-            return _cached(sig, module, shape, *args)
-        k, low, high = k + 1, high, at(k + 2)
+    costs = [at(2), at(3)]  # costs[i]: at i + 2 periods
+    while _temps(costs[-2]) != _temps(costs[-1]):
+        if len(costs) + 2 >= min(q, _SETTLE_PERIODS):
+            return _declining(sig, module, shape, period, args, costs)
+        costs.append(at(len(costs) + 2))
+    k, low, high = len(costs), costs[-2], costs[-1]
     share = high.saved_new_bytes - low.saved_new_bytes
     return LayerCost(**{f: getattr(low, f) for f in _FLAGS}, saved_new_bytes=low.saved_new_bytes + (q - k) * share,
                      forward_temp_bytes=low.forward_temp_bytes, backward_temp_bytes=low.backward_temp_bytes)
+
+
+def _temps(cost: LayerCost) -> tuple[int, int]:
+    return cost.forward_temp_bytes, cost.backward_temp_bytes
+
+
+def _declining(sig, module: nn.Module, shape: tuple, period: int, args: tuple, costs: list[LayerCost]) -> LayerCost:
+    """The cost at ``shape`` of a periodic leaf that did not settle in ``costs`` (at 2, 3, ...
+    periods): measured whole, unless its forward temporaries decline in a straight line.
+
+    Some segments' forward peak is an early moment of fixed size (the first pass, with what
+    happens once), while what is alive after the call grows by a period's output and share
+    per period: the temporaries then fall by that much per period, for 40 to 150 samples in
+    MobileNetV2's bf16 + int8 segments at 64 px, until the last pass's own moment, whose
+    size above what is alive after it does not depend on the batch, takes over. At q periods
+    they are max(line(q), floor), backward's are constant, and forward keeps a share per
+    period. The line is measured; the floor is read off a whole measurement at one batch of
+    the same layout (``_WHOLE``): a batch above the line gives the floor, a batch on it
+    bounds it (below the line at every smaller batch). Where no whole measurement says, the
+    batch is measured whole, and what it shows kept for the next."""
+    q, r = divmod(shape[0], period)
+    drops = {a.forward_temp_bytes - b.forward_temp_bytes for a, b in zip(costs, costs[1:])}
+    shares = {b.saved_new_bytes - a.saved_new_bytes for a, b in zip(costs, costs[1:])}
+    first = costs[0]
+    straight = (len(costs) >= 3 and len(drops) == 1 and min(drops) > 0 and len(shares) == 1
+                and len({c.backward_temp_bytes for c in costs}) == 1
+                and len({tuple(getattr(c, f) for f in _FLAGS) for c in costs}) == 1)
+    if not straight:
+        return _cached(sig, module, shape, *args)
+    (drop,), (share,) = drops, shares
+
+    def line(n: int) -> int:
+        return first.forward_temp_bytes - (n - 2) * drop
+
+    expected = dict(**{f: getattr(first, f) for f in _FLAGS}, saved_new_bytes=first.saved_new_bytes + (q - 2) * share,
+                    backward_temp_bytes=first.backward_temp_bytes)
+    layout = (sig.key, shape[1:], period, r, *args)
+    for n, forward in _WHOLE.get(layout, ()):
+        if forward > line(n):  # past the line: the floor itself
+            return LayerCost(**expected, forward_temp_bytes=max(line(q), forward))
+        if n >= q:  # on the line at a batch at least this big: the floor is below the line here too
+            return LayerCost(**expected, forward_temp_bytes=line(q))
+    cost = _cached(sig, module, shape, *args)
+    if (cost.forward_temp_bytes >= line(q)
+            and all(getattr(cost, f) == v for f, v in expected.items())):  # it declines as the line says
+        _WHOLE.setdefault(layout, []).append((q, cost.forward_temp_bytes))
+    return cost
 
 
 # the most periods _periodic measures a leaf at before it measures the batch itself
@@ -182,6 +230,9 @@ _CACHE: dict[tuple, LayerCost] = {}
 # (key, input shape but the batch, dtype, flags) of the leaves whose cut loops were checked:
 # the passes of their loops are alike (3 passes measured as 2), whatever the batch
 _ALIKE: set[tuple] = set()
+# (key, input shape but the batch, period, last part, dtype, flags) of periodic leaves whose
+# temporaries decline (``_declining``) -> (periods, forward temporaries) of each batch measured whole
+_WHOLE: dict[tuple, list[tuple[int, int]]] = {}
 
 
 def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad, channels_last) -> LayerCost:
@@ -193,6 +244,7 @@ def _cached(sig, module, in_shape, in_dtype, input_grad, output_grad, channels_l
         if len(_CACHE) > 4096:
             _CACHE.clear()
             _ALIKE.clear()
+            _WHOLE.clear()
         args = (module, sig, in_shape, in_dtype, input_grad, output_grad, channels_last)
         cost, cut = measure(*args, passes=2)
         layout = (key, in_shape[1:], in_dtype, input_grad, output_grad, channels_last)
