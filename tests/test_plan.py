@@ -78,6 +78,24 @@ def test_plan_at_64px_prunes_at_k2_not_an_idle_k4(sweep):
     assert chosen.fused and chosen.step_in_backward  # pruning comes past every other lever
 
 
+def test_plans_in_one_process_share_evaluations_and_plan_as_alone(sweep, monkeypatch):
+    """The sweep's plans share the runtime accounting (and CUDA-graph replays) of the
+    configurations earlier plans evaluated; a plan made with none shared is the same plan,
+    field for field but its search time."""
+    from edgetl.plan import graphs, path
+
+    budget = int(4.45 * MB)
+    shared = dict(sweep[8])[budget]
+    assert path._SHARED  # the sweep's evaluations
+    monkeypatch.setattr(path, "_SHARED", {})
+    monkeypatch.setattr(graphs, "_REPLAYED", {})
+    alone = _try(budget, 8)
+    assert path._SHARED  # it filled the emptied store
+    first, second = shared.to_dict(), alone.to_dict()
+    first["search"].pop("seconds"), second["search"].pop("seconds")
+    assert first == second
+
+
 def test_ratio_for_keeps_exactly_the_planned_channels():
     for channels in (16, 32, 96, 144, 960):
         for kept in range(1, channels + 1):

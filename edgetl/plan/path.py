@@ -18,14 +18,29 @@ from edgetl.plan.ladder import _network_key, plan_step
 log = logging.getLogger(__name__)
 
 
+# runtime_report of a configuration by (backbone, resolution, mode, configuration): it reads
+# the meta network's shapes and trainability alone, so plans in one process (budgets swept, the
+# bench's plan row) share what an earlier plan evaluated; kept for the last _SHARED_MAX
+_SHARED: dict[tuple, object] = {}
+_SHARED_MAX = 512
+
+
+def spec_key(spec: BackboneSpec) -> tuple:
+    """What a meta network of ``spec`` is built from (BackboneSpec is mutable, so unhashable)."""
+    return spec.arch, spec.width, spec.num_classes, tuple(sorted(spec.hidden.items())), spec.dropout
+
+
 class _Evaluator:
-    """runtime_report of a configuration, cached per configuration (meta networks)."""
+    """runtime_report of a configuration, cached per configuration (meta networks); ``count``:
+    the configurations this search evaluated (an earlier plan's evaluation in ``_SHARED``
+    serves as this one's)."""
 
     def __init__(self, base: BackboneSpec, resolution: int, mode: str = MODE):
         self.base, self.resolution, self.mode = base, resolution, mode
         self.reports: dict[tuple, object] = {}
         self.nets: dict[tuple, object] = {}
         self.count = 0
+        self.shared_key = (spec_key(base), resolution, mode)
 
     def report(self, kept: dict[int, int], storage: Storage, batch: int):
         from edgetl.memory.schedule import predict_step
@@ -34,6 +49,9 @@ class _Evaluator:
         if storage.stream >= batch:  # streams nothing (so no uint8 batch): as ``plan``'s config runs it
             storage = dataclasses.replace(storage, stream=0, recompute=False)
         key = (tuple(sorted(kept.items())), storage, batch)
+        if key not in self.reports and (self.shared_key, key) in _SHARED:
+            self.reports[key] = _SHARED[self.shared_key, key]
+            self.count += 1
         if key not in self.reports:
             # predict_step fits and applies the schedule of this step each time: a network
             # serves every step
@@ -45,6 +63,9 @@ class _Evaluator:
             self.reports[key] = predict_step(net, mode=self.mode, resolution=self.resolution, batch_size=batch,
                                              step=plan_step(storage))
             self.count += 1
+            if len(_SHARED) >= _SHARED_MAX:
+                _SHARED.pop(next(iter(_SHARED)))
+            _SHARED[self.shared_key, key] = self.reports[key]
             log.debug("evaluated %s %s batch %d: %d bytes", kept, storage, batch,
                       self.reports[key].total_bytes)
         return self.reports[key]
