@@ -33,6 +33,7 @@ import logging
 import pickle
 import shutil
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -542,10 +543,11 @@ class _Progress:
 def _run_side_by_side(stages, ctx: _Context, manifest, report: DemoReport, on_stage, jobs: int) -> None:
     """Every stage of ``stages``, up to ``jobs`` at once, each as soon as the stages it needs
     are done (in table order among those ready). A stage that is the only one that can run
-    (every stage, with one job) runs here; the others each in a spawned process of their own (a stage pickles: module-level
-    functions), with this process's threads shared out and its heap policy, which sends its
-    progress and result back on a queue. A stage that fails stops the demo: the stages beside
-    it are ended (each starts again on the next run) and its error is raised here."""
+    (every stage, with one job) runs here; the others each in a spawned process of their own
+    (a stage pickles: module-level functions), with this process's threads shared out and its
+    heap policy, which sends its progress and result back on a queue. A stage that fails stops
+    the demo: the stages beside it are ended (each starts again on the next run) and its error
+    is raised here, from its traceback there."""
     import multiprocessing
 
     import torch
@@ -553,7 +555,7 @@ def _run_side_by_side(stages, ctx: _Context, manifest, report: DemoReport, on_st
     from edgetl.heap import DEFAULT, heap_policy
 
     spawn = multiprocessing.get_context("spawn")
-    events = spawn.Queue()
+    events = spawn.Queue() if jobs > 1 else None  # (a queue starts multiprocessing's resource tracker)
     threads = max(1, torch.get_num_threads() // jobs)
     level = logging.getLogger("edgetl").getEffectiveLevel()
     hold = not heap_policy().startswith(DEFAULT)
@@ -590,34 +592,51 @@ def _run_side_by_side(stages, ctx: _Context, manifest, report: DemoReport, on_st
 
 
 def _wait_for_a_stage(events, running: dict, report: DemoReport, on_stage, on_step) -> None:
-    """Pass progress on until a running stage ends; record its result, or raise its error."""
+    """Pass progress on until a running stage ends; record its result, or raise its error. A
+    stage's process that ended without saying so (killed: out of memory, a signal) is seen
+    within seconds, while the stage beside it still sends progress."""
     import queue
 
+    said_by = None  # when a process seen ended must have said why (what it sent may be on its way)
     while True:
         try:
             kind, name, payload = events.get(timeout=1.0)
         except queue.Empty:
-            ended = [name for name, (_, process) in running.items() if process.exitcode is not None]
-            if not ended:
-                continue
-            try:  # what it sent just before it ended may still be on its way
-                kind, name, payload = events.get(timeout=5.0)
-            except queue.Empty:  # killed (out of memory, a signal) before it could say
-                name = ended[0]
-                code = running.pop(name)[1].exitcode
-                raise ResourceError(f"demo stage {name} ended with exit code {code} before it finished; "
-                                    f"run the demo again to start it again") from None
+            kind = None
         if kind == "step":
             if on_step is not None:
                 on_step(payload)
-            continue
-        stage, process = running.pop(name)
-        process.join()
-        if kind == "error":
-            raise payload
-        result, wall_s = payload
-        _record(stage, result, wall_s, report, on_stage)
-        return
+        elif kind is not None:
+            stage, process = running.pop(name)
+            process.join()
+            if kind == "error":
+                error, trace = payload
+                raise error from _StageTraceback(trace)
+            result, wall_s = payload
+            _record(stage, result, wall_s, report, on_stage)
+            return
+        ended = [name for name, (_, process) in running.items() if process.exitcode is not None]
+        if not ended:
+            said_by = None
+        elif said_by is None:
+            said_by = time.monotonic() + 5.0
+        elif time.monotonic() > said_by:
+            name = ended[0]
+            code = running.pop(name)[1].exitcode
+            raise ResourceError(f"demo stage {name} ended with exit code {code} before it finished; "
+                                f"run the demo again to start it again")
+
+
+class _StageTraceback(Exception):
+    """The traceback of a stage that failed in a process of its own: the error raised here is
+    raised from it (as ``concurrent.futures`` does), so the failing line is shown."""
+
+    def __init__(self, trace: str):
+        super().__init__(trace)
+        self.trace = trace
+
+    def __str__(self) -> str:
+        return self.trace
 
 
 def _stage_process(stage: Stage, ctx: _Context, work: Path, events, threads: int, level: int, hold: bool,
@@ -640,8 +659,9 @@ def _stage_process(stage: Stage, ctx: _Context, work: Path, events, threads: int
         result = stage.run(dataclasses.replace(ctx, on_step=on_step), work)
         events.put(("done", name, (result, round(time.perf_counter() - start, 1))))
     except BaseException as exc:  # sent whole where it pickles, else as a line naming the stage
+        trace = traceback.format_exc()
         try:
             pickle.loads(pickle.dumps(exc))
         except Exception:
             exc = RuntimeError(f"demo stage {name} failed: {type(exc).__name__}: {exc}")
-        events.put(("error", name, exc))
+        events.put(("error", name, (exc, trace)))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from edgetl.demo import QUICK, DemoReport, Stage, _claim_folder, _Context, _run_side_by_side
-from edgetl.errors import DataError
+from edgetl.errors import DataError, ResourceError
 
 
 @dataclass(frozen=True)
@@ -36,24 +36,62 @@ def _sleep_long(ctx, work) -> Ran:
     return _sleep(ctx, work, 60.0)
 
 
-def _fail(ctx, work) -> Ran:
+def _wait_for(path, seconds: float = 60.0) -> None:
+    """Until ``path`` exists (a spawned stage imports torch first: seconds on a busy machine)."""
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _meet(ctx, work) -> Ran:
+    """A stage of the diamond's middle: started, it waits until the other one has started too,
+    so the two overlap however long each process takes to start."""
+    start = time.time()
+    work.mkdir()
+    (work / "half.json").write_text("{")
+    for other in ("profile", "plan"):
+        _wait_for(work.parent / other / "half.json")
     time.sleep(0.5)
+    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid())
+
+
+def _fail(ctx, work) -> Ran:
+    _wait_for(work.parent / "profile" / "half.json")  # the stage beside it is under way
     raise DataError("an image of the stage's data could not be read")
 
 
-def _ctx(tmp_path) -> _Context:
-    return _Context(QUICK, "cpu", str(tmp_path), None, {}, "mobilenet_v2")
+def _chatter(ctx, work) -> Ran:
+    """A stage that sends progress every 50 ms for 60 s."""
+    start = time.time()
+    work.mkdir()
+    (work / "half.json").write_text("{")
+    while time.time() < start + 60:
+        ctx.on_step({"epoch": 1})
+        time.sleep(0.05)
+    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid())
 
 
-def _run(stages, out, jobs=2):
+def _killed(ctx, work) -> Ran:
+    _wait_for(work.parent / "profile" / "half.json")
+    os._exit(3)  # as a kill does: nothing said, nothing cleaned up
+
+
+def _ctx(tmp_path, on_step=None) -> _Context:
+    return _Context(QUICK, "cpu", str(tmp_path), on_step, {}, "mobilenet_v2")
+
+
+def _run(stages, out, jobs=2, on_step=None):
     events = []
     report = DemoReport(out)
-    _run_side_by_side(stages, _ctx(out), _claim_folder(out), report, lambda *e: events.append(e[:2]), jobs)
+    _run_side_by_side(stages, _ctx(out, on_step), _claim_folder(out), report, lambda *e: events.append(e[:2]), jobs)
     return report, events
 
 
-DIAMOND = (Stage("pretrain", "a", _sleep, Ran), Stage("profile", "b", _sleep, Ran, ("pretrain",)),
-           Stage("plan", "c", _sleep, Ran, ("pretrain",)), Stage("prune", "d", _sleep, Ran, ("plan", "profile")))
+DIAMOND = (Stage("pretrain", "a", _sleep, Ran), Stage("profile", "b", _meet, Ran, ("pretrain",)),
+           Stage("plan", "c", _meet, Ran, ("pretrain",)), Stage("prune", "d", _sleep, Ran, ("plan", "profile")))
+# the same, its middle two apart (one job runs them one after the other)
+CHAIN = tuple(Stage(s.name, s.title, _sleep, Ran, s.needs) for s in DIAMOND)
 
 
 def test_stages_run_side_by_side_once_their_needs_are_done_and_see_only_those(tmp_path):
@@ -76,7 +114,7 @@ def test_stages_run_side_by_side_once_their_needs_are_done_and_see_only_those(tm
 
 
 def test_one_job_runs_every_stage_here_in_table_order(tmp_path):
-    report, events = _run(DIAMOND, tmp_path / "demo", jobs=1)
+    report, events = _run(CHAIN, tmp_path / "demo", jobs=1)
     assert {s.pid for s in report.stages.values()} == {os.getpid()}
     starts = [n for n, e in events if e == "start"]
     assert starts == ["pretrain", "profile", "plan", "prune"]
@@ -92,6 +130,28 @@ def test_a_failing_stage_ends_the_stage_beside_it_and_raises_its_error_here(tmp_
     assert time.time() - start < 30  # the 60-s stage beside it was ended, not waited for
     assert not (out / "stages" / "profile.json").exists() and (out / "profile" / "half.json").exists()
     # the next run reuses what finished and starts the ended stage again in a clean folder
-    report, events = _run((stages[0], Stage("profile", "b", _sleep, Ran, ("pretrain",)), DIAMOND[2]), out)
+    report, events = _run((stages[0], Stage("profile", "b", _sleep, Ran, ("pretrain",)), CHAIN[2]), out)
     assert events[0] == ("pretrain", "reused") and ("profile", "done") in events
     assert sorted(os.listdir(out / "profile")) == ["half.json"] and report.stages["profile"].seen == ["pretrain"]
+
+
+def test_a_stage_killed_beside_one_that_sends_progress_ends_the_demo_within_seconds(tmp_path):
+    """A stage's process that dies without a word (out of memory, a signal) is seen while the
+    stage beside it keeps the queue busy with progress, not when that stage ends."""
+    stages = (Stage("pretrain", "a", _sleep, Ran), Stage("profile", "b", _chatter, Ran, ("pretrain",)),
+              Stage("plan", "c", _killed, Ran, ("pretrain",)))
+    steps = []
+    start = time.time()
+    with pytest.raises(ResourceError, match="^demo stage plan ended with exit code 3 before it finished"):
+        _run(stages, tmp_path / "demo", on_step=steps.append)
+    assert time.time() - start < 30  # the 60-s stage beside it was ended, not waited for
+    assert steps and {s["stage"] for s in steps} == {"profile"}  # its progress came through, named
+
+
+def test_a_failing_stage_error_is_raised_from_its_own_traceback(tmp_path):
+    stages = (Stage("pretrain", "a", _sleep, Ran), Stage("profile", "b", _sleep_long, Ran, ("pretrain",)),
+              Stage("plan", "c", _fail, Ran, ("pretrain",)))
+    with pytest.raises(DataError) as caught:
+        _run(stages, tmp_path / "demo")
+    trace = str(caught.value.__cause__)
+    assert "in _fail" in trace and "raise DataError(" in trace  # where it failed, in its process
