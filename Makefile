@@ -14,9 +14,15 @@ JOBS ?= auto
 setup: $(STAMP) data
 
 # The packages go in with uv (pinned in constraints.txt, installed by pip): on a 2-core AVX2 EPYC
-# it set up the venv in 59 s from an empty cache and 18 s from a full one, where pip took 128 and
-# 140 s (most of it unpacking torch's CUDA libraries). uv reads no pip.conf: a package index set
-# in PIP_INDEX_URL / PIP_EXTRA_INDEX_URL is passed on; for one set in pip.conf, INSTALLER=pip.
+# it set up the venv in 40-59 s from an empty cache and 15-18 s from a full one, where pip took 128
+# and 140 s (most of it unpacking torch's CUDA libraries). uv reads no pip.conf: a package index
+# set in PIP_INDEX_URL / PIP_EXTRA_INDEX_URL is passed on; for one set in pip.conf, INSTALLER=pip.
+# An offline set-up (PIP_NO_INDEX) or a trusted host (PIP_TRUSTED_HOST) is not passed on to uv,
+# which would go to PyPI or refuse the host: where one is set, pip installs. (PIP_FIND_LINKS
+# adds wheels beside the index, which uv uses; a PIP_CERT uv lacks fails loudly.)
+ifneq ($(PIP_NO_INDEX)$(PIP_TRUSTED_HOST),)
+INSTALLER ?= pip
+endif
 INSTALLER ?= uv
 ifdef PIP_INDEX_URL
 export UV_INDEX_URL ?= $(PIP_INDEX_URL)

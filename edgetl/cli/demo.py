@@ -29,9 +29,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", type=torch_device, help="torch device: cpu, cuda, cuda:N")
     p.add_argument("-o", "--out", type=given_path, default=Path("runs/demo"), metavar="DIR", help="demo folder")
     p.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                   help="stages run at once where the pipeline allows (the pruned backbone's retraining beside "
-                        "the unpruned one's fine-tunes), each in a process of its own; the figures do not depend "
-                        "on it. On a 2-core machine two at once ran slower than one")
+                   help="stages run at once where the pipeline allows (full fine-tuning beside profile, plan and "
+                        "prune; the pruned backbone's retraining beside the unpruned one's fine-tunes), each "
+                        "beside another in a process of its own; on a 2-core machine (where either way a stage "
+                        "has one thread) the figures were the same and two at once ran slower than one")
     p.set_defaults(run=run)
 
 

@@ -152,8 +152,8 @@ def _periodic(sig, module: nn.Module, shape: tuple, period: int, args: tuple) ->
     Every full period allocates and keeps the same, so once the passes' own moments outgrow
     what happens once (converting held weights, whole-batch buffers) the temporaries no longer
     depend on the number of periods, and what forward keeps grows by one period's share per
-    period. The cost at q is measured at k and k + 1 periods, k = 2, 3, ... up to
-    ``_SETTLE_PERIODS``, and extrapolated from the first two that agree on the temporaries
+    period. The cost at q is measured at k and k + 1 periods, k = 2, 3, ... while k + 1 is
+    below ``_SETTLE_PERIODS`` and q, and extrapolated from the first two that agree on the temporaries
     (the bf16 + int8 streamed segments of MobileNetV2's last blocks settle at 3); where none
     agree below q, the cost is ``_declining``'s."""
     q, r = divmod(shape[0], period)
@@ -219,7 +219,8 @@ def _declining(sig, module: nn.Module, shape: tuple, period: int, args: tuple, c
     return cost
 
 
-# the most periods _periodic measures a leaf at before it measures the batch itself
+# _periodic measures a leaf at k < _SETTLE_PERIODS periods (and below the batch's q) before
+# it leaves the leaf to _declining
 _SETTLE_PERIODS = 8
 
 
