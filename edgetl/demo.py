@@ -30,16 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
-import shutil
-import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import edgetl.models.archs as archs
-from edgetl.errors import ConfigError, ResourceError
+from edgetl.demo_jobs import Stage, run_side_by_side
+from edgetl.errors import ConfigError
 from edgetl.io import atomic_text_json, read_json
 from edgetl.recipe import Recipe, load_recipe
 
@@ -356,18 +353,6 @@ def _export(ctx: _Context, work: Path) -> Exported:
     return Exported(str(result.onnx_path), result.max_abs_diff, result.onnx_bytes, result.exporter)
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One row of the demo: its name (and folder), what it does, the type of its result, and
-    the stages whose results it reads (``needs``: the only ones its context holds)."""
-
-    name: str
-    title: str
-    run: Callable[[_Context, Path], Any]
-    result: type
-    needs: tuple[str, ...] = ()
-
-
 # The demo's stages in pipeline order; each reads the results of the stages it needs. Stages
 # whose needs are met run side by side where the demo runs more than one at a time (``jobs``):
 # the pruned backbone's retraining beside the unpruned backbone's fine-tunes.
@@ -423,20 +408,6 @@ def _check_arch(out_dir: Path, arch: str) -> None:
                           f"for --backbone {arch}")
 
 
-def _read_mark(mark: Path, result: type):
-    """A finished stage's (result, wall time) from its mark; None where there is none, or
-    where an older edgetl wrote other fields (the stage then runs again)."""
-    if not mark.is_file():
-        return None
-    info = read_json(mark)
-    try:
-        wall_s = info.pop("wall_s")
-        return result(**info), wall_s
-    except (KeyError, TypeError, AttributeError):
-        log.warning("%s was written by another version of the demo; running the stage again", mark)
-        return None
-
-
 def run_demo(
     *,
     out_dir: str | Path,
@@ -478,190 +449,6 @@ def run_demo(
     on_stage = on_stage or (lambda *a: None)
     report = DemoReport(out_dir, arch=arch)
     ctx = _Context(QUICK if quick else FULL, device, root, on_step, {}, arch)
-    _run_side_by_side(STAGES, ctx, manifest, report, on_stage, jobs)
+    run_side_by_side(STAGES, ctx, manifest, report, on_stage, jobs)
     atomic_text_json(out_dir / "report.json", report.to_dict())
     return report
-
-
-def _stage_context(ctx: _Context, stage: Stage, report: DemoReport, on_step) -> _Context:
-    """``ctx`` for ``stage``: the results of the stages it needs, nothing else."""
-    return dataclasses.replace(ctx, done={name: report.stages[name] for name in stage.needs}, on_step=on_step)
-
-
-def _claim_work(stage: Stage, manifest, report: DemoReport) -> Path:
-    """The stage's folder, claimed for edgetl (a folder of the user's by that name is refused);
-    a folder of this demo's left by a stage killed part-way is removed, to start again."""
-    work = report.out_dir / stage.name
-    manifest.claim([stage.name])
-    if work.exists():
-        shutil.rmtree(work)
-    return work
-
-
-def _record(stage: Stage, result, wall_s: float, report: DemoReport, on_stage) -> None:
-    report.stages[stage.name], report.wall_s[stage.name] = result, wall_s
-    info = report.to_dict()[stage.name]
-    atomic_text_json(report.out_dir / "stages" / f"{stage.name}.json", info)
-    on_stage(stage.name, "done", info)
-
-
-def _reuse(stage: Stage, report: DemoReport, on_stage) -> bool:
-    """Read a finished stage back from its mark; False where there is none to read."""
-    done = _read_mark(report.out_dir / "stages" / f"{stage.name}.json", stage.result)
-    if done is None:
-        return False
-    report.stages[stage.name], report.wall_s[stage.name] = done
-    on_stage(stage.name, "reused", report.to_dict()[stage.name])
-    return True
-
-
-def _run_stage(stage: Stage, ctx: _Context | None, manifest, report: DemoReport,
-               on_stage: Callable[[str, str, dict], None]) -> None:
-    """Run ``stage`` here into ``report`` (its result and wall time), or reuse its mark."""
-    if _reuse(stage, report, on_stage):
-        return
-    work = _claim_work(stage, manifest, report)
-    on_stage(stage.name, "start", {})
-    start = time.perf_counter()
-    on_step = None if ctx is None or ctx.on_step is None else _Progress(stage.name, ctx.on_step)
-    result = stage.run(None if ctx is None else _stage_context(ctx, stage, report, on_step), work)
-    _record(stage, result, round(time.perf_counter() - start, 1), report, on_stage)
-
-
-@dataclass(frozen=True)
-class _Progress:
-    """A stage's progress callback: the training loop's dict with the stage's name added,
-    handed to ``forward`` (the caller's callback, or a queue's ``put`` in a stage's process)."""
-
-    stage: str
-    forward: Callable
-
-    def __call__(self, info: dict) -> None:
-        self.forward({**info, "stage": self.stage})
-
-
-def _run_side_by_side(stages, ctx: _Context, manifest, report: DemoReport, on_stage, jobs: int) -> None:
-    """Every stage of ``stages``, up to ``jobs`` at once, each as soon as the stages it needs
-    are done (in table order among those ready). A stage that is the only one that can run
-    (every stage, with one job) runs here; the others each in a spawned process of their own
-    (a stage pickles: module-level functions), with this process's threads shared out and its
-    heap policy, which sends its progress and result back on a queue. A stage that fails stops
-    the demo: the stages beside it are ended (each starts again on the next run) and its error
-    is raised here, from its traceback there."""
-    import multiprocessing
-
-    import torch
-
-    from edgetl.heap import DEFAULT, heap_policy
-
-    spawn = multiprocessing.get_context("spawn")
-    events = spawn.Queue() if jobs > 1 else None  # (a queue starts multiprocessing's resource tracker)
-    threads = max(1, torch.get_num_threads() // jobs)
-    level = logging.getLogger("edgetl").getEffectiveLevel()
-    hold = not heap_policy().startswith(DEFAULT)
-    waiting, running = list(stages), {}
-    try:
-        while waiting or running:
-            ready = [s for s in waiting if all(n in report.stages for n in s.needs)]
-            if not ready and not running:
-                raise RuntimeError(f"demo stages {[s.name for s in waiting]} need stages that never run")
-            reused = [s for s in ready if _reuse(s, report, on_stage)]
-            if reused:
-                waiting = [s for s in waiting if s not in reused]
-                continue
-            if ready and not running and (len(ready) == 1 or jobs == 1):
-                waiting.remove(ready[0])
-                _run_stage(ready[0], ctx, manifest, report, on_stage)
-                continue
-            for stage in ready[:jobs - len(running)]:
-                waiting.remove(stage)
-                work = _claim_work(stage, manifest, report)
-                on_stage(stage.name, "start", {})
-                child = _stage_context(ctx, stage, report, None)
-                process = spawn.Process(target=_stage_process, name=f"edgetl demo {stage.name}",
-                                        args=(stage, child, work, events, threads, level, hold,
-                                              ctx.on_step is not None))
-                process.start()
-                running[stage.name] = stage, process
-            _wait_for_a_stage(events, running, report, on_stage, ctx.on_step)
-    finally:
-        for _, process in running.values():  # a failure, or an interrupt: end the stages beside it
-            process.terminate()
-        for _, process in running.values():
-            process.join()
-
-
-def _wait_for_a_stage(events, running: dict, report: DemoReport, on_stage, on_step) -> None:
-    """Pass progress on until a running stage ends; record its result, or raise its error. A
-    stage's process that ended without saying so (killed: out of memory, a signal) is seen
-    within seconds, while the stage beside it still sends progress."""
-    import queue
-
-    said_by = None  # when a process seen ended must have said why (what it sent may be on its way)
-    while True:
-        try:
-            kind, name, payload = events.get(timeout=1.0)
-        except queue.Empty:
-            kind = None
-        if kind == "step":
-            if on_step is not None:
-                on_step(payload)
-        elif kind is not None:
-            stage, process = running.pop(name)
-            process.join()
-            if kind == "error":
-                error, trace = payload
-                raise error from _StageTraceback(trace)
-            result, wall_s = payload
-            _record(stage, result, wall_s, report, on_stage)
-            return
-        ended = [name for name, (_, process) in running.items() if process.exitcode is not None]
-        if not ended:
-            said_by = None
-        elif said_by is None:
-            said_by = time.monotonic() + 5.0
-        elif time.monotonic() > said_by:
-            name = ended[0]
-            code = running.pop(name)[1].exitcode
-            raise ResourceError(f"demo stage {name} ended with exit code {code} before it finished; "
-                                f"run the demo again to start it again")
-
-
-class _StageTraceback(Exception):
-    """The traceback of a stage that failed in a process of its own: the error raised here is
-    raised from it (as ``concurrent.futures`` does), so the failing line is shown."""
-
-    def __init__(self, trace: str):
-        super().__init__(trace)
-        self.trace = trace
-
-    def __str__(self) -> str:
-        return self.trace
-
-
-def _stage_process(stage: Stage, ctx: _Context, work: Path, events, threads: int, level: int, hold: bool,
-                   progress: bool) -> None:
-    """A stage's own process: the stage run with ``threads`` torch threads (freed memory held
-    where ``hold``, ``edgetl.heap``), its progress, result and wall time, or its error, sent
-    back on ``events``."""
-    import torch
-
-    from edgetl.heap import hold_freed_memory
-
-    torch.set_num_threads(threads)
-    if hold:
-        hold_freed_memory()
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    name = stage.name
-    on_step = _Progress(name, lambda info: events.put(("step", name, info))) if progress else None
-    try:
-        start = time.perf_counter()
-        result = stage.run(dataclasses.replace(ctx, on_step=on_step), work)
-        events.put(("done", name, (result, round(time.perf_counter() - start, 1))))
-    except BaseException as exc:  # sent whole where it pickles, else as a line naming the stage
-        trace = traceback.format_exc()
-        try:
-            pickle.loads(pickle.dumps(exc))
-        except Exception:
-            exc = RuntimeError(f"demo stage {name} failed: {type(exc).__name__}: {exc}")
-        events.put(("error", name, (exc, trace)))

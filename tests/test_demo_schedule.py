@@ -1,4 +1,4 @@
-"""The demo's stages side by side (``edgetl.demo._run_side_by_side``), with stage functions of
+"""The demo's stages side by side (``edgetl.demo_jobs.run_side_by_side``), with stage functions of
 this module run in real spawned processes: each stage starts once the stages it needs are done,
 sees only their results, independent stages overlap in time, a failure ends the stages beside
 it, and a rerun reads every stage back."""
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from edgetl.demo import QUICK, DemoReport, Stage, _claim_folder, _Context, _run_side_by_side
+from edgetl.demo import QUICK, DemoReport, _claim_folder, _Context
+from edgetl.demo_jobs import Stage, run_side_by_side
 from edgetl.errors import DataError, ResourceError
 
 
@@ -84,7 +85,7 @@ def _ctx(tmp_path, on_step=None) -> _Context:
 def _run(stages, out, jobs=2, on_step=None):
     events = []
     report = DemoReport(out)
-    _run_side_by_side(stages, _ctx(out, on_step), _claim_folder(out), report, lambda *e: events.append(e[:2]), jobs)
+    run_side_by_side(stages, _ctx(out, on_step), _claim_folder(out), report, lambda *e: events.append(e[:2]), jobs)
     return report, events
 
 

@@ -82,7 +82,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys, backbone
 def test_the_demo_never_removes_a_folder_it_did_not_make(tmp_path):
     import dataclasses
 
-    from edgetl.demo import DemoReport, Stage, _claim_folder, _run_stage
+    from edgetl.demo import DemoReport, _claim_folder
+    from edgetl.demo_jobs import Stage, _run_stage
 
     @dataclasses.dataclass(frozen=True)
     class Made:
