@@ -194,14 +194,8 @@ def _wait_for_a_stage(events, running: dict, report, on_stage, on_step) -> None:
 
 class _StageTraceback(Exception):
     """The traceback of a stage that failed in a process of its own: the error raised here is
-    raised from it (as ``concurrent.futures`` does), so the failing line is shown."""
-
-    def __init__(self, trace: str):
-        super().__init__(trace)
-        self.trace = trace
-
-    def __str__(self) -> str:
-        return self.trace
+    raised from it (as ``concurrent.futures`` does), so the failing line is shown; its one
+    argument, the formatted traceback, is what it prints."""
 
 
 def _stage_process(stage: Stage, ctx, work: Path, events, threads: int, level: int, hold: bool,
