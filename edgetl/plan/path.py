@@ -49,10 +49,8 @@ class _Evaluator:
         if storage.stream >= batch:  # streams nothing (so no uint8 batch): as ``plan``'s config runs it
             storage = dataclasses.replace(storage, stream=0, recompute=False)
         key = (tuple(sorted(kept.items())), storage, batch)
-        if key not in self.reports and (self.shared_key, key) in _SHARED:
-            self.reports[key] = _SHARED[self.shared_key, key]
-            self.count += 1
-        if key not in self.reports:
+        shared = (self.shared_key, key)
+        if key not in self.reports and shared not in _SHARED:
             # predict_step fits and applies the schedule of this step each time: a network
             # serves every step
             net_key = (key[0], _network_key(storage))
@@ -60,14 +58,14 @@ class _Evaluator:
                 spec = dataclasses.replace(self.base, hidden={**self.base.hidden, **kept})
                 self.nets[net_key] = build_network(spec, self.mode, device="meta", lean=storage.lean)
             net = self.nets[net_key]
-            self.reports[key] = predict_step(net, mode=self.mode, resolution=self.resolution, batch_size=batch,
-                                             step=plan_step(storage))
-            self.count += 1
             if len(_SHARED) >= _SHARED_MAX:
                 _SHARED.pop(next(iter(_SHARED)))
-            _SHARED[self.shared_key, key] = self.reports[key]
-            log.debug("evaluated %s %s batch %d: %d bytes", kept, storage, batch,
-                      self.reports[key].total_bytes)
+            _SHARED[shared] = predict_step(net, mode=self.mode, resolution=self.resolution, batch_size=batch,
+                                           step=plan_step(storage))
+            log.debug("evaluated %s %s batch %d: %d bytes", kept, storage, batch, _SHARED[shared].total_bytes)
+        if key not in self.reports:
+            self.reports[key] = _SHARED[shared]
+            self.count += 1
         return self.reports[key]
 
     def total(self, kept, storage, batch) -> int:
