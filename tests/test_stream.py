@@ -244,9 +244,10 @@ def test_a_segment_whose_temporaries_decline_is_measured_whole_once_per_layout(m
     """bf16 + int8 segments whose forward temporaries fall in a straight line past 8 samples (an
     early moment of fixed size, then the last pass's): a batch measured whole tells the floor
     (above the line) or bounds it (on the line), and later batches of the layout are
-    extrapolated from that. Every cost equals the segment measured at its batch (every sample
-    run), in an order that takes each way: measured, bounded by a bigger batch, above a floor
-    on the line, on the floor."""
+    extrapolated from that; a batch past where the line falls below zero is extrapolated from
+    the floor measured at that smaller batch. Every cost equals the segment measured at its
+    batch (every sample run), in an order that takes each way: measured, measured smaller,
+    bounded by a bigger batch, above a floor on the line, on the floor."""
     from edgetl.memory import leaf
 
     declining = []
@@ -268,7 +269,10 @@ def test_a_segment_whose_temporaries_decline_is_measured_whole_once_per_layout(m
     ways = set()
     for sig, module, inner, period, args in layouts.values():
         layout = (sig.key, inner, period, 0, *args)
-        for n in (60, 30, 200, 100, 240):
+        for n in (60, 30, 200, 100, 0, 240):  # 0: forget what was measured whole, then 240
+            if n == 0:
+                leaf._WHOLE.pop(layout, None)
+                continue
             shape = (n * period, *inner)
             before = list(leaf._WHOLE.get(layout, ()))
             got = leaf._periodic(sig, module, shape, period, args)
@@ -277,9 +281,10 @@ def test_a_segment_whose_temporaries_decline_is_measured_whole_once_per_layout(m
             line = leaf._cached(sig, module, (2 * period, *inner), *args).forward_temp_bytes - (n - 2) * (
                 leaf._cached(sig, module, (2 * period, *inner), *args).forward_temp_bytes
                 - leaf._cached(sig, module, (3 * period, *inner), *args).forward_temp_bytes)
-            measured = leaf._WHOLE.get(layout, []) != before
-            ways.add("measured" if measured else "on the line" if got.forward_temp_bytes == line else "on the floor")
-    assert ways == {"measured", "on the line", "on the floor"}
+            added = leaf._WHOLE.get(layout, [])[len(before):]
+            ways.add(("measured" if added[0][0] == n else "measured at a smaller batch past the line") if added
+                     else "on the line" if got.forward_temp_bytes == line else "on the floor")
+    assert ways == {"measured", "measured at a smaller batch past the line", "on the line", "on the floor"}
 
 
 @pytest.mark.parametrize("mode", ["repnet", "bias"])

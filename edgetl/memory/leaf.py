@@ -189,7 +189,8 @@ def _declining(sig, module: nn.Module, shape: tuple, period: int, args: tuple, c
     period. The line is measured; the floor is read off a whole measurement at one batch of
     the same layout (``_WHOLE``): a batch above the line gives the floor, a batch on it
     bounds it (below the line at every smaller batch). Where no whole measurement says, the
-    batch is measured whole, and what it shows kept for the next."""
+    batch is measured whole (or, where the line falls below zero before it, the first batch
+    past that: the floor, in fewer samples), and what it shows kept for the next."""
     q, r = divmod(shape[0], period)
     drops = {a.forward_temp_bytes - b.forward_temp_bytes for a, b in zip(costs, costs[1:])}
     shares = {b.saved_new_bytes - a.saved_new_bytes for a, b in zip(costs, costs[1:])}
@@ -204,19 +205,27 @@ def _declining(sig, module: nn.Module, shape: tuple, period: int, args: tuple, c
     def line(n: int) -> int:
         return first.forward_temp_bytes - (n - 2) * drop
 
-    expected = dict(**{f: getattr(first, f) for f in _FLAGS}, saved_new_bytes=first.saved_new_bytes + (q - 2) * share,
+    def expected(n: int) -> dict:
+        return dict(**{f: getattr(first, f) for f in _FLAGS}, saved_new_bytes=first.saved_new_bytes + (n - 2) * share,
                     backward_temp_bytes=first.backward_temp_bytes)
+
     layout = (sig.key, shape[1:], period, r, *args)
     for n, forward in _WHOLE.get(layout, ()):
         if forward > line(n):  # past the line: the floor itself
-            return LayerCost(**expected, forward_temp_bytes=max(line(q), forward))
+            return LayerCost(**expected(q), forward_temp_bytes=max(line(q), forward))
         if n >= q:  # on the line at a batch at least this big: the floor is below the line here too
-            return LayerCost(**expected, forward_temp_bytes=line(q))
-    cost = _cached(sig, module, shape, *args)
-    if (cost.forward_temp_bytes >= line(q)
-            and all(getattr(cost, f) == v for f, v in expected.items())):  # it declines as the line says
-        _WHOLE.setdefault(layout, []).append((q, cost.forward_temp_bytes))
-    return cost
+            return LayerCost(**expected(q), forward_temp_bytes=line(q))
+    # the line is below zero from ``past`` periods on, so a batch measured whole there is on the
+    # floor: a larger batch is measured there instead (1597 samples of a segment took 10 s on
+    # meta, the search's first probe; the floor's own batch, 79-531 of them)
+    past = first.forward_temp_bytes // drop + 3
+    n = min(q, past)
+    cost = _cached(sig, module, (n * period + r, *shape[1:]), *args)
+    if (cost.forward_temp_bytes >= line(n)
+            and all(getattr(cost, f) == v for f, v in expected(n).items())):  # it declines as the line says
+        _WHOLE.setdefault(layout, []).append((n, cost.forward_temp_bytes))
+        return LayerCost(**expected(q), forward_temp_bytes=max(line(q), cost.forward_temp_bytes))
+    return cost if n == q else _cached(sig, module, shape, *args)
 
 
 # _periodic measures a leaf at k < _SETTLE_PERIODS periods (and below the batch's q) before
