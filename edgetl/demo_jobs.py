@@ -81,9 +81,10 @@ def _reuse(stage: Stage, report, on_stage) -> bool:
 
 
 def _run_stage(stage: Stage, ctx: Any, manifest, report,
-               on_stage: Callable[[str, str, dict], None]) -> None:
-    """Run ``stage`` here into ``report`` (its result and wall time), or reuse its mark."""
-    if _reuse(stage, report, on_stage):
+               on_stage: Callable[[str, str, dict], None], *, reuse: bool = True) -> None:
+    """Run ``stage`` here into ``report`` (its result and wall time), or reuse its mark
+    (``reuse``: its mark not read yet)."""
+    if reuse and _reuse(stage, report, on_stage):
         return
     work = _claim_work(stage, manifest, report)
     on_stage(stage.name, "start", {})
@@ -125,18 +126,22 @@ def run_side_by_side(stages, ctx, manifest, report, on_stage, jobs: int) -> None
     level = logging.getLogger("edgetl").getEffectiveLevel()
     hold = not heap_policy().startswith(DEFAULT)
     waiting, running = list(stages), {}
+    read: set[str] = set()  # stages whose marks were read (once each: a mark left by another
+    # version is said once, not at every pass while the stage waits for a slot)
     try:
         while waiting or running:
             ready = [s for s in waiting if all(n in report.stages for n in s.needs)]
             if not ready and not running:
                 raise RuntimeError(f"demo stages {[s.name for s in waiting]} need stages that never run")
-            reused = [s for s in ready if _reuse(s, report, on_stage)]
+            unread = [s for s in ready if s.name not in read]
+            read.update(s.name for s in unread)
+            reused = [s for s in unread if _reuse(s, report, on_stage)]
             if reused:
                 waiting = [s for s in waiting if s not in reused]
                 continue
             if ready and not running and (len(ready) == 1 or jobs == 1):
                 waiting.remove(ready[0])
-                _run_stage(ready[0], ctx, manifest, report, on_stage)
+                _run_stage(ready[0], ctx, manifest, report, on_stage, reuse=False)
                 continue
             for stage in ready[:jobs - len(running)]:
                 waiting.remove(stage)

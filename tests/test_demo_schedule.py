@@ -156,3 +156,22 @@ def test_a_failing_stage_error_is_raised_from_its_own_traceback(tmp_path):
         _run(stages, tmp_path / "demo")
     trace = str(caught.value.__cause__)
     assert "in _fail" in trace and "raise DataError(" in trace  # where it failed, in its process
+
+
+def test_a_mark_of_another_version_is_said_once_while_its_stage_waits_for_a_slot(tmp_path, caplog):
+    """Three stages ready for two slots: the third's mark, written by another version, is read
+    (and said) once, not again at each pass while it waits; the stage then runs again."""
+    out = tmp_path / "demo"
+    stages = (Stage("pretrain", "a", _sleep, Ran),
+              *(Stage(name, name, _sleep, Ran, ("pretrain",)) for name in ("profile", "plan", "prune")))
+    _run(stages, out)
+    (out / "stages" / "profile.json").unlink()  # redo these two: they take both slots
+    (out / "stages" / "plan.json").unlink()
+    mark = out / "stages" / "prune.json"
+    mark.write_text(mark.read_text().replace('"work"', '"folder"'))  # a field this version lacks
+    with caplog.at_level("WARNING", logger="edgetl"):
+        report, events = _run(stages, out)
+    said = [r for r in caplog.records if "written by another version" in r.getMessage()]
+    assert len(said) == 1 and str(mark) in said[0].getMessage()
+    assert events[0] == ("pretrain", "reused") and ("prune", "done") in events
+    assert report.stages["prune"].start >= min(report.stages["profile"].end, report.stages["plan"].end)
