@@ -66,6 +66,11 @@ class BackboneSpec:
             if channels < 1:
                 raise ConfigError(f"block {block}: hidden channels must be >= 1, got {channels}")
 
+    def key(self) -> tuple:
+        """What a network of this spec is built from, hashable (the spec is a mutable
+        dataclass): a key for what is computed from the network's shapes alone."""
+        return self.arch, self.width, self.num_classes, tuple(sorted(self.hidden.items())), self.dropout
+
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data["hidden"] = {str(k): v for k, v in sorted(self.hidden.items())}

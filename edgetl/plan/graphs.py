@@ -44,17 +44,15 @@ def graph_memory(base, config: PlanConfig, *, resolution: int, predicted_bytes: 
     they have no meta implementation) and replayed as ``CapturedStep`` runs them;
     ``predicted_bytes``: its runtime accounting."""
     from edgetl.memory.cuda_step import captured_report
-    from edgetl.plan.path import spec_key
+    from edgetl.plan.path import remember
 
-    key = (spec_key(base), repr(config), resolution, predicted_bytes, tuple(capability))
+    key = (base.key(), repr(config), resolution, predicted_bytes, tuple(capability))
     if key not in _REPLAYED:
         spec = dataclasses.replace(base, hidden={**base.hidden, **config.kept})
         net, step = configured_network(spec, config, resolution, device="cpu" if config.fused else "meta")
         report = captured_report(net, runtime_bytes=predicted_bytes, resolution=resolution,
                                  batch_size=config.batch_size, step=step, capability=capability)
-        if len(_REPLAYED) >= 256:
-            _REPLAYED.pop(next(iter(_REPLAYED)))
-        _REPLAYED[key] = GraphMemory(tuple(capability), report.extra_bytes, report.total_bytes)
+        remember(_REPLAYED, key, GraphMemory(tuple(capability), report.extra_bytes, report.total_bytes), 256)
     return _REPLAYED[key]
 
 

@@ -25,9 +25,13 @@ _SHARED: dict[tuple, object] = {}
 _SHARED_MAX = 512
 
 
-def spec_key(spec: BackboneSpec) -> tuple:
-    """What a meta network of ``spec`` is built from (BackboneSpec is mutable, so unhashable)."""
-    return spec.arch, spec.width, spec.num_classes, tuple(sorted(spec.hidden.items())), spec.dropout
+def remember(store: dict, key, value, most: int):
+    """``store[key] = value``, the oldest entry dropped first where ``store`` holds ``most``
+    already (the process-wide stores of evaluations that plans share); returns ``value``."""
+    if len(store) >= most:
+        store.pop(next(iter(store)))
+    store[key] = value
+    return value
 
 
 class _Evaluator:
@@ -40,7 +44,7 @@ class _Evaluator:
         self.reports: dict[tuple, object] = {}
         self.nets: dict[tuple, object] = {}
         self.count = 0
-        self.shared_key = (spec_key(base), resolution, mode)
+        self.shared_key = (base.key(), resolution, mode)
 
     def report(self, kept: dict[int, int], storage: Storage, batch: int):
         from edgetl.memory.schedule import predict_step
@@ -58,10 +62,8 @@ class _Evaluator:
                 spec = dataclasses.replace(self.base, hidden={**self.base.hidden, **kept})
                 self.nets[net_key] = build_network(spec, self.mode, device="meta", lean=storage.lean)
             net = self.nets[net_key]
-            if len(_SHARED) >= _SHARED_MAX:
-                _SHARED.pop(next(iter(_SHARED)))
-            _SHARED[shared] = predict_step(net, mode=self.mode, resolution=self.resolution, batch_size=batch,
-                                           step=plan_step(storage))
+            remember(_SHARED, shared, predict_step(net, mode=self.mode, resolution=self.resolution,
+                                                   batch_size=batch, step=plan_step(storage)), _SHARED_MAX)
             log.debug("evaluated %s %s batch %d: %d bytes", kept, storage, batch, _SHARED[shared].total_bytes)
         if key not in self.reports:
             self.reports[key] = _SHARED[shared]
