@@ -62,6 +62,19 @@ def _fail(ctx, work) -> Ran:
     raise DataError("an image of the stage's data could not be read")
 
 
+class _Unpicklable(Exception):
+    """An error that does not pickle (a lambda among its attributes), as a library's may not."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.hook = lambda: None
+
+
+def _fail_unpicklable(ctx, work) -> Ran:
+    _wait_for(work.parent / "profile" / "half.json")
+    raise _Unpicklable("the stage's own words")
+
+
 def _chatter(ctx, work) -> Ran:
     """A stage that sends progress every 50 ms for 60 s."""
     start = time.time()
@@ -175,3 +188,13 @@ def test_a_mark_of_another_version_is_said_once_while_its_stage_waits_for_a_slot
     assert len(said) == 1 and str(mark) in said[0].getMessage()
     assert events[0] == ("pretrain", "reused") and ("prune", "done") in events
     assert report.stages["prune"].start >= min(report.stages["profile"].end, report.stages["plan"].end)
+
+
+def test_an_error_that_does_not_pickle_comes_through_as_a_line_naming_its_stage(tmp_path):
+    stages = (Stage("pretrain", "a", _sleep, Ran), Stage("profile", "b", _sleep_long, Ran, ("pretrain",)),
+              Stage("plan", "c", _fail_unpicklable, Ran, ("pretrain",)))
+    start = time.time()
+    with pytest.raises(RuntimeError, match="^demo stage plan failed: _Unpicklable: the stage's own words$") as caught:
+        _run(stages, tmp_path / "demo")
+    assert time.time() - start < 30  # the stage beside it was ended
+    assert "in _fail_unpicklable" in str(caught.value.__cause__)  # its traceback there, all the same
