@@ -23,6 +23,7 @@ from edgetl.export import (
     load_run_model,
     merge_for_inference,
 )
+from edgetl.export.exporter import STACK_TRACE, drop_stack_traces
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.side import build_network
 
@@ -359,3 +360,35 @@ def test_cli_bad_input_exit_2(run_dir, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         cli_main(["export"])
     assert exc.value.code == 2
+
+
+def test_the_onnx_file_holds_no_path_of_the_machine_that_exported_it(exported):
+    """torch's dynamo exporter writes each node's Python stack (the exporting machine's file
+    paths) into the model; export leaves those out and keeps the rest of the nodes' metadata."""
+    import onnx
+
+    data = exported.onnx_path.read_bytes()
+    for folder in (Path(onnx.__file__).resolve().parents[1], Path(__file__).resolve().parents[1]):
+        assert str(folder).encode() not in data, folder  # site-packages, this checkout
+    keys = {p.key for node in onnx.load(str(exported.onnx_path)).graph.node for p in node.metadata_props}
+    assert STACK_TRACE not in keys and "namespace" in keys
+
+
+def test_stack_traces_are_dropped_inside_subgraphs_and_functions_too():
+    from onnx import helper
+
+    def node(name, **attrs):
+        made = helper.make_node("Identity", ["x"], ["y"], name=name, **attrs)
+        for key in (STACK_TRACE, "namespace"):
+            made.metadata_props.add(key=key, value=f"{name} /home/someone/edgetl")
+        return made
+
+    def graph(*nodes):
+        return helper.make_graph(list(nodes), "g", [], [])
+
+    branch = graph(node("inner"))
+    model = helper.make_model(graph(node("outer", then_branch=branch, else_branch=graph(node("other")))))
+    model.functions.append(helper.make_function("local", "f", ["x"], ["y"], [node("body")], []))
+    assert drop_stack_traces(model) == 4
+    for nodes in (model.graph.node, model.graph.node[0].attribute[0].g.node, model.functions[0].node):
+        assert [p.key for p in nodes[0].metadata_props] == ["namespace"]

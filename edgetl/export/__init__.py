@@ -35,8 +35,8 @@ from torch import nn
 from edgetl.data import IMAGENET_MEAN, IMAGENET_STD
 from edgetl.errors import CapabilityError, ConfigError, DataError, EdgetlError
 from edgetl.export.exporter import (
-    INPUT_NAME, OUTPUT_NAME, _export_graph, _first_line, _onnx_modules, check_opset, opset_range, runtime_max_opset,
-    written_opset,
+    INPUT_NAME, OUTPUT_NAME, _export_graph, _first_line, _onnx_modules, check_opset, drop_stack_traces, opset_range,
+    runtime_max_opset, written_opset,
 )
 from edgetl.export.engine import DEFAULT_WORKSPACE_BYTES, _import_tensorrt, _stage_engine, build_engine
 from edgetl.export.sidecar import SIDECAR_FORMAT, check_outputs, file_sha256, sidecar_path
@@ -411,6 +411,8 @@ def _stage_onnx(net: nn.Module, path: Path, stage: StagedFiles, *, resolution: i
     start = time.perf_counter()
     _export_graph(net, x, tmp, opset=opset, dynamic_batch=dynamic_batch, dynamo=dynamo)
     model = onnx.load(str(tmp))
+    if drop_stack_traces(model):  # the exporting machine's paths stay on it
+        onnx.save(model, str(tmp))
     try:
         onnx.checker.check_model(model, full_check=True)
     except onnx.checker.ValidationError as exc:

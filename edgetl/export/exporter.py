@@ -114,6 +114,32 @@ def written_opset(model) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), -1)
 
 
+# torch's dynamo exporter writes on every node the Python stack that made it: the absolute
+# paths of the exporting machine's files (its folders, its user's name), in a model that is
+# shipped, and a file whose size depends on the folder it was exported from
+STACK_TRACE = "pkg.torch.onnx.stack_trace"
+
+
+def drop_stack_traces(model) -> int:
+    """Remove ``STACK_TRACE`` from the metadata of every node of ``model`` (an ``onnx``
+    ModelProto: its graph, its functions and their subgraphs); returns how many were removed."""
+    dropped = 0
+    graphs = [model.graph]
+    bodies = [f.node for f in model.functions]
+    while graphs or bodies:
+        nodes = graphs.pop().node if graphs else bodies.pop()
+        for node in nodes:
+            kept = [p for p in node.metadata_props if p.key != STACK_TRACE]
+            if len(kept) != len(node.metadata_props):
+                dropped += len(node.metadata_props) - len(kept)
+                del node.metadata_props[:]
+                node.metadata_props.extend(kept)
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+    return dropped
+
+
 def _export_graph(net, x, path: Path, *, opset, dynamic_batch: bool, dynamo: bool) -> None:
     """Export with torch; an exporter that cannot do it is one CapabilityError line (the
     traceback goes to the log at debug level), a write that fails a ResourceError."""
