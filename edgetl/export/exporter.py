@@ -124,19 +124,17 @@ def drop_stack_traces(model) -> int:
     """Remove ``STACK_TRACE`` from the metadata of every node of ``model`` (an ``onnx``
     ModelProto: its graph, its functions and their subgraphs); returns how many were removed."""
     dropped = 0
-    graphs = [model.graph]
-    bodies = [f.node for f in model.functions]
-    while graphs or bodies:
-        nodes = graphs.pop().node if graphs else bodies.pop()
-        for node in nodes:
+    pending = [model.graph.node, *(f.node for f in model.functions)]  # node lists still to visit
+    while pending:
+        for node in pending.pop():
             kept = [p for p in node.metadata_props if p.key != STACK_TRACE]
             if len(kept) != len(node.metadata_props):
                 dropped += len(node.metadata_props) - len(kept)
                 del node.metadata_props[:]
                 node.metadata_props.extend(kept)
             for attr in node.attribute:
-                graphs.extend([attr.g] if attr.HasField("g") else [])
-                graphs.extend(attr.graphs)
+                pending.extend([attr.g.node] if attr.HasField("g") else [])
+                pending.extend(g.node for g in attr.graphs)
     return dropped
 
 
