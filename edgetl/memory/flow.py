@@ -16,7 +16,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from edgetl.memory.leaf import Call, call_of, leaf_parameters
-from edgetl.memory.trace import Leaf, meta_copy, trace_meta
+from edgetl.memory.trace import Leaf, trace_meta
+from edgetl.memory.twin import meta_copy
 from edgetl.metaop import tensors_in
 from edgetl.models.backbone import EdgeNet
 from edgetl.models.lean.layout import is_channels_last

@@ -53,7 +53,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from edgetl.errors import CapabilityError
 from edgetl.cost import FunctionCost, LayerCost, Passes
-from edgetl.memory.trace import meta_tensors
+from edgetl.memory.twin import copy_module, meta_tensors
 
 # nn.Module bookkeeping that does not change what a call allocates (hooks are the meter's,
 # the trace's or a user's; a leaf's cost is measured without them)
@@ -284,7 +284,7 @@ def measure(module: nn.Module, sig: Signature, in_shape: tuple, in_dtype: torch.
 def _measure(module, sig: Signature, in_shape, in_dtype, input_grad, output_grad, channels_last) -> LayerCost:
     copies = meta_tensors(sig.tensors)
     # (deepcopy adds its own entries to a memo); the twin's hook tables start empty
-    twin = copy.deepcopy(module, {**copies, **sig.hook_tables})
+    twin = copy_module(module, {**copies, **sig.hook_tables})
     params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
     layout = torch.channels_last if channels_last and len(in_shape) == 4 else torch.contiguous_format
     x = torch.empty(in_shape, dtype=in_dtype, device="meta", requires_grad=input_grad, memory_format=layout)

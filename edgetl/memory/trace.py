@@ -8,7 +8,6 @@ be summed per block.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,6 +17,7 @@ from torch import nn
 from edgetl.metaop import MetaMemo
 import edgetl.models.archs as archs
 from edgetl.models.backbone import EdgeNet
+from edgetl.memory.twin import meta_copy
 from edgetl.models.stream import mark_shapes_only
 
 KINDS = {
@@ -98,25 +98,6 @@ def _first_tensor(args) -> torch.Tensor:
         if isinstance(a, torch.Tensor):
             return a
     raise TypeError("leaf called without a tensor input")
-
-
-def meta_copy(net: nn.Module) -> nn.Module:
-    """A deep copy of ``net`` whose parameters and buffers are on the meta device (same
-    shapes, dtypes and trainability; grads left out), made without copying their data:
-    ``copy.deepcopy(net).to("meta")`` without the transient full copy of the weights."""
-    return copy.deepcopy(net, meta_tensors([*net.parameters(), *net.buffers()]))
-
-
-def meta_tensors(tensors) -> dict[int, torch.Tensor]:
-    """The id of each tensor -> an empty meta tensor of its shape and dtype (a parameter stays
-    a parameter of the same trainability): the deepcopy memo that makes a copy's tensors meta."""
-    memo: dict[int, torch.Tensor] = {}
-    for t in tensors:
-        if isinstance(t, nn.Parameter):
-            memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
-        else:
-            memo[id(t)] = torch.empty_like(t, device="meta")
-    return memo
 
 
 def trace_network(net: EdgeNet, resolution: int, batch_size: int = 1) -> Trace:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,7 +196,21 @@ def block_shapes(net: EdgeNet, *, as_built: bool = False) -> list[tuple[int, int
     The copy is built from the spec, so a lean network (whose layers are not nn.Conv2d) gets
     its stock network's shapes; ``as_built`` copies the network's own stock layers instead
     (a network torch-pruning edited in place, whose spec does not know it yet)."""
-    features = copy.deepcopy(net.features).to("meta") if as_built else build_backbone(net.spec, device="meta").features
+    if as_built:
+        return _forward_shapes(copy.deepcopy(net.features).to("meta"))
+    return list(_spec_shapes(net.spec.key()))
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_shapes(key: tuple) -> tuple[tuple[int, int], ...]:
+    """``block_shapes`` of a spec's stock backbone, by ``BackboneSpec.key()``: a meta forward
+    at 1024 px takes ~0.5 s on CPU and every build of a network with a side needs it."""
+    arch, width, num_classes, hidden, dropout = key
+    spec = BackboneSpec(arch=arch, width=width, num_classes=num_classes, hidden=dict(hidden), dropout=dropout)
+    return tuple(_forward_shapes(build_backbone(spec, device="meta").features))
+
+
+def _forward_shapes(features: nn.Module) -> list[tuple[int, int]]:
     x = torch.empty(1, 3, STRIDE_PROBE, STRIDE_PROBE, device="meta")
     shapes = []
     with torch.no_grad():
