@@ -141,7 +141,9 @@ def test_a_streamed_network_and_a_module_of_its_own_copy_are_deep_copies():
 
 def test_meta_tensors_keep_layout_and_trainability():
     weight = nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last), requires_grad=False)
-    tensors = [weight, torch.randn(5, 6).t(), torch.zeros(3, dtype=torch.int8), nn.Parameter(torch.ones(2))]
+    depthwise = torch.randn(4, 1, 3, 3).to(memory_format=torch.channels_last)  # contiguous, yet its own strides
+    assert depthwise.is_contiguous() and depthwise.stride() != torch.empty(4, 1, 3, 3).stride()
+    tensors = [weight, depthwise, torch.randn(5, 6).t(), torch.zeros(3, dtype=torch.int8), nn.Parameter(torch.ones(2))]
     memo = meta_tensors(tensors)
     for t in tensors:
         m = memo[id(t)]

@@ -37,9 +37,8 @@ def meta_tensors(tensors) -> dict[int, torch.Tensor]:
     a parameter of the same trainability): the deepcopy memo that makes a copy's tensors meta."""
     memo: dict[int, torch.Tensor] = {}
     for t in tensors:
-        if t.is_contiguous():  # what empty_like gives it, without its Python layout rules
-            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        else:
+        m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        if m.stride() != t.stride():  # the same strides: what empty_like gives, without its Python rules
             m = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
     return memo
