@@ -283,7 +283,7 @@ def measure(module: nn.Module, sig: Signature, in_shape: tuple, in_dtype: torch.
 
 def _measure(module, sig: Signature, in_shape, in_dtype, input_grad, output_grad, channels_last) -> LayerCost:
     copies = meta_tensors(sig.tensors)
-    # (deepcopy adds its own entries to a memo); the twin's hook tables start empty
+    # (copy_module adds its own entries to a memo); the twin's hook tables start empty
     twin = copy_module(module, {**copies, **sig.hook_tables})
     params = [copies[id(p)] for p in leaf_parameters(module) if p.requires_grad]
     layout = torch.channels_last if channels_last and len(in_shape) == 4 else torch.contiguous_format

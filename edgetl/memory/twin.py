@@ -7,7 +7,7 @@ dozen hook tables, its sets and its tuples of ints one call at a time, and ``tor
 on meta computes each result's layout in Python. ``copy_module`` is ``copy.deepcopy`` for the
 modules whose copy torch defines (``nn.Module``'s own ``__getstate__`` / ``__setstate__``): the
 same objects, shared where the original shares them; anything else goes to ``copy.deepcopy``
-with the same memo. The tiny MobileNetV2 Rep-Net's meta twin: 23-40 ms before, 8-11 ms
+with the same memo. The tiny MobileNetV2 Rep-Net's meta twin: 23-48 ms before, 8-17 ms
 (2-core AMD EPYC, AVX2, one thread).
 """
 
