@@ -126,6 +126,23 @@ def test_merged_equals_unmerged(trained, images):
     assert torch.equal(got.argmax(1), ref.argmax(1))
 
 
+def test_merged_activations_write_new_tensors_with_the_same_values(trained, images):
+    """The inference copy's activations are out of place (the dynamo exporter decomposes an
+    in-place one again for each, under symbolic shapes); the original keeps its in-place ones,
+    and the outputs are the same to the bit either way."""
+    merged = merge_for_inference(trained)
+    flags = [m.inplace for m in merged.modules() if isinstance(getattr(m, "inplace", None), bool)]
+    assert len(flags) >= 35 and not any(flags)  # MobileNetV2's ReLU6s and the side network's ReLUs
+    assert any(getattr(m, "inplace", False) is True for m in trained.modules()), "the original must not change"
+    x = to_tensor(images[:16], Preprocessing(resolution=RES))
+    with torch.no_grad():
+        out_of_place = merged(x)
+        for m in merged.modules():
+            if isinstance(getattr(m, "inplace", None), bool):
+                m.inplace = True
+        assert torch.equal(merged(x), out_of_place)
+
+
 def test_load_run_model_round_trip(run_dir, trained, images):
     run = load_run_model(run_dir)
     assert run.labels == LABELS and run.mode == "repnet" and run.checkpoint.name == "best.pt"

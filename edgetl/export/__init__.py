@@ -252,7 +252,10 @@ def merge_for_inference(net: EdgeNet) -> EdgeNet:
     stem and downsample shortcuts, as torchvision builds them) and every ``conv{N}``/``bn{N}``
     pair of one module (the side network's SideModules, ResNet's BasicBlock and Bottleneck),
     and pools with ``GlobalAvgPool``. The result computes what ``net.eval()`` computes, up to
-    float rounding; ``net`` is not changed.
+    float rounding; ``net`` is not changed. Its activations (``inplace`` modules: ReLU6, ReLU)
+    write new tensors: the same values, and the same ONNX graph, but the dynamo exporter
+    decomposes each in-place activation again under the dynamic batch's symbolic shapes, a
+    fifth of a second or more apiece (docs/pipeline.md, export).
 
     Raises:
         ConfigError: a BatchNorm is left that does not follow a conv (it would run unfolded).
@@ -268,6 +271,9 @@ def merge_for_inference(net: EdgeNet) -> EdgeNet:
     left = [name for name, m in merged.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if left:
         raise ConfigError(f"cannot fold BatchNorm layers that follow no conv: {left[:5]}")
+    for module in merged.modules():
+        if isinstance(getattr(module, "inplace", None), bool):
+            module.inplace = False  # see the docstring: the same values, a quicker export
     for p in merged.parameters():
         p.requires_grad_(False)
     return merged
