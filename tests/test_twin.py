@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from edgetl.memory.leaf import signature
-from edgetl.memory.twin import copy_module, meta_copy, meta_tensors
+from edgetl.twin import copy_module, meta_copy, meta_tensors
 from edgetl.models.backbone import BackboneSpec
 from edgetl.models.side import build_network
 from edgetl.models.stream import apply_streams
@@ -137,6 +137,53 @@ def test_a_streamed_network_and_a_module_of_its_own_copy_are_deep_copies():
     assert made.extra[1] is made.features[2] and made.extra[0].copies == 1
     assert made.extra[0].conv.weight.device.type == "meta"
     assert made.scale.device.type == "cpu" and made.scale is not net.scale
+
+
+def test_a_module_with_its_own_setstate_is_handed_its_state_as_deepcopy_hands_it():
+    """torch's convs restore a default in ``__setstate__``; a module's own ``__setstate__`` runs on
+    the copied state, as in ``copy.deepcopy``."""
+
+    class Restores(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 3, 1)
+            self.restored = 0
+
+        def __setstate__(self, state):
+            super().__setstate__(state)
+            self.restored += 1
+
+    net = nn.Sequential(Restores(), nn.Conv2d(3, 4, 3, padding_mode="reflect", padding=1))
+    memo = meta_tensors([*net.parameters(), *net.buffers()])
+    made = meta_copy(net)
+    _check(net, copy.deepcopy(net, dict(memo)), made)
+    assert made[0].restored == 1 and net[0].restored == 0 and made[1].padding_mode == "reflect"
+
+
+def test_a_meta_backbone_is_a_fresh_copy_of_one_built_per_spec():
+    """``build_backbone(spec, "meta")`` copies a network built once per spec (and default dtype):
+    the network a build makes, its tensors its own, its spec the caller's, and a change to one
+    copy is not in the next."""
+    from edgetl.models import backbone as B
+
+    spec = BackboneSpec(width=0.35, num_classes=7, hidden={3: 20})
+    state = torch.random.get_rng_state()
+    first, fresh = B.build_backbone(spec, device="meta"), B._build(spec, "meta")
+    assert torch.equal(state, torch.random.get_rng_state())  # a meta build draws nothing
+    assert first.spec is spec and repr(first) == repr(fresh)
+    _same(fresh, first, {}, {})
+    first.features[3].conv[0][0].weight.requires_grad_(False)
+    first.features[0] = nn.Identity()
+    second = B.build_backbone(spec, device="meta")
+    _same(fresh, second, {}, {})
+    assert not {id(t) for t in first.parameters()} & {id(t) for t in second.parameters()}
+    with torch.device("cpu"):
+        torch.set_default_dtype(torch.float64)
+        try:
+            doubled = B.build_backbone(spec, device="meta")
+        finally:
+            torch.set_default_dtype(torch.float32)
+    assert {p.dtype for p in doubled.parameters()} == {torch.float64}
 
 
 def test_meta_tensors_keep_layout_and_trainability():

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from edgetl.memory.leaf import Call, call_of, leaf_parameters
 from edgetl.memory.trace import Leaf, trace_meta
-from edgetl.memory.twin import meta_copy
+from edgetl.twin import meta_copy
 from edgetl.metaop import tensors_in
 from edgetl.models.backbone import EdgeNet
 from edgetl.models.lean.layout import is_channels_last

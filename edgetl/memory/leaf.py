@@ -53,7 +53,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from edgetl.errors import CapabilityError
 from edgetl.cost import FunctionCost, LayerCost, Passes
-from edgetl.memory.twin import copy_module, meta_tensors
+from edgetl.twin import copy_module, meta_tensors
 
 # nn.Module bookkeeping that does not change what a call allocates (hooks are the meter's,
 # the trace's or a user's; a leaf's cost is measured without them)

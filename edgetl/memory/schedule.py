@@ -71,7 +71,7 @@ from edgetl.cost import CallShape, Setting, Tunable
 from edgetl.errors import ConfigError
 from edgetl.memory.rules import layer_cost
 from edgetl.memory.runtime import runtime_report, simulate
-from edgetl.memory.twin import meta_copy
+from edgetl.twin import meta_copy
 from edgetl.models.stream import apply_streams, segments_of
 from edgetl.step import Step, resolve_step
 

@@ -17,7 +17,7 @@ from torch import nn
 from edgetl.metaop import MetaMemo
 import edgetl.models.archs as archs
 from edgetl.models.backbone import EdgeNet
-from edgetl.memory.twin import meta_copy
+from edgetl.twin import meta_copy
 from edgetl.models.stream import mark_shapes_only
 
 KINDS = {

@@ -22,6 +22,7 @@ from torch import nn
 from edgetl.errors import ConfigError, DataError
 from edgetl.io import load_state, load_torch_file
 from edgetl.recipe import MAX_CLASSES, MAX_WIDTH
+from edgetl.twin import meta_copy
 import edgetl.models.archs as archs
 
 # The FMEC 2023 paper's pruning ratios, written once in the MobileNetV2 entry: prune, bench,
@@ -176,14 +177,36 @@ def build_backbone(spec: BackboneSpec, device: torch.device | str | None = None)
 
     Args:
         spec: architecture, width, classes and hidden channel counts.
-        device: where to allocate; "meta" builds shapes only (used by the profiler).
+        device: where to allocate; "meta" builds shapes only (used by the profiler and the
+            planner, hundreds of times a plan): a copy of one network built per spec
+            (``_meta_template``), with tensors of its own, its spec the one given.
     """
+    if device is not None and torch.device(device).type == "meta":
+        net = meta_copy(_meta_template(spec.key(), torch.get_default_dtype()))
+        net.spec = spec
+        return net
+    return _build(spec, device)
+
+
+def _build(spec: BackboneSpec, device: torch.device | str | None) -> EdgeNet:
     arch = archs.get(spec.arch)
     with torch.device(device) if device is not None else contextlib.nullcontext():
         features, classifier = arch.build(spec)
         for block, channels in sorted(spec.hidden.items()):
             arch.set_hidden(features, block, channels)
     return EdgeNet(features, classifier, spec)
+
+
+@functools.lru_cache(maxsize=32)
+def _meta_template(key: tuple, default_dtype: torch.dtype) -> EdgeNet:
+    """The meta network of a spec, by ``BackboneSpec.key()`` and torch's default dtype (what a
+    build reads besides the spec; on meta it draws no random numbers): built once, only ever
+    copied. torch's modules initialise their weights as they are built, and on meta each
+    initialising op runs torch's Python meta kernels: MobileNetV2 1.0 took 112 ms to build on
+    meta, 48 on CPU, and a copy (``edgetl.twin.meta_copy``) takes about a tenth of that."""
+    arch, width, num_classes, hidden, dropout = key
+    spec = BackboneSpec(arch=arch, width=width, num_classes=num_classes, hidden=dict(hidden), dropout=dropout)
+    return _build(spec, "meta")
 
 
 STRIDE_PROBE = 1024  # side of the meta image block_shapes follows: 2**10, so strides up to 1024 come out exact
