@@ -109,18 +109,17 @@ class _Progress:
 def run_side_by_side(stages, ctx, manifest, report, on_stage, jobs: int) -> None:
     """Every stage of ``stages``, up to ``jobs`` at once, each as soon as the stages it needs
     are done (in table order among those ready). A stage that is the only one that can run
-    (every stage, with one job) runs here; the others each in a spawned process of their own
-    (a stage pickles: module-level functions), with this process's threads shared out and its
-    heap policy, which sends its progress and result back on a queue. A stage that fails stops
+    (every stage, with one job) runs here; the others each in a process of their own
+    (``_process_context``; a stage pickles: module-level functions), with this process's
+    threads shared out and its heap policy, which sends its progress and result back on a
+    queue. A stage that fails stops
     the demo: the stages beside it are ended (each starts again on the next run) and its error
     is raised here, from its traceback there."""
-    import multiprocessing
-
     import torch
 
     from edgetl.heap import DEFAULT, heap_policy
 
-    spawn = multiprocessing.get_context("spawn")
+    spawn = _process_context()
     events = spawn.Queue() if jobs > 1 else None  # (a queue starts multiprocessing's resource tracker)
     threads = max(1, torch.get_num_threads() // jobs)
     level = logging.getLogger("edgetl").getEffectiveLevel()
@@ -159,6 +158,20 @@ def run_side_by_side(stages, ctx, manifest, report, on_stage, jobs: int) -> None
             process.terminate()
         for _, process in running.values():
             process.join()
+
+
+def _process_context():
+    """How a stage's process starts: from a fork server that imported the demo (torch and
+    torchvision among it) once, where the platform has one; else spawned, each importing them
+    again (seconds each on a busy 2-core machine). Either way it starts from a process that
+    has run nothing: no torch threads, no CUDA context."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["edgetl.demo"])
+    return context
 
 
 def _wait_for_a_stage(events, running: dict, report, on_stage, on_step) -> None:

@@ -5,6 +5,7 @@ it, and a rerun reads every stage back."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class Ran:
     start: float
     end: float
     pid: int
+    parent: int  # the pid of the process that started this stage's
 
 
 def _sleep(ctx, work, seconds: float = 2.0) -> Ran:
@@ -30,7 +32,7 @@ def _sleep(ctx, work, seconds: float = 2.0) -> Ran:
     work.mkdir()
     (work / "half.json").write_text("{")
     time.sleep(seconds)
-    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid())
+    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid(), os.getppid())
 
 
 def _sleep_long(ctx, work) -> Ran:
@@ -54,7 +56,7 @@ def _meet(ctx, work) -> Ran:
     for other in ("profile", "plan"):
         _wait_for(work.parent / other / "half.json")
     time.sleep(0.5)
-    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid())
+    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid(), os.getppid())
 
 
 def _fail(ctx, work) -> Ran:
@@ -83,7 +85,7 @@ def _chatter(ctx, work) -> Ran:
     while time.time() < start + 60:
         ctx.on_step({"epoch": 1})
         time.sleep(0.05)
-    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid())
+    return Ran(str(work), sorted(ctx.done), start, time.time(), os.getpid(), os.getppid())
 
 
 def _killed(ctx, work) -> Ran:
@@ -115,6 +117,8 @@ def test_stages_run_side_by_side_once_their_needs_are_done_and_see_only_those(tm
     assert [a.seen, b.seen, c.seen, d.seen] == [[], ["pretrain"], ["pretrain"], ["plan", "profile"]]
     assert a.pid == d.pid == os.getpid()  # alone: run here
     assert len({b.pid, c.pid, os.getpid()}) == 3  # beside each other: a process each
+    if "forkserver" in multiprocessing.get_all_start_methods():  # forked from a server that imported the demo
+        assert b.parent == c.parent != os.getpid()
     assert b.start < c.end and c.start < b.end  # side by side
     assert a.end <= min(b.start, c.start) and max(b.end, c.end) <= d.start
     assert list(report.to_dict()) == ["pretrain", "profile", "plan", "prune"]  # table order, whatever finished first
