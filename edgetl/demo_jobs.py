@@ -162,12 +162,14 @@ def run_side_by_side(stages, ctx, manifest, report, on_stage, jobs: int) -> None
 
 def _process_context():
     """How a stage's process starts: from a fork server that imported the demo (torch and
-    torchvision among it) once, where the platform has one; else spawned, each importing them
+    torchvision among it) once, on Linux; elsewhere spawned, each importing them
     again (seconds each on a busy 2-core machine). Either way it starts from a process that
     has run nothing: no torch threads, no CUDA context."""
     import multiprocessing
+    import sys
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    # macOS has a fork server too, but forking a process that loaded Apple's frameworks is unsafe
+    if not sys.platform.startswith("linux"):
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["edgetl.demo"])

@@ -5,8 +5,8 @@ it, and a rerun reads every stage back."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -117,7 +117,7 @@ def test_stages_run_side_by_side_once_their_needs_are_done_and_see_only_those(tm
     assert [a.seen, b.seen, c.seen, d.seen] == [[], ["pretrain"], ["pretrain"], ["plan", "profile"]]
     assert a.pid == d.pid == os.getpid()  # alone: run here
     assert len({b.pid, c.pid, os.getpid()}) == 3  # beside each other: a process each
-    if "forkserver" in multiprocessing.get_all_start_methods():  # forked from a server that imported the demo
+    if sys.platform.startswith("linux"):  # forked from a server that imported the demo
         assert b.parent == c.parent != os.getpid()
     assert b.start < c.end and c.start < b.end  # side by side
     assert a.end <= min(b.start, c.start) and max(b.end, c.end) <= d.start
