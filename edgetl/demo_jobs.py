@@ -1,7 +1,7 @@
 """Running the demo's stages (``edgetl.demo``): a stage's folder claimed, its result and wall
 time recorded in the report and in its mark (``DIR/stages/NAME.json``, read back by a rerun),
 and the stages side by side (``edgetl demo --jobs N``, ``run_side_by_side``): each as soon as
-the stages it needs are done, a stage beside another in a spawned process of its own that
+the stages it needs are done, a stage beside another in a process of its own that
 sends its progress, result or error back on a queue."""
 
 from __future__ import annotations
@@ -112,15 +112,14 @@ def run_side_by_side(stages, ctx, manifest, report, on_stage, jobs: int) -> None
     (every stage, with one job) runs here; the others each in a process of their own
     (``_process_context``; a stage pickles: module-level functions), with this process's
     threads shared out and its heap policy, which sends its progress and result back on a
-    queue. A stage that fails stops
-    the demo: the stages beside it are ended (each starts again on the next run) and its error
-    is raised here, from its traceback there."""
+    queue. A stage that fails stops the demo: the stages beside it are ended (each starts
+    again on the next run) and its error is raised here, from its traceback there."""
     import torch
 
     from edgetl.heap import DEFAULT, heap_policy
 
-    spawn = _process_context()
-    events = spawn.Queue() if jobs > 1 else None  # (a queue starts multiprocessing's resource tracker)
+    context = _process_context()
+    events = context.Queue() if jobs > 1 else None  # (a queue starts multiprocessing's resource tracker)
     threads = max(1, torch.get_num_threads() // jobs)
     level = logging.getLogger("edgetl").getEffectiveLevel()
     hold = not heap_policy().startswith(DEFAULT)
@@ -147,7 +146,7 @@ def run_side_by_side(stages, ctx, manifest, report, on_stage, jobs: int) -> None
                 work = _claim_work(stage, manifest, report)
                 on_stage(stage.name, "start", {})
                 child = _stage_context(ctx, stage, report, None)
-                process = spawn.Process(target=_stage_process, name=f"edgetl demo {stage.name}",
+                process = context.Process(target=_stage_process, name=f"edgetl demo {stage.name}",
                                         args=(stage, child, work, events, threads, level, hold,
                                               ctx.on_step is not None))
                 process.start()

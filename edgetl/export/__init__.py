@@ -255,7 +255,7 @@ def merge_for_inference(net: EdgeNet) -> EdgeNet:
     float rounding; ``net`` is not changed. Its activations (``inplace`` modules: ReLU6, ReLU)
     write new tensors: the same values, and the same ONNX graph, but the dynamo exporter
     decomposes each in-place activation again under the dynamic batch's symbolic shapes, a
-    fifth of a second or more apiece (docs/pipeline.md, export).
+    fifth of a second or more apiece (docs/jetson.md, Export).
 
     Raises:
         ConfigError: a BatchNorm is left that does not follow a conv (it would run unfolded).
