@@ -89,16 +89,22 @@ def _check(original: nn.Module, made_by_deepcopy: nn.Module, made: nn.Module) ->
     assert not shared, f"{len(shared)} objects of the original in its copy"
 
 
+def _checked_meta_copy(net: nn.Module) -> nn.Module:
+    """``meta_copy(net)``, checked against ``copy.deepcopy`` with the same meta tensors."""
+    memo = meta_tensors([*net.parameters(), *net.buffers()])
+    expected = copy.deepcopy(net, dict(memo))
+    made = meta_copy(net)
+    _check(net, expected, made)
+    return made
+
+
 @pytest.mark.parametrize("name", sorted(NETS))
 def test_a_meta_twin_is_the_deepcopy_of_the_network(name):
     spec, mode, lean = NETS[name]
     torch.manual_seed(0)
     net = build_network(spec, mode, lean=None if lean is None else LeanOptions(**lean))
     handle = net.features[1].register_forward_hook(lambda m, a, o: None)  # a hook is copied as deepcopy does
-    memo = meta_tensors([*net.parameters(), *net.buffers()])
-    expected = copy.deepcopy(net, dict(memo))
-    made = meta_copy(net)
-    _check(net, expected, made)
+    made = _checked_meta_copy(net)
     assert all(t.device.type == "meta" for t in [*made.parameters(), *made.buffers()])
     assert len(made.features[1]._forward_hooks) == 1
     handle.remove()
@@ -131,9 +137,7 @@ def test_a_streamed_network_and_a_module_of_its_own_copy_are_deep_copies():
     net.scale = torch.ones(3)  # a plain tensor attribute: copied, not made meta (as deepcopy does)
     net.names = {"a", "b"}
     net.table = OrderedDict(x=[1, 2])
-    memo = meta_tensors([*net.parameters(), *net.buffers()])
-    made = meta_copy(net)
-    _check(net, copy.deepcopy(net, dict(memo)), made)
+    made = _checked_meta_copy(net)
     assert made.extra[1] is made.features[2] and made.extra[0].copies == 1
     assert made.extra[0].conv.weight.device.type == "meta"
     assert made.scale.device.type == "cpu" and made.scale is not net.scale
@@ -154,9 +158,7 @@ def test_a_module_with_its_own_setstate_is_handed_its_state_as_deepcopy_hands_it
             self.restored += 1
 
     net = nn.Sequential(Restores(), nn.Conv2d(3, 4, 3, padding_mode="reflect", padding=1))
-    memo = meta_tensors([*net.parameters(), *net.buffers()])
-    made = meta_copy(net)
-    _check(net, copy.deepcopy(net, dict(memo)), made)
+    made = _checked_meta_copy(net)
     assert made[0].restored == 1 and net[0].restored == 0 and made[1].padding_mode == "reflect"
 
 

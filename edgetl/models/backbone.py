@@ -73,6 +73,12 @@ class BackboneSpec:
         dataclass): a key for what is computed from the network's shapes alone."""
         return self.arch, self.width, self.num_classes, tuple(sorted(self.hidden.items())), self.dropout
 
+    @classmethod
+    def from_key(cls, key: tuple) -> "BackboneSpec":
+        """The spec a ``key()`` was made from."""
+        arch, width, num_classes, hidden, dropout = key
+        return cls(arch=arch, width=width, num_classes=num_classes, hidden=dict(hidden), dropout=dropout)
+
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data["hidden"] = {str(k): v for k, v in sorted(self.hidden.items())}
@@ -204,9 +210,7 @@ def _meta_template(key: tuple, default_dtype: torch.dtype) -> EdgeNet:
     copied. torch's modules initialise their weights as they are built, and on meta each
     initialising op runs torch's Python meta kernels: MobileNetV2 1.0 took 112 ms to build on
     meta, 48 on CPU, and a copy (``edgetl.twin.meta_copy``) takes about a tenth of that."""
-    arch, width, num_classes, hidden, dropout = key
-    spec = BackboneSpec(arch=arch, width=width, num_classes=num_classes, hidden=dict(hidden), dropout=dropout)
-    return _build(spec, "meta")
+    return _build(BackboneSpec.from_key(key), "meta")
 
 
 STRIDE_PROBE = 1024  # side of the meta image block_shapes follows: 2**10, so strides up to 1024 come out exact
@@ -228,9 +232,7 @@ def block_shapes(net: EdgeNet, *, as_built: bool = False) -> list[tuple[int, int
 def _spec_shapes(key: tuple) -> tuple[tuple[int, int], ...]:
     """``block_shapes`` of a spec's stock backbone, by ``BackboneSpec.key()``: a meta forward
     at 1024 px takes ~0.5 s on CPU and every build of a network with a side needs it."""
-    arch, width, num_classes, hidden, dropout = key
-    spec = BackboneSpec(arch=arch, width=width, num_classes=num_classes, hidden=dict(hidden), dropout=dropout)
-    return tuple(_forward_shapes(build_backbone(spec, device="meta").features))
+    return tuple(_forward_shapes(build_backbone(BackboneSpec.from_key(key), device="meta").features))
 
 
 def _forward_shapes(features: nn.Module) -> list[tuple[int, int]]:
