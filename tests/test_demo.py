@@ -8,6 +8,7 @@ import torch
 
 from edgetl.cli import main
 from edgetl.demo import STREAM
+from edgetl.models.backbone import BackboneSpec
 from tests.conftest import FMNIST_REASON, HAVE_FMNIST
 
 
@@ -21,6 +22,10 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert list(report) == ["pretrain", "profile", "plan", "prune", "retrain",
                             "ft_pruned", "ft_repnet", "ft_streamed", "ft_full", "export"]
     pruned, repnet, streamed = report["ft_pruned"], report["ft_repnet"], report["ft_streamed"]
+    # on a CPU the Rep-Net runs are channels-last, the full fine-tune plain (its recipe says so too)
+    assert [report[s]["channels_last"] for s in ("ft_pruned", "ft_repnet", "ft_streamed", "ft_full")] == [
+        True, True, True, False]
+    assert "channels_last: true" in (out / "ft_streamed" / "recipe.yaml").read_text()
     assert pruned["target_acc1"] > 40.0  # 5 target classes: chance is 20 %
     # the method's point: the pruned side-network run really holds less memory
     assert pruned["measured_bytes"] < repnet["measured_bytes"]
@@ -66,6 +71,33 @@ def test_the_pretrained_backbone_is_the_architecture_at_random_init(tmp_path):
     resnet = _ctx("resnet18", root=str(tmp_path))
     model = resnet.source_recipe(1, resnet.initial_backbone).model
     assert (model.backbone, model.width, model.mode) == ("resnet18:random", 1.0, "full")
+
+
+def test_rep_net_fine_tunes_run_channels_last_on_a_cpu_and_plain_elsewhere():
+    """The Rep-Net stages' recipes ask for channels-last on a CPU (faster conv kernels there);
+    full fine-tuning, which trains its convs plain, never; on CUDA none does; and each recipe
+    builds a network laid out as it says, which the old plain stage record still reads as."""
+    from edgetl.demo import STAGES, FineTuned, Planned, Trained, _Context, QUICK
+    from edgetl.models.side import build_network
+
+    done = {"pretrain": Trained("pre", None), "retrain": Trained("re", None),
+            "plan": Planned(1, 1, "plan.yaml", [], [], 2, "k=2")}
+    stages = {s.name: s.run for s in STAGES if s.result is FineTuned}
+    assert sorted(stages) == ["ft_full", "ft_pruned", "ft_repnet", "ft_streamed"]
+    for device, expected in (("cpu", {"ft_full": False, "ft_pruned": True, "ft_repnet": True, "ft_streamed": True}),
+                             ("cuda", dict.fromkeys(stages, False))):
+        ctx = _Context(QUICK, device, "/nonexistent/fashion-mnist", None, done, "mobilenet_v2")
+        recipes = {name: run.recipe(ctx) for name, run in stages.items()}
+        assert {name: r.model.channels_last for name, r in recipes.items()} == expected, device
+    streamed = recipes["ft_streamed"].model
+    assert (streamed.stream, streamed.uint8_input, streamed.recompute, streamed.pool) == (STREAM, True, True, 2)
+    ctx = _Context(QUICK, "cpu", "/nonexistent/fashion-mnist", None, done, "mobilenet_v2")
+    lean = stages["ft_repnet"].recipe(ctx).model.lean()
+    net = build_network(BackboneSpec(width=0.35, num_classes=5), "repnet", device="meta", lean=lean)
+    assert net.input_memory_format == torch.channels_last
+    record = {f: 0 for f in ("run", "mode", "pool", "stream", "backbone", "uint8_input", "recompute",
+                             "target_acc1", "predicted_bytes", "measured_bytes", "runtime")}
+    assert FineTuned(**record).channels_last is False  # a stage recorded before the option ran plain
 
 
 def test_prune_follows_the_plan_then_the_papers_ratios_then_the_papers_rule():
