@@ -432,7 +432,8 @@ def render_demo() -> str:
     rows = []
     for stage, label in DEMO_STAGES.items():
         r = report[stage]
-        rows.append([label.format(**r), f"k={r['pool']}" if r["mode"] == "repnet" else "-", f"{r['target_acc1']:.1f} %",
+        name = label.format(**r) + (", channels-last" if r.get("channels_last") else "")
+        rows.append([name, f"k={r['pool']}" if r["mode"] == "repnet" else "-", f"{r['target_acc1']:.1f} %",
                      f"{r['predicted_bytes'] / 1e6:.2f} MB", f"{r['measured_bytes'] / 1e6:.2f} MB"])
     table = _table(["target task (5 classes)", "side pooling", "val top-1", "predicted peak", "measured peak"],
                    rows, ["---", "---", "---", "---", "---"])
