@@ -36,7 +36,9 @@ class Stage:
 
 def _read_mark(mark: Path, result: type):
     """A finished stage's (result, wall time) from its mark; None where there is none, or
-    where an older edgetl wrote other fields (the stage then runs again)."""
+    where an older edgetl wrote other fields (the stage then runs again). A field added since
+    with a default reads as that default, which says what the stage did then (a Rep-Net
+    fine-tune recorded before ``FineTuned.channels_last`` ran plain)."""
     if not mark.is_file():
         return None
     info = read_json(mark)

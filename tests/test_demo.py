@@ -73,31 +73,37 @@ def test_the_pretrained_backbone_is_the_architecture_at_random_init(tmp_path):
     assert (model.backbone, model.width, model.mode) == ("resnet18:random", 1.0, "full")
 
 
-def test_rep_net_fine_tunes_run_channels_last_on_a_cpu_and_plain_elsewhere():
+def test_rep_net_fine_tunes_run_channels_last_on_a_cpu_and_plain_elsewhere(tmp_path):
     """The Rep-Net stages' recipes ask for channels-last on a CPU (faster conv kernels there);
-    full fine-tuning, which trains its convs plain, never; on CUDA none does; and each recipe
-    builds a network laid out as it says, which the old plain stage record still reads as."""
+    full fine-tuning, which trains its convs plain, never; on CUDA none does. A recipe builds
+    a network laid out as it says, and a stage recorded before the option reads as plain."""
     from edgetl.demo import STAGES, FineTuned, Planned, Trained, _Context, QUICK
+    from edgetl.demo_jobs import _read_mark
     from edgetl.models.side import build_network
 
     done = {"pretrain": Trained("pre", None), "retrain": Trained("re", None),
             "plan": Planned(1, 1, "plan.yaml", [], [], 2, "k=2")}
     stages = {s.name: s.run for s in STAGES if s.result is FineTuned}
     assert sorted(stages) == ["ft_full", "ft_pruned", "ft_repnet", "ft_streamed"]
+    recipes = {}
     for device, expected in (("cpu", {"ft_full": False, "ft_pruned": True, "ft_repnet": True, "ft_streamed": True}),
                              ("cuda", dict.fromkeys(stages, False))):
         ctx = _Context(QUICK, device, "/nonexistent/fashion-mnist", None, done, "mobilenet_v2")
-        recipes = {name: run.recipe(ctx) for name, run in stages.items()}
-        assert {name: r.model.channels_last for name, r in recipes.items()} == expected, device
-    streamed = recipes["ft_streamed"].model
-    assert (streamed.stream, streamed.uint8_input, streamed.recompute, streamed.pool) == (STREAM, True, True, 2)
-    ctx = _Context(QUICK, "cpu", "/nonexistent/fashion-mnist", None, done, "mobilenet_v2")
-    lean = stages["ft_repnet"].recipe(ctx).model.lean()
-    net = build_network(BackboneSpec(width=0.35, num_classes=5), "repnet", device="meta", lean=lean)
-    assert net.input_memory_format == torch.channels_last
-    record = {f: 0 for f in ("run", "mode", "pool", "stream", "backbone", "uint8_input", "recompute",
-                             "target_acc1", "predicted_bytes", "measured_bytes", "runtime")}
-    assert FineTuned(**record).channels_last is False  # a stage recorded before the option ran plain
+        recipes[device] = {name: run.recipe(ctx) for name, run in stages.items()}
+        assert {name: r.model.channels_last for name, r in recipes[device].items()} == expected, device
+        streamed = recipes[device]["ft_streamed"].model  # the other levers as before, on either device
+        assert (streamed.stream, streamed.uint8_input, streamed.recompute, streamed.pool) == (STREAM, True, True, 2)
+    spec = BackboneSpec(width=QUICK.width, num_classes=5)
+    for device, layout in (("cpu", torch.channels_last), ("cuda", torch.contiguous_format)):
+        net = build_network(spec, "repnet", device="meta", lean=recipes[device]["ft_repnet"].model.lean())
+        assert net.input_memory_format == layout, device
+    mark = tmp_path / "ft_repnet.json"  # what the demo wrote before the option existed
+    old = {"run": "r", "mode": "repnet", "pool": 2, "stream": 0, "backbone": "pre", "uint8_input": False,
+           "recompute": False, "target_acc1": 87.5, "predicted_bytes": 1, "measured_bytes": 1, "runtime": "lean",
+           "wall_s": 3.0}
+    mark.write_text(json.dumps(old))
+    record, wall_s = _read_mark(mark, FineTuned)
+    assert record.channels_last is False and wall_s == 3.0
 
 
 def test_prune_follows_the_plan_then_the_papers_ratios_then_the_papers_rule():

@@ -120,7 +120,7 @@ class StorageMeter(TorchDispatchMode):
         if key in self._sizes and self.trace is not None:
             self.trace.append(("free", key))
         self.current_bytes -= self._sizes.pop(key, 0)
-        del self._finalizers[key]
+        self._finalizers.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = meta_call(func, args, kwargs or {})
