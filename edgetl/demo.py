@@ -352,10 +352,10 @@ class _FineTune:
 
         recipe = self.recipe(ctx)
         result = finetune(recipe=recipe, out_dir=work, device=ctx.device, on_step=ctx.on_step)
-        stream = self.stream
-        return FineTuned(str(work), self.mode, recipe.model.pool, stream, ctx.done[self.backbone_stage].backbone,
-                         bool(stream), bool(stream), result.best_acc1, result.predicted.total_bytes,
-                         result.measured_peak_bytes, result.predicted.runtime, recipe.model.channels_last)
+        m = recipe.model  # what the stage ran, as its recipe says
+        return FineTuned(str(work), m.mode, m.pool, m.stream, ctx.done[self.backbone_stage].backbone, m.uint8_input,
+                         m.recompute, result.best_acc1, result.predicted.total_bytes, result.measured_peak_bytes,
+                         result.predicted.runtime, m.channels_last)
 
 
 def _export(ctx: _Context, work: Path) -> Exported:

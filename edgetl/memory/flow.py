@@ -8,6 +8,7 @@ local variable rebound later: whatever the code does)."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -93,7 +94,7 @@ class _FlowRecorder(TorchFunctionMode):
         self.seen = 0  # storages numbered so far
         self.latest: dict[int, int] = {}  # storage number -> newest value id
         self.holds: dict[int, int] = {}  # storage number -> the last op recorded before it died
-        self.finalizers: list[weakref.finalize] = []
+        self.finalizers: list[weakref.ref] = []  # a plain ref's callback, as the storage meter's
         self.ops: list[Op] = []
         self.stack: list[bool] = []  # per module call: a leaf call
         self.ignored: list[bool] = []  # per module call: inside a streamed segment (its own leaf)
@@ -112,10 +113,10 @@ class _FlowRecorder(TorchFunctionMode):
         if key not in self.numbers:
             self.numbers[key] = self.seen
             self.seen += 1
-            self.finalizers.append(weakref.finalize(storage, self.died, key))
+            self.finalizers.append(weakref.ref(storage, functools.partial(self.died, key)))
         return self.numbers[key]
 
-    def died(self, key: int) -> None:
+    def died(self, key: int, _ref: weakref.ref | None = None) -> None:
         """A storage's last reference went: Python held it up to the last op recorded."""
         self.holds[self.numbers.pop(key)] = len(self.ops) - 1
 
@@ -207,8 +208,7 @@ class _FlowRecorder(TorchFunctionMode):
         finally:
             for h in handles:
                 h.remove()
-            for fin in self.finalizers:
-                fin.detach()
+            self.finalizers.clear()  # a dropped ref calls nothing: later deaths are not recorded
         if self.reported != len(self.opened):
             raise RuntimeError(f"trace order mismatch: {len(self.opened) - self.reported} leaf calls not traced")
         # the logits: until the loss has them; anything else still alive, until forward returns
