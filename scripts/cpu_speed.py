@@ -3,6 +3,7 @@ times beside one competing process (``python3 -c 'while True: pass'``, one core 
 run's table kept whole in one file, with each row's ratio to stock Rep-Net summarised per setting.
 
     python scripts/cpu_speed.py --json benchmarks/cpu_speed_224_heap.json
+    python scripts/cpu_speed.py --methods repnet-stock,repnet-stock-cl,repnet-lean,repnet-lean-cl,... --json F
 
 The ``edgetl`` program's own policies hold in every run (its thread policy, its heap policy:
 ``edgetl.heap``); run it with nothing else on the machine.
@@ -21,13 +22,17 @@ from pathlib import Path
 
 METHODS = ("repnet-stock,repnet-lean,repnet-pruned-pool2,repnet-pruned-pool2-bf16-int8,bias-lean,bias-lean-stream,"
            "repnet-lean-stream,repnet-pruned-pool2-bf16-int8-stream")
-BENCH = ["--methods", METHODS, "--steps", "10", "--warmup", "2", "--largest-steps", "0"]
 
 
-def bench_once(out: Path, competing: bool) -> dict:
+def bench_args(methods: str) -> list[str]:
+    """The ``edgetl bench`` arguments of every run (before ``--json``)."""
+    return ["--methods", methods, "--steps", "10", "--warmup", "2", "--largest-steps", "0"]
+
+
+def bench_once(out: Path, competing: bool, methods: str = METHODS) -> dict:
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if competing else None
     try:
-        subprocess.run([sys.executable, "-m", "edgetl", "bench", *BENCH, "--json", str(out)], check=True,
+        subprocess.run([sys.executable, "-m", "edgetl", "bench", *bench_args(methods), "--json", str(out)], check=True,
                        stdout=subprocess.DEVNULL)
     finally:
         if busy is not None:
@@ -56,6 +61,9 @@ def summary(runs: list[dict]) -> dict[str, dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="runs alone, and as many beside a competing process")
+    p.add_argument("--methods", default=METHODS, metavar="A,B,...",
+                   help="the bench's methods, comma-separated (edgetl bench --methods; stock Rep-Net, the "
+                        "reference, among them); default: %(default)s")
     p.add_argument("--json", type=Path, required=True)
     a = p.parse_args()
     from edgetl.io import atomic_text_json
@@ -64,12 +72,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for setting in runs:
             for i in range(a.runs):
-                runs[setting].append(bench_once(Path(tmp) / f"{setting}{i}.json", setting == "competing"))
+                runs[setting].append(bench_once(Path(tmp) / f"{setting}{i}.json", setting == "competing", a.methods))
                 print(f"{setting} run {i + 1}/{a.runs} done", file=sys.stderr, flush=True)
     data = {"what": f"edgetl bench at 224 px, batch 8, run {a.runs} times alone and {a.runs} times beside one "
                     "competing process (python3 -c 'while True: pass', one core busy); the edgetl program's own "
                     "thread and heap policies",
-            "command": "edgetl bench " + " ".join(BENCH) + " --json RUN.json",
+            "command": "edgetl bench " + " ".join(bench_args(a.methods)) + " --json RUN.json",
             "script": "python scripts/cpu_speed.py " + " ".join(sys.argv[1:]),
             "date": datetime.date.today().isoformat(),
             "summary": {setting: summary(r) for setting, r in runs.items()}, "runs": runs}

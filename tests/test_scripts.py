@@ -128,3 +128,19 @@ def test_cpu_speed_summarises_each_rows_ratios_per_setting():
     got = summary([run(1.1, 0.9), run(1.3, 0.8), run(1.2, 1.0)])
     assert got["repnet-lean"]["vs_stock"] == [1.1, 1.3, 1.2] and got["repnet-lean"]["vs_stock_median"] == 1.2
     assert got["repnet-lean-stream"]["vs_twin_median"] == 0.9 and got["repnet-stock"]["vs_twin_median"] is None
+
+
+def test_cpu_speed_runs_the_bench_on_the_methods_asked_for():
+    """scripts/cpu_speed.py --methods: its bench arguments parse with edgetl bench's own parser
+    and carry those methods (the default ones where not given), timed as every run is."""
+    from edgetl.cli import build_parser
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from cpu_speed import METHODS, bench_args
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    for methods in (METHODS, "repnet-stock,repnet-lean-cl"):
+        args = build_parser(only="bench").parse_args(["bench", *bench_args(methods), "--json", "x.json"])
+        assert args.methods == methods.split(","), args.methods
+        assert (args.steps, args.warmup, args.largest_steps) == (10, 2, 0)
