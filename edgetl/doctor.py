@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 import platform
 import re
 from dataclasses import dataclass, field
@@ -23,6 +24,11 @@ log = logging.getLogger(__name__)
 CUDA_CONTEXT_BYTES = 300 * MB
 # Keep this share of MemAvailable free for the OS, the data loader and page cache churn.
 BUDGET_HEADROOM = 0.25
+# Variables that cap the instructions a CPU's kernels use: oneDNN's (convolutions), MKL's (matrix
+# products), ATen's own. Kernels for other instructions sum in another order, so training on an
+# AVX-512 host and on an AVX2 one differs in the last bits; the demo on an AVX-512 EPYC gave
+# the AVX2 report's every figure with the first two set to AVX2 (docs/pipeline.md).
+KERNEL_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 # L4T release -> JetPack release (NVIDIA's Jetson Linux release notes).
 JETPACK_BY_L4T = {
     "36.2.0": "6.0 DP", "36.3.0": "6.0", "36.4.0": "6.1", "36.4.3": "6.2", "36.4.4": "6.2.1",
@@ -56,6 +62,10 @@ class DoctorReport:
     # the CPU heap policy of the process asking (``edgetl.heap``; the command fills it in: the
     # edgetl program holds freed memory, a library caller's process has the C library's default)
     heap: str | None = None
+    # the vector instructions ATen's CPU kernels use here (torch.backends.cpu.get_cpu_capability),
+    # and the caps set on the CPU kernels (``KERNEL_CAPS``: variable -> value, the ones set)
+    cpu_capability: str | None = None
+    kernel_caps: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -123,6 +133,11 @@ def is_jetson(root: str | Path = "/") -> bool:
     return _names_a_jetson(*_jetson_files(Path(root)))
 
 
+def kernel_caps(environ=os.environ) -> dict[str, str]:
+    """The caps on the CPU kernels' instructions set in ``environ`` (``KERNEL_CAPS``)."""
+    return {name: environ[name] for name in KERNEL_CAPS if environ.get(name)}
+
+
 def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     """Collect platform facts.
 
@@ -136,7 +151,8 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     l4t = parse_l4t_release(tegra) if tegra else None
     jetson = _names_a_jetson(model, tegra)
 
-    torch_version = torch_cuda = cudnn = gpu_name = capability = None
+    torch_version = torch_cuda = cudnn = gpu_name = capability = cpu_capability = None
+    caps = kernel_caps()
     cuda_available, integrated = False, None
     try:
         import torch
@@ -144,6 +160,11 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
         notes.append("torch is not installed: fine-tuning needs it")
     else:
         torch_version, torch_cuda = torch.__version__, torch.version.cuda
+        cpu_capability = torch.backends.cpu.get_cpu_capability()
+        if cpu_capability.startswith("AVX512") and not caps:
+            notes.append("the CPU kernels use AVX-512 here: training rounds otherwise than on an AVX2-only "
+                         "host; ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 reproduces such a host's "
+                         "figures (docs/pipeline.md)")
         if torch.backends.cudnn.is_available():
             cudnn_int = torch.backends.cudnn.version()
             # cuDNN 9 encodes 9.3.0 as 90300, cuDNN 8 encodes 8.9.7 as 8907.
@@ -192,5 +213,7 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
         mem_total_bytes=total,
         mem_available_bytes=available,
         suggested_budget_bytes=budget,
+        cpu_capability=cpu_capability,
+        kernel_caps=caps,
         notes=notes,
     )

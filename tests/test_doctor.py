@@ -105,3 +105,42 @@ def test_cli_doctor_text_and_json(capsys):
     line = next(line for line in text.splitlines() if line.startswith("memory total"))
     assert line.split()[-2:] == [f"{ref['MemTotal'] * 1024 / 10**6:.0f}", "MB"]
     assert "suggested --budget" in text and "Jetson" in text
+
+
+def _cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def test_cpu_kernels_are_the_instructions_this_cpu_has():
+    """The instructions ATen's kernels use, against the processor's own flags (/proc/cpuinfo); the
+    AVX-512 note only where they are AVX-512 and nothing caps them."""
+    import torch
+
+    report = doctor(probe_gpu=False)
+    assert report.cpu_capability == torch.backends.cpu.get_cpu_capability()
+    flags = _cpu_flags()
+    if report.cpu_capability.startswith("AVX512"):
+        assert "avx512f" in flags
+    elif report.cpu_capability == "AVX2":
+        assert "avx2" in flags and "avx512f" not in flags or report.kernel_caps
+    noted = any("AVX-512" in note for note in report.notes)
+    assert noted == (report.cpu_capability.startswith("AVX512") and not report.kernel_caps)
+
+
+def test_kernel_caps_are_the_ones_set_and_printed(monkeypatch, capsys):
+    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    assert doctor(probe_gpu=False).kernel_caps == {}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    report = doctor(probe_gpu=False)
+    assert report.kernel_caps == {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert not any("AVX-512" in note for note in report.notes)
+    assert cli_main(["doctor", "--no-gpu"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("CPU kernels"))
+    assert line.split(None, 2)[2] == (f"{report.cpu_capability} (ATen); ONEDNN_MAX_CPU_ISA=AVX2, "
+                                      "MKL_ENABLE_INSTRUCTIONS=AVX2")

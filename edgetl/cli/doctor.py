@@ -29,6 +29,14 @@ def _mb(n_bytes: int | None) -> str:
     return "-" if n_bytes is None else f"{n_bytes / MB:.0f} MB"
 
 
+def _kernels(report) -> str | None:
+    """The instructions ATen's CPU kernels use, and the caps set on oneDNN's, MKL's or ATen's."""
+    if report.cpu_capability is None:
+        return None
+    caps = ", ".join(f"{k}={v}" for k, v in report.kernel_caps.items()) or "oneDNN and MKL uncapped"
+    return f"{report.cpu_capability} (ATen); {caps}"
+
+
 def run(args) -> int:
     report = dataclasses.replace(doctor(probe_gpu=not args.no_gpu), heap=heap_policy())
     if args.json:
@@ -51,6 +59,7 @@ def run(args) -> int:
         ("memory available", _mb(report.mem_available_bytes)),
         ("suggested --budget", _mb(report.suggested_budget_bytes)),
         ("CPU heap", report.heap),
+        ("CPU kernels", _kernels(report)),
     ]
     width = max(len(name) for name, _ in rows) + 2
     for name, value in rows:
