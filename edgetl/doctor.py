@@ -161,7 +161,7 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     else:
         torch_version, torch_cuda = torch.__version__, torch.version.cuda
         cpu_capability = torch.backends.cpu.get_cpu_capability()
-        if cpu_capability.startswith("AVX512") and not caps:
+        if cpu_capability.startswith("AVX512") and not set(caps) & set(KERNEL_CAPS[:2]):
             notes.append("the CPU kernels use AVX-512 here: training rounds otherwise than on an AVX2-only "
                          "host; ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 reproduces such a host's "
                          "figures (docs/pipeline.md)")

@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 from edgetl.cli import COMMANDS
-from edgetl.doctor import MB, doctor
+from edgetl.doctor import KERNEL_CAPS, MB, doctor
 from edgetl.heap import heap_policy
 
 
@@ -33,8 +33,10 @@ def _kernels(report) -> str | None:
     """The instructions ATen's CPU kernels use, and the caps set on oneDNN's, MKL's or ATen's."""
     if report.cpu_capability is None:
         return None
-    caps = ", ".join(f"{k}={v}" for k, v in report.kernel_caps.items()) or "oneDNN and MKL uncapped"
-    return f"{report.cpu_capability} (ATen); {caps}"
+    caps = [f"{k}={v}" for k, v in report.kernel_caps.items()]
+    if not set(report.kernel_caps) & set(KERNEL_CAPS[:2]):
+        caps.append("oneDNN and MKL uncapped")
+    return f"{report.cpu_capability} (ATen); {', '.join(caps)}"
 
 
 def run(args) -> int:
