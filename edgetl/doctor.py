@@ -28,7 +28,8 @@ BUDGET_HEADROOM = 0.25
 # products), ATen's own. Kernels for other instructions sum in another order, so training on an
 # AVX-512 host and on an AVX2 one differs in the last bits; the demo on an AVX-512 EPYC gave
 # the AVX2 report's every figure with the first two set to AVX2 (docs/pipeline.md).
-KERNEL_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+LIBRARY_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+KERNEL_CAPS = (*LIBRARY_CAPS, "ATEN_CPU_CAPABILITY")
 # L4T release -> JetPack release (NVIDIA's Jetson Linux release notes).
 JETPACK_BY_L4T = {
     "36.2.0": "6.0 DP", "36.3.0": "6.0", "36.4.0": "6.1", "36.4.3": "6.2", "36.4.4": "6.2.1",
@@ -138,6 +139,12 @@ def kernel_caps(environ=os.environ) -> dict[str, str]:
     return {name: environ[name] for name in KERNEL_CAPS if environ.get(name)}
 
 
+def libraries_capped(caps: dict[str, str]) -> bool:
+    """Whether ``caps`` (``kernel_caps``) cap oneDNN's or MKL's kernels (``LIBRARY_CAPS``): ATen's
+    own cap alone leaves theirs as they are."""
+    return bool(set(caps) & set(LIBRARY_CAPS))
+
+
 def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     """Collect platform facts.
 
@@ -161,7 +168,7 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     else:
         torch_version, torch_cuda = torch.__version__, torch.version.cuda
         cpu_capability = torch.backends.cpu.get_cpu_capability()
-        if cpu_capability.startswith("AVX512") and not set(caps) & set(KERNEL_CAPS[:2]):
+        if cpu_capability.startswith("AVX512") and not libraries_capped(caps):
             notes.append("the CPU kernels use AVX-512 here: training rounds otherwise than on an AVX2-only "
                          "host; ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 reproduces such a host's "
                          "figures (docs/pipeline.md)")

@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 from edgetl.cli import COMMANDS
-from edgetl.doctor import KERNEL_CAPS, MB, doctor
+from edgetl.doctor import MB, doctor, libraries_capped
 from edgetl.heap import heap_policy
 
 
@@ -34,7 +34,7 @@ def _kernels(report) -> str | None:
     if report.cpu_capability is None:
         return None
     caps = [f"{k}={v}" for k, v in report.kernel_caps.items()]
-    if not set(report.kernel_caps) & set(KERNEL_CAPS[:2]):
+    if not libraries_capped(report.kernel_caps):
         caps.append("oneDNN and MKL uncapped")
     return f"{report.cpu_capability} (ATen); {', '.join(caps)}"
 
