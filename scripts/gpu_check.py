@@ -63,11 +63,12 @@ QUICK = {"resolution": 64, "width": 0.35, "budget": "24MB", "steps": 1, "warmup"
 
 
 def bench_methods() -> list[str]:
-    """The bench rows: the fixed ones, then every streamed method edgetl defines."""
+    """The bench rows: the fixed ones, then every streamed method edgetl defines that runs on a GPU."""
     from edgetl.bench import METHODS
+    from edgetl.bench.methods import cpu_only
 
     return [m for m in BENCH_METHODS if m in METHODS] + [m for m in METHODS if "stream" in m
-                                                         and m not in BENCH_METHODS]
+                                                         and m not in BENCH_METHODS and not cpu_only(METHODS[m])]
 
 
 def facts(device: str) -> dict:

@@ -221,7 +221,7 @@ def test_plan_row_is_the_least_degraded_configuration_that_fits(result):
     assert exact.measured_bytes <= BUDGET
     assert exact.lean == {"pool": 1, "bn": "fold", "frozen_weights": "fp32", "precision": "fp32", "stream": 0,
                           "storage": "exact", "keep": 0.1, "uint8_input": False, "recompute": False,
-                          "channels_last": False}
+                          "channels_last": False, "mask_kernels": "aten"}
     row = result.row(PLAN)
     assert (row.lean, row.hidden) == (exact.lean, exact.hidden) and row.hidden == {}
     assert row.measured_bytes == exact.measured_bytes
@@ -236,7 +236,8 @@ def test_plan_row_is_the_plan_for_the_budget(result):
     c = chosen.chosen
     assert row.lean == {"pool": c.pool, "bn": "fold", "frozen_weights": c.frozen_weights, "precision": c.precision,
                         "stream": c.stream, "storage": "exact", "keep": 0.1, "uint8_input": c.uint8_input,
-                        "recompute": c.recompute, "channels_last": False}
+                        "recompute": c.recompute, "channels_last": False,
+                        "mask_kernels": "aten"}
     assert row.hidden == {str(b): k for b, k in c.kept.items()}
     assert row.runtime_bytes == chosen.predicted_bytes <= BUDGET
     assert c.describe() in row.note

@@ -235,11 +235,11 @@ def bench(
             interleaved with the eager steps, and at the largest batch; None: on CUDA.
     """
     BackboneSpec(arch=arch, width=width, num_classes=num_classes)  # one line for an unknown arch or width
-    names = list(methods) if methods is not None else default_methods(arch)
+    names = list(methods) if methods is not None else default_methods(arch, device)
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
-    check_methods(names, arch)
+    check_methods(names, arch, device)
     if not names:
         raise ConfigError("no methods to bench")
     if len(set(names)) != len(names):

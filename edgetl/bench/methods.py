@@ -71,6 +71,15 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("repnet-lean-cl", "Rep-Net, lean runtime, channels-last", "repnet", LeanOptions(pool=1, channels_last=True)),
     Method("repnet-pruned-pool2-cl", "Rep-Net, lean, pruned, k=2 (the paper's configuration), channels-last", "repnet",
            LeanOptions(pool=2, channels_last=True), pruned=True),
+    # edgetl's fused mask kernels (CPU only: edgetl.models.lean.fused)
+    Method("repnet-lean-cl-fused", "Rep-Net, lean runtime, channels-last, fused mask kernels", "repnet",
+           LeanOptions(pool=1, channels_last=True, mask_kernels="fused")),
+    Method("repnet-pruned-pool2-bf16-int8-fused", "+ bf16 activations, int8 frozen weights, fused mask kernels", "repnet",
+           LeanOptions(pool=2, precision="bf16", frozen_weights="int8", mask_kernels="fused"), pruned=True),
+    Method("repnet-pruned-pool2-bf16-int8-stream-fused", "+ backbone streamed by 1, uint8 batch, recompute, fused mask "
+           "kernels", "repnet", LeanOptions(pool=2, precision="bf16", frozen_weights="int8", stream=1, uint8_input=True,
+                                            recompute=True, mask_kernels="fused"),
+           pruned=True, unstreamed="repnet-pruned-pool2-bf16-int8-fused"),
     Method(PLAN, "edgetl plan's pick for the budget", "repnet", planned=True),
 )}
 
@@ -82,15 +91,29 @@ def plan_available() -> bool:
     return importlib.util.find_spec("edgetl.plan") is not None
 
 
-def default_methods(arch: str = DEFAULT_ARCH) -> list[str]:
-    """Every method, less ``plan`` where edgetl.plan is missing and the paper-pruned rows on an
-    architecture no paper pruned (``Architecture.paper_ratios`` empty)."""
+def cpu_only(method: Method) -> bool:
+    """Whether the method runs on a CPU alone (edgetl's fused mask kernels have no GPU kernel)."""
+    return method.lean is not None and method.lean.mask_kernels == "fused"
+
+
+def default_methods(arch: str = DEFAULT_ARCH, device: str | torch.device = "cpu") -> list[str]:
+    """Every method, less ``plan`` where edgetl.plan is missing, the paper-pruned rows on an
+    architecture no paper pruned (``Architecture.paper_ratios`` empty) and, off a CPU, the
+    CPU-only rows (``cpu_only``)."""
     ratios = bool(archs.get(arch).paper_ratios)
-    return [n for n in METHODS if (n != PLAN or plan_available()) and (ratios or not METHODS[n].pruned)]
+    cpu = torch.device(device).type == "cpu"
+    return [n for n in METHODS if (n != PLAN or plan_available()) and (ratios or not METHODS[n].pruned)
+            and (cpu or not cpu_only(METHODS[n]))]
 
 
-def check_methods(names: list[str], arch: str) -> None:
-    """Refuse, in one line, paper-pruned rows on an architecture without the paper's ratios."""
+def check_methods(names: list[str], arch: str, device: str | torch.device = "cpu") -> None:
+    """Refuse, in one line, paper-pruned rows on an architecture without the paper's ratios, and
+    CPU-only rows elsewhere than on a CPU."""
+    kind = torch.device(device).type
+    cpu_rows = [n for n in names if cpu_only(METHODS[n])]
+    if cpu_rows and kind != "cpu":
+        raise ConfigError(f"method(s) {', '.join(cpu_rows)} run edgetl's fused mask kernels, which run on a CPU; "
+                          f"leave them out on {kind}")
     entry = archs.get(arch)
     pruned = [n for n in names if METHODS[n].pruned]
     if pruned and not entry.paper_ratios:

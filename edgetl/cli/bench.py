@@ -142,7 +142,7 @@ def run(args) -> int:
         if args.methods is not None and len(set(args.methods)) != len(args.methods):
             raise ConfigError(f"methods repeat: {','.join(args.methods)}")
         if args.methods is not None:
-            check_methods(args.methods, args.backbone)
+            check_methods(args.methods, args.backbone, args.device)
         print("benchmarking (memory of each method, then interleaved timed steps) ...", file=sys.stderr)
         result = bench(
             arch=args.backbone, resolution=pick("resolution"), batch_size=args.batch_size, num_classes=args.num_classes,

@@ -227,6 +227,7 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
         from edgetl.models.lean_full import leanify_full
 
         leanify_full(net, storage=lean.storage, keep=lean.keep)
+        _mask_kernels(net, lean)
         net.options = lean
         return net
     leanify_network(
@@ -245,5 +246,14 @@ def make_lean(net: EdgeNet, lean: LeanOptions) -> EdgeNet:
             pool.set_input(norm, None)
     if lean.channels_last:
         net.to_channels_last()
+    _mask_kernels(net, lean)
     net.options = lean  # its stream and recompute: read by edgetl.memory.schedule.fit_schedule
     return net
+
+
+def _mask_kernels(net: EdgeNet, lean: LeanOptions) -> None:
+    """The masked layers' kernels (``LeanOptions.mask_kernels``): torch's ops unless asked."""
+    if lean.mask_kernels != "aten":
+        from edgetl.models.lean import set_mask_kernels
+
+        set_mask_kernels(net, lean.mask_kernels)

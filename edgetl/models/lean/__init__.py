@@ -37,6 +37,8 @@ and each leaf's moments, against the meter on a real step to the byte.
 Rooms, by concern (import from this package; the submodules are its layout):
 
     masks         1-bit masks: pack_mask, unpack_mask, unpack_as, mask_bytes
+    fused         the same masks packed and applied by compiled kernels, one each way
+                  (LeanOptions.mask_kernels "fused"; CPU; set_mask_kernels)
     layout        channels-last or plain: every layer keeps the layout it is given
                   (is_channels_last, empty_as, memory_flat)
     pooled_conv   PooledConv2d and its pooled-input gradient (effective_pool, POOLS)
@@ -70,6 +72,7 @@ from edgetl.models.lean.leanify import (
     lean_block,
     leanify_backbone,
     register_converter,
+    set_mask_kernels,
 )
 from edgetl.models.lean.masks import (
     mask_bytes,
@@ -135,6 +138,7 @@ __all__ = [
     "pooled_grad_weight",
     "quantize_int8",
     "register_converter",
+    "set_mask_kernels",
     "unpack_as",
     "unpack_mask",
     "unpack_table",

@@ -7,17 +7,20 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
-from edgetl.models.lean.frozen import _act_mask
+from edgetl.models.lean.fused import clamp_pack_
+from edgetl.models.lean.frozen import _act_mask, _masked
 from edgetl.models.lean.layout import is_channels_last
-from edgetl.models.lean.masks import unpack_as, unpack_table
 
 
 class _MaskedReLUFn(Function):
     @staticmethod
-    def forward(ctx, y, upper, chunk, shapes_only=False):
-        ctx.shape, ctx.channels_last = tuple(y.shape), is_channels_last(y)
+    def forward(ctx, y, upper, chunk, shapes_only=False, kernels="aten"):
+        ctx.shape, ctx.channels_last, ctx.kernels = tuple(y.shape), is_channels_last(y), kernels
         ctx.mark_dirty(y)
         if shapes_only:  # a meta trace: the same tensor back, no values
+            return y
+        if ctx.needs_input_grad[0] and kernels == "fused":  # clamped and packed in one pass
+            ctx.save_for_backward(clamp_pack_(y, upper))
             return y
         y = y.clamp_(0, upper) if upper is not None else y.clamp_(min=0)
         if ctx.needs_input_grad[0]:  # the mask of the clamped output (``_act_mask``)
@@ -27,8 +30,7 @@ class _MaskedReLUFn(Function):
     @staticmethod
     def backward(ctx, gy):
         (packed,) = ctx.saved_tensors
-        mask = unpack_as(packed, ctx.shape, unpack_table(gy.dtype, gy.device), ctx.channels_last)
-        return mask.mul_(gy), None, None, None
+        return _masked(gy, packed, ctx.shape, ctx.kernels, ctx.channels_last), None, None, None, None
 
 
 class LeanReLU(nn.Module):
@@ -43,13 +45,14 @@ class LeanReLU(nn.Module):
 
     inplace = True  # the runtime trace reads this: the output is the input's storage
     shapes_only = False  # a meta copy only traced forward (``mark_shapes_only``): no mask, no clamp
+    mask_kernels = "aten"  # or "fused" (``edgetl.models.lean.fused``; ``set_mask_kernels``)
 
     def __init__(self, upper: float | None = None):
         super().__init__()
         self.upper = None if upper is None else float(upper)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return _MaskedReLUFn.apply(y, self.upper, 1, self.shapes_only)
+        return _MaskedReLUFn.apply(y, self.upper, 1, self.shapes_only, self.mask_kernels)
 
     def extra_repr(self) -> str:
         return f"upper={self.upper}"

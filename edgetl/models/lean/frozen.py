@@ -14,6 +14,7 @@ from torch.autograd import Function
 from edgetl.errors import ConfigError
 from edgetl.cost import (CallShape, Execution, Setting, configured_copy, dtype_bytes as _dtype_bytes,
                          numel as _numel, repeated)
+from edgetl.models.lean.fused import clamp_pack_, mask_mul
 from edgetl.models.lean.convgrad import conv_input_grad, pointwise_conv
 from edgetl.models.lean.layout import empty_as, is_channels_last, memory_flat, rows_into, rows_of_channels
 from edgetl.models.lean.masks import (
@@ -104,6 +105,10 @@ class FrozenConvBNAct(nn.Module):
     # the converted weight a streamed segment holds across its micro-batches while it runs
     # (``StreamedSegment.hold_weights``): ``dequantized_weight`` returns it instead of converting
     held: torch.Tensor | None = None
+    # how the activation mask is packed forward and applied backward (``LeanOptions.mask_kernels``):
+    # torch's own ops, or edgetl's fused kernels (``edgetl.models.lean.fused``; set per layer by
+    # ``set_mask_kernels``, so a layer's cost key says which)
+    mask_kernels = "aten"
 
     def __init__(
         self,
@@ -398,12 +403,15 @@ class _FrozenConvFn(Function):
             scale, shift = _scale_shift(m, m.running_mean, invstd, bias)
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
         if m.act:
-            if m.upper is not None:
-                y.clamp_(0, m.upper)
+            if need and not saved and m.mask_kernels == "fused":  # clamped and packed in one pass
+                saved = (clamp_pack_(y, m.upper),)
             else:
-                y.clamp_(min=0)
-            if need and not saved:
-                saved = (_act_mask(y, m.mask_chunk(y.shape), m.upper),)
+                if m.upper is not None:
+                    y.clamp_(0, m.upper)
+                else:
+                    y.clamp_(min=0)
+                if need and not saved:
+                    saved = (_act_mask(y, m.mask_chunk(y.shape), m.upper),)
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
         ctx.channels_last, ctx.in_channels_last = is_channels_last(y), is_channels_last(x)
         ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
@@ -441,7 +449,7 @@ class _FrozenConvFn(Function):
         else:
             if ctx.kind == "mask":
                 (packed,) = ctx.saved_tensors
-                gy = unpack_as(packed, ctx.out_shape, unpack_table(act, gy.device), ctx.channels_last).mul_(gy)
+                gy = _masked(gy, packed, ctx.out_shape, m.mask_kernels, ctx.channels_last)
             if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
                 scale = m.bn_weight * torch.rsqrt(m.running_var + m.eps)
                 g_conv = gy * scale.to(act).view(c)
@@ -463,6 +471,14 @@ class _FrozenConvFn(Function):
                 del w, g_conv
             gx = gx.to(ctx.in_dtype)
         return gx, gbias, None, None
+
+
+def _masked(gy: torch.Tensor, packed: torch.Tensor, shape, kernels: str, channels_last: bool) -> torch.Tensor:
+    """``gy`` times the unpacked mask ``packed`` of an output of ``shape``, a new tensor laid out
+    as that output was: one fused kernel, or torch's ops (``unpack_as``)."""
+    if kernels == "fused":
+        return mask_mul(gy, packed, channels_last)
+    return unpack_as(packed, shape, unpack_table(gy.dtype, gy.device), channels_last).mul_(gy)
 
 
 def _sample_aligned(shape) -> bool:
@@ -572,12 +588,13 @@ def _per_sample_backward(ctx, gy):
     if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
         scale = (m.bn_weight * torch.rsqrt(m.running_var + m.eps)).to(act).view(1, -1, 1, 1)
     w = None if m.chunked else m.dequantized_weight(act)
-    table = unpack_table(act, gy.device)
+    table = unpack_table(act, gy.device) if m.mask_kernels != "fused" else None
     # a 1x1 conv's grad_input is W^T @ grad_output, written straight into gx: no result
     # to copy, and no batch-1 conv backward (which falls to a slow kernel on CPU)
     wt = w.view(m.out_channels, m.in_channels).t() if m.pointwise and w is not None else None
     for i in repeated(range(n)):
-        g = unpack_as(packed[i * step : (i + 1) * step], one_out, table, ctx.channels_last).mul_(gy[i : i + 1])
+        g = (mask_mul(gy[i : i + 1], packed[i * step : (i + 1) * step], ctx.channels_last) if table is None
+             else unpack_as(packed[i * step : (i + 1) * step], one_out, table, ctx.channels_last).mul_(gy[i : i + 1]))
         if gbias is not None:
             gbias.add_(g.sum((0, 2, 3), dtype=torch.float32))
         if scale is not None:

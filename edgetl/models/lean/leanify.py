@@ -14,11 +14,12 @@ from torch import nn
 from edgetl.errors import CapabilityError, ConfigError
 from edgetl.models.lean.act import LeanReLU, LeanReLU6
 from edgetl.models.lean.convgrad import conv_input_grad
+import edgetl.models.lean.fused as fused
 from edgetl.models.lean.frozen import ACT_UPPER, FrozenConvBNAct, check_act
 from edgetl.models.lean.maxpool import LeanMaxPool2d
 from edgetl.models.lean.pooling import LeanGlobalAvgPool
 from edgetl.models.lean.residual import LeanResidualBlock
-from edgetl.options import BN_MODES, FROZEN_WEIGHTS, PRECISIONS
+from edgetl.options import BN_MODES, FROZEN_WEIGHTS, MASK_KERNELS, PRECISIONS
 
 # the torch dtype of each option value (edgetl.options.FROZEN_WEIGHTS, PRECISIONS)
 WEIGHT_DTYPES = dict(zip(FROZEN_WEIGHTS, (torch.float32, torch.float16, torch.int8)))
@@ -259,3 +260,22 @@ def leanify_backbone(
     # and the runtime accounting build their batch in this dtype
     net.input_dtype = adt
     return net
+
+
+def set_mask_kernels(net: torch.nn.Module, kernels: str) -> int:
+    """Every masked lean layer of ``net`` (``FrozenConvBNAct``, ``LeanReLU``) packs and applies
+    its mask with ``kernels``; "fused" is checked against the network's device and loaded
+    first. Returns how many layers were set."""
+    if kernels not in MASK_KERNELS:
+        raise ConfigError(f"mask_kernels {kernels!r} is not allowed; allowed: {', '.join(MASK_KERNELS)}")
+    if kernels == "fused":
+        tensor = next(iter([*net.parameters(), *net.buffers()]), None)
+        fused.check_device(tensor.device if tensor is not None else "cpu")
+        fused.load()
+    layers = [m for m in net.modules() if isinstance(m, (FrozenConvBNAct, LeanReLU))]
+    for m in layers:
+        if kernels == "aten":  # the class default: the layer's cost key as it always was
+            m.__dict__.pop("mask_kernels", None)
+        else:
+            m.mask_kernels = kernels
+    return len(layers)

@@ -1,0 +1,202 @@
+"""Fused mask kernels (LeanOptions.mask_kernels "fused", edgetl.models.lean.fused) against
+torch's own ops: the same values bit for bit, kernel by kernel and over whole training steps;
+the memory the accounting predicts with them against the meter; their op counts on meta
+against the meter's on a real step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from edgetl.errors import CapabilityError, ConfigError
+from edgetl.memory.meter import count_step_ops, measure_training_memory
+from edgetl.memory.schedule import predict_step
+from edgetl.models.backbone import BackboneSpec
+from edgetl.models.lean import fused, set_mask_kernels
+from edgetl.models.lean.frozen import _act_mask
+
+from edgetl.models.lean.masks import unpack_as, unpack_table
+from edgetl.models.side import LeanOptions, build_network
+from edgetl.step import Step, training_step
+
+TINY = BackboneSpec(width=0.35, num_classes=10)
+SPECIAL = [0.0, -0.0, 6.0, float("nan"), float("inf"), float("-inf"), 5.999, 6.001, 1e-30, -1e-30]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    fused.load()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, a NaN's payload aside (torch's clamp and multiply may turn one NaN into
+    another): NaN at the same places, every other value's bits equal."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    return torch.equal(_bits(a.masked_fill(nan, 0)), _bits(b.masked_fill(nan, 0)))
+
+
+def _activation(shape, dtype, channels_last, seed=0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).mul_(4)
+    flat = x.view(-1)
+    flat[: len(SPECIAL)] = torch.tensor(SPECIAL)
+    x = x.to(dtype)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (4, 16, 8, 8), (3, 24, 33, 17)])
+@pytest.mark.parametrize("upper", [6.0, None])
+def test_clamp_pack_gives_the_aten_path_s_values_and_mask(dtype, channels_last, shape, upper):
+    y = _activation(shape, dtype, channels_last)
+    want = y.clone()
+    want.clamp_(0, upper) if upper is not None else want.clamp_(min=0)
+    want_packed = _act_mask(want, 1, upper)
+    packed = fused.clamp_pack_(y, upper)
+    assert _same(y, want) and y.stride() == want.stride()
+    assert packed.dtype == torch.uint8 and packed.shape == want_packed.shape
+    assert torch.equal(packed, want_packed)
+    # an independent reading of the bits: element i of the memory order is bit i % 8 of byte i // 8
+    order = want.permute(0, 2, 3, 1).reshape(-1) if channels_last else want.reshape(-1)
+    inside = (order != 0) & ~(order == upper if upper is not None else torch.zeros_like(order, dtype=torch.bool))
+    bits = (packed.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    assert torch.equal(bits.reshape(-1)[: order.numel()].bool(), inside)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("grad_layout", ["same", "other"])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (4, 16, 8, 8), (1, 24, 1, 1)])
+def test_mask_mul_gives_the_aten_path_s_gradient_and_layout(dtype, channels_last, grad_layout, shape):
+    y = _activation(shape, dtype, channels_last)
+    packed = fused.clamp_pack_(y, 6.0)
+    gy = _activation(shape, dtype, channels_last if grad_layout == "same" else not channels_last, seed=1)
+    want = unpack_as(packed, shape, unpack_table(dtype, "cpu"), channels_last).mul_(gy)
+    got = fused.mask_mul(gy, packed, channels_last)
+    assert got.dtype == dtype and got.stride() == want.stride()
+    assert _same(got, want)  # NaN and inf grads times 0 included
+
+
+def test_the_meta_kernels_give_the_cpu_kernels_layouts():
+    for channels_last in (False, True):
+        y = _activation((2, 16, 5, 5), torch.float32, channels_last)
+        meta = torch.empty_like(y, device="meta")
+        packed, packed_meta = fused.clamp_pack_(y, 6.0), fused.clamp_pack_(meta, 6.0)
+        assert (packed_meta.shape, packed_meta.dtype) == (packed.shape, packed.dtype)
+        g, g_meta = fused.mask_mul(y, packed, channels_last), fused.mask_mul(meta, packed_meta, channels_last)
+        assert (g_meta.shape, g_meta.stride(), g_meta.dtype) == (g.shape, g.stride(), g.dtype)
+
+
+def _trained(options: LeanOptions, mode: str, kernels: str, steps: int = 2) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    net = build_network(TINY, mode, device="cpu", lean=LeanOptions(**{**vars(options), "mask_kernels": kernels}))
+    torch.manual_seed(1)  # the classifier's dropout draws alike in both runs
+    step = Step.plain("adam", 1e-3)
+    opt = step.optimizer(net)
+    gen = torch.Generator().manual_seed(2)
+    image = torch.randn(4, 3, 48, 48, generator=gen)
+    if net.input_dtype == torch.uint8:
+        image = image.mul_(64).add_(128).clamp_(0, 255)
+    image = image.to(net.input_dtype, memory_format=net.input_memory_format)
+    labels = torch.randint(0, 10, (4,), generator=gen)
+    for _ in range(steps):
+        training_step(net, step, opt, image, labels)
+    return [p.detach().clone() for p in net.parameters()] + [b.clone() for b in net.buffers()]
+
+
+STEPS = {
+    "repnet": (LeanOptions(pool=1), "repnet"),
+    "repnet-channels-last": (LeanOptions(pool=1, channels_last=True), "repnet"),
+    "paper-bf16-int8-streamed": (LeanOptions(pool=2, precision="bf16", frozen_weights="int8", stream=1,
+                                             uint8_input=True, recompute=True), "repnet"),
+    "bias": (LeanOptions(), "bias"),
+    "full": (LeanOptions(), "full"),
+}
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_a_fused_step_trains_the_same_weights_bit_for_bit(name):
+    options, mode = STEPS[name]
+    aten, fused_run = _trained(options, mode, "aten"), _trained(options, mode, "fused")
+    assert len(aten) == len(fused_run)
+    for a, b in zip(aten, fused_run):
+        assert _same(a, b)
+
+
+@pytest.mark.parametrize("name", ["repnet-channels-last", "paper-bf16-int8-streamed", "full"])
+def test_a_fused_step_is_predicted_as_measured_and_holds_no_more_than_the_aten_step(name):
+    options, mode = STEPS[name]
+    peaks, ops = {}, {}
+    for kernels in ("aten", "fused"):
+        net = build_network(TINY, mode, device="cpu", lean=LeanOptions(**{**vars(options), "mask_kernels": kernels}))
+        predicted = predict_step(net, mode=mode, resolution=48, batch_size=4).total_bytes
+        measured = measure_training_memory(net, resolution=48, batch_size=4)
+        assert predicted == measured.tensor_bytes  # the accounting (meta) against the meter (real CPU step)
+        counted = count_step_ops(net, resolution=48, batch_size=4)  # on a meta copy, by its own counter
+        assert counted.total == measured.ops.total  # the meter's count of the real step's second step
+        peaks[kernels], ops[kernels] = predicted, counted
+    assert peaks["fused"] <= peaks["aten"]
+    assert ops["fused"].total < ops["aten"].total and ops["fused"].kernel_total < ops["aten"].kernel_total
+
+
+def test_every_masked_layer_is_set_and_aten_leaves_the_layers_as_they_were():
+    net = build_network(TINY, "repnet", device="cpu", lean=LeanOptions(mask_kernels="fused"))
+    masked = [m for m in net.modules() if type(m).__name__ in ("FrozenConvBNAct", "LeanReLU", "LeanReLU6")]
+    assert masked and all(m.mask_kernels == "fused" for m in masked)
+    assert set_mask_kernels(net, "aten") == len(masked)
+    assert all("mask_kernels" not in vars(m) and m.mask_kernels == "aten" for m in masked)
+
+
+def test_refusals_are_one_line():
+    with pytest.raises(ConfigError, match="mask_kernels is 'triton'; allowed: 'aten', 'fused'"):
+        LeanOptions(mask_kernels="triton")
+    with pytest.raises(CapabilityError, match="mask_kernels fused runs on CPU; the network is on cuda"):
+        fused.check_device("cuda:0")
+    with pytest.raises(ConfigError, match="mask_kernels fused does not apply to mode repnet on stock modules"):
+        LeanOptions(mask_kernels="fused").for_mode("repnet", "stock", defaults=LeanOptions())
+
+
+def test_a_machine_without_a_compiler_gets_one_line_and_exit_2(tmp_path):
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    proc = subprocess.run([sys.executable, "-m", "edgetl", "profile", "--mask-kernels", "fused", "--resolution", "64",
+                           "--accounting", "runtime"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "mask_kernels fused: compiling masks.cpp failed" in lines[0], proc.stderr
+    assert "use mask_kernels aten" in lines[0]
+
+
+def test_the_bench_leaves_fused_rows_out_off_a_cpu_and_refuses_them_there_in_one_line():
+    from edgetl.bench import METHODS, check_methods, default_methods
+
+    fused_rows = [n for n, m in METHODS.items() if m.lean is not None and m.lean.mask_kernels == "fused"]
+    assert fused_rows and all(n in default_methods() for n in fused_rows)
+    assert default_methods(device="cuda") == [n for n in default_methods() if n not in fused_rows]
+    with pytest.raises(ConfigError, match=f"method\\(s\\) {fused_rows[0]} run edgetl's fused mask kernels, which run "
+                                          "on a CPU; leave them out on cuda"):
+        check_methods([fused_rows[0]], "mobilenet_v2", "cuda")
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        from gpu_check import bench_methods
+    finally:
+        sys.path.remove(scripts)
+    rows = bench_methods()  # what the GPU check benches on CUDA
+    assert rows and not set(rows) & set(fused_rows)
+    check_methods(rows, "mobilenet_v2", "cuda")
