@@ -97,8 +97,8 @@ class LeanOptions:
     mask_kernels: Literal[MASK_KERNELS] = option("aten", "how the lean layers pack their ReLU masks forward and "
                                                          "apply them backward: aten (torch's ops, any device) or "
                                                          "fused (one compiled kernel each way, CPU only, built on "
-                                                         "first use with g++; the same results, fewer ops, less "
-                                                         "memory)")
+                                                         "first use with g++ and ninja; the same results, fewer "
+                                                         "ops, no more memory)")
 
     def __post_init__(self) -> None:
         self.check("")

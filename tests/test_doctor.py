@@ -152,3 +152,17 @@ def test_kernel_caps_are_the_ones_set_and_printed(monkeypatch, capsys):
     assert cli_main(["doctor", "--no-gpu"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("CPU kernels"))
     assert line.endswith("; ATEN_CPU_CAPABILITY=default, oneDNN and MKL uncapped")
+
+
+def test_the_compiler_that_builds_the_fused_kernels_is_named_or_its_absence_said(monkeypatch, capsys, tmp_path):
+    cxx = tmp_path / "my-c++"
+    cxx.write_text("#!/bin/sh\nexit 0\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    assert doctor(probe_gpu=False).cxx == str(cxx)
+    assert cli_main(["doctor", "--no-gpu"]) == 0
+    assert f"{cxx} (builds --mask-kernels fused)" in capsys.readouterr().out
+    monkeypatch.setenv("CXX", str(tmp_path / "missing"))
+    assert doctor(probe_gpu=False).cxx is None
+    assert cli_main(["doctor", "--no-gpu"]) == 0
+    assert "none (--mask-kernels fused is refused)" in capsys.readouterr().out

@@ -27,6 +27,10 @@ TINY = BackboneSpec(width=0.35, num_classes=10)
 SPECIAL = [0.0, -0.0, 6.0, float("nan"), float("inf"), float("-inf"), 5.999, 6.001, 1e-30, -1e-30]
 
 
+pytestmark = pytest.mark.skipif(not fused.buildable(), reason="no C++ compiler (CXX or c++) or no ninja to build the "
+                                "fused mask kernels with; edgetl refuses mask_kernels fused here in one line")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     fused.load()
@@ -90,6 +94,23 @@ def test_mask_mul_gives_the_aten_path_s_gradient_and_layout(dtype, channels_last
     got = fused.mask_mul(gy, packed, channels_last)
     assert got.dtype == dtype and got.stride() == want.stride()
     assert _same(got, want)  # NaN and inf grads times 0 included
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_portable_loop_an_arm_cpu_runs_gives_the_same_values(dtype):
+    """The build without AVX2 (``fused.BUILDS["edgetl_portable"]``), as a Jetson's Arm cores run
+    it, against torch's path: whole bytes and a partial one, both layouts, ReLU6 and ReLU."""
+    fused.load("edgetl_portable")
+    ops = torch.ops.edgetl_portable
+    for shape, channels_last, upper in (((3, 24, 33, 17), True, 6.0), ((2, 3, 5, 7), False, None)):
+        y = _activation(shape, dtype, channels_last)
+        want = y.clone()
+        want.clamp_(0, upper) if upper is not None else want.clamp_(min=0)
+        packed = ops.clamp_pack_(y, upper)
+        assert _same(y, want) and torch.equal(packed, _act_mask(want, 1, upper))
+        gy = _activation(shape, dtype, channels_last, seed=1)
+        got = ops.mask_mul(gy, packed, channels_last)
+        assert _same(got, unpack_as(packed, shape, unpack_table(dtype, "cpu"), channels_last).mul_(gy))
 
 
 def test_the_meta_kernels_give_the_cpu_kernels_layouts():
@@ -179,14 +200,17 @@ def test_a_machine_without_a_compiler_gets_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "mask_kernels fused: compiling masks.cpp failed" in lines[0], proc.stderr
-    assert "use mask_kernels aten" in lines[0]
+    assert "or use mask_kernels aten" in lines[0]
 
 
-def test_the_bench_leaves_fused_rows_out_off_a_cpu_and_refuses_them_there_in_one_line():
+def test_the_bench_leaves_fused_rows_out_off_a_cpu_and_refuses_them_there_in_one_line(monkeypatch):
     from edgetl.bench import METHODS, check_methods, default_methods
 
     fused_rows = [n for n, m in METHODS.items() if m.lean is not None and m.lean.mask_kernels == "fused"]
     assert fused_rows and all(n in default_methods() for n in fused_rows)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # a machine that cannot build them leaves them out too
+    assert default_methods() == [n for n in default_methods(device="cuda")]
+    monkeypatch.delenv("CXX")
     assert default_methods(device="cuda") == [n for n in default_methods() if n not in fused_rows]
     with pytest.raises(ConfigError, match=f"method\\(s\\) {fused_rows[0]} run edgetl's fused mask kernels, which run "
                                           "on a CPU; leave them out on cuda"):
@@ -200,3 +224,15 @@ def test_the_bench_leaves_fused_rows_out_off_a_cpu_and_refuses_them_there_in_one
     rows = bench_methods()  # what the GPU check benches on CUDA
     assert rows and not set(rows) & set(fused_rows)
     check_methods(rows, "mobilenet_v2", "cuda")
+
+
+def test_finetune_refuses_fused_kernels_on_a_gpu_before_it_writes_anything(tmp_path):
+    """finetune makes the network lean on the CPU and moves it after: the device is checked first."""
+    from edgetl.finetune import finetune
+    from edgetl.recipe import load_recipe
+
+    recipe = load_recipe("fashion_mnist", {"model.backbone": "mobilenet_v2:random", "model.mask_kernels": "fused"})
+    out = tmp_path / "run"
+    with pytest.raises(CapabilityError, match="mask_kernels fused runs on CPU; the network is on cuda"):
+        finetune(recipe=recipe, out_dir=out, device="cuda")
+    assert not out.exists()

@@ -98,10 +98,12 @@ def cpu_only(method: Method) -> bool:
 
 def default_methods(arch: str = DEFAULT_ARCH, device: str | torch.device = "cpu") -> list[str]:
     """Every method, less ``plan`` where edgetl.plan is missing, the paper-pruned rows on an
-    architecture no paper pruned (``Architecture.paper_ratios`` empty) and, off a CPU, the
-    CPU-only rows (``cpu_only``)."""
+    architecture no paper pruned (``Architecture.paper_ratios`` empty) and the CPU-only rows
+    (``cpu_only``) off a CPU or where their kernels cannot be built (no C++ compiler or ninja)."""
+    from edgetl.models.lean.fused import buildable
+
     ratios = bool(archs.get(arch).paper_ratios)
-    cpu = torch.device(device).type == "cpu"
+    cpu = torch.device(device).type == "cpu" and buildable()
     return [n for n in METHODS if (n != PLAN or plan_available()) and (ratios or not METHODS[n].pruned)
             and (cpu or not cpu_only(METHODS[n]))]
 

@@ -62,6 +62,8 @@ def run(args) -> int:
         ("suggested --budget", _mb(report.suggested_budget_bytes)),
         ("CPU heap", report.heap),
         ("CPU kernels", _kernels(report)),
+        ("C++ compiler", f"{report.cxx} (builds --mask-kernels fused)" if report.cxx
+         else "none (--mask-kernels fused is refused)"),
     ]
     width = max(len(name) for name, _ in rows) + 2
     for name, value in rows:

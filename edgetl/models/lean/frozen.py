@@ -550,8 +550,9 @@ def _upper_bits(upper: float, dtype: torch.dtype) -> int:
 
 
 def mask_forward_chunked(m: "FrozenConvBNAct", output_requires_grad: bool, out_shape) -> bool:
-    """Whether the forward packs this output's activation mask in chunks of samples (``mask_chunk``)."""
-    return (m.act and output_requires_grad and not m._uses_batch_stats()
+    """Whether the forward packs this output's activation mask in chunks of samples (``mask_chunk``):
+    not with the fused kernels, which pack it whole with no temporary."""
+    return (m.act and m.mask_kernels != "fused" and output_requires_grad and not m._uses_batch_stats()
             and _sample_aligned(out_shape))
 
 

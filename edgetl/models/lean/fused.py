@@ -28,45 +28,69 @@ fp16 and other CPUs (a Jetson's Arm cores) run a portable loop.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 from pathlib import Path
 
 import torch
 
 from edgetl.errors import CapabilityError
+
 SOURCE = Path(__file__).with_name("csrc") / "masks.cpp"
 _LOCK = threading.Lock()
-_LOADED: list[bool] = []
+_LOADED: set[str] = set()  # the op namespaces loaded
 
 
-def load() -> None:
-    """Compile (once per source version) and load the fused kernels into ``torch.ops.edgetl``;
+def compiler() -> str | None:
+    """The C++ compiler ``torch.utils.cpp_extension`` would build with here (``CXX``, else c++),
+    None where there is none."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def buildable() -> bool:
+    """Whether the kernels can be built here: a C++ compiler, and ninja, which
+    ``torch.utils.cpp_extension`` builds with (looked up on PATH)."""
+    return compiler() is not None and shutil.which("ninja") is not None
+
+
+# op namespace -> (extension name, extra compiler flags): the build every run uses, and the
+# portable loop alone (what an Arm CPU runs), which the tests check on x86-64 as well
+BUILDS = {"edgetl": ("edgetl_masks", ()),
+          "edgetl_portable": ("edgetl_masks_portable", ("-DEDGETL_PORTABLE", "-DEDGETL_OPS=edgetl_portable"))}
+
+
+def load(namespace: str = "edgetl") -> None:
+    """Compile (once per source version) and load the fused kernels into ``torch.ops.<namespace>``;
     a machine without a working compiler gets one CapabilityError line."""
-    if _LOADED:
+    if namespace in _LOADED:
         return
     with _LOCK:
-        if _LOADED:
+        if namespace in _LOADED:
             return
-        if hasattr(torch.ops.edgetl, "clamp_pack_"):  # loaded by another copy of this module
-            _LOADED.append(True)
-            return
-        # the cpp_extension module logs a warning at import where no CUDA toolkit is found:
-        # irrelevant to CPU kernels
-        quiet = logging.getLogger("torch.utils.cpp_extension")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            from torch.utils.cpp_extension import load as compile_and_load
+        name, flags = BUILDS[namespace]
+        if not hasattr(getattr(torch.ops, namespace), "clamp_pack_"):  # not loaded by another copy of this module
+            _compile(name, flags)
+        _LOADED.add(namespace)
 
-            compile_and_load(name="edgetl_masks", sources=[str(SOURCE)], extra_cflags=["-O3"],
-                             is_python_module=False, verbose=False)
-        except Exception as exc:  # noqa: BLE001 - a missing compiler or header is the user's machine
-            first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            raise CapabilityError(f"mask_kernels fused: compiling {SOURCE.name} failed ({first.strip()[:160]}); "
-                                  "install a C++ compiler (g++) or use mask_kernels aten") from None
-        finally:
-            quiet.setLevel(level)
-        _LOADED.append(True)
+
+def _compile(name: str, flags) -> None:
+    # the cpp_extension module logs a warning at import where no CUDA toolkit is found:
+    # irrelevant to CPU kernels
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load as compile_and_load
+
+        compile_and_load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *flags],
+                         is_python_module=False, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a missing compiler or header is the user's machine
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise CapabilityError(f"mask_kernels fused: compiling {SOURCE.name} failed ({first.strip()[:160]}); "
+                              "install a C++ compiler (g++) and ninja, or use mask_kernels aten") from None
+    finally:
+        quiet.setLevel(level)
 
 
 def check_device(device: torch.device | str) -> None:

@@ -26,8 +26,14 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
-#if defined(__x86_64__)
+// EDGETL_PORTABLE builds the portable loop alone (what an Arm CPU runs), under the op namespace
+// EDGETL_OPS (default edgetl): tests/test_fused_masks.py checks that build on x86-64 too
+#if defined(__x86_64__) && !defined(EDGETL_PORTABLE)
+#define EDGETL_AVX2 1
 #include <immintrin.h>
+#endif
+#ifndef EDGETL_OPS
+#define EDGETL_OPS edgetl
 #endif
 
 namespace {
@@ -62,7 +68,7 @@ void mask_mul_loop(const T* g, const uint8_t* p, T* o, int64_t n, int64_t b0, in
   }
 }
 
-#if defined(__x86_64__)
+#if defined(EDGETL_AVX2)
 __attribute__((target("avx2"))) void clamp_pack_avx2(float* y, uint8_t* out, int64_t b0, int64_t b1, float upper,
                                                      bool has_upper) {
   const __m256 zero = _mm256_setzero_ps();
@@ -163,7 +169,7 @@ at::Tensor clamp_pack_cpu(at::Tensor& y, std::optional<double> upper) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "clamp_pack_", [&] {
     scalar_t* d = y.data_ptr<scalar_t>();
     at::parallel_for(0, nbytes, kGrain, [&](int64_t b0, int64_t b1) {
-#if defined(__x86_64__)
+#if defined(EDGETL_AVX2)
       if ((std::is_same_v<scalar_t, float> || is_half<scalar_t>()) && cpu_has_avx2()) {
         const int64_t whole = std::max(b0, std::min(b1, n / 8));  // bytes of 8 elements
         if constexpr (std::is_same_v<scalar_t, float>) {
@@ -201,7 +207,7 @@ at::Tensor mask_mul_cpu(const at::Tensor& g, const at::Tensor& packed, bool chan
     const scalar_t* gd = same ? g.const_data_ptr<scalar_t>() : out.const_data_ptr<scalar_t>();
     scalar_t* od = out.data_ptr<scalar_t>();
     at::parallel_for(0, (n + 7) / 8, kGrain, [&](int64_t b0, int64_t b1) {
-#if defined(__x86_64__)
+#if defined(EDGETL_AVX2)
       if ((std::is_same_v<scalar_t, float> || is_half<scalar_t>()) && cpu_has_avx2()) {
         const int64_t whole = std::max(b0, std::min(b1, n / 8));
         if constexpr (std::is_same_v<scalar_t, float>) {
@@ -229,17 +235,17 @@ at::Tensor mask_mul_meta(const at::Tensor& g, const at::Tensor& packed, bool cha
 
 }  // namespace
 
-TORCH_LIBRARY(edgetl, m) {
+TORCH_LIBRARY(EDGETL_OPS, m) {
   m.def("clamp_pack_(Tensor(a!) y, float? upper) -> Tensor");
   m.def("mask_mul(Tensor g, Tensor packed, bool channels_last) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(edgetl, CPU, m) {
+TORCH_LIBRARY_IMPL(EDGETL_OPS, CPU, m) {
   m.impl("clamp_pack_", clamp_pack_cpu);
   m.impl("mask_mul", mask_mul_cpu);
 }
 
-TORCH_LIBRARY_IMPL(edgetl, Meta, m) {
+TORCH_LIBRARY_IMPL(EDGETL_OPS, Meta, m) {
   m.impl("clamp_pack_", clamp_pack_meta);
   m.impl("mask_mul", mask_mul_meta);
 }
