@@ -277,10 +277,10 @@ def finetune(
     from edgetl.train import (check_run_folder, fit, is_main_process, saved_file_bytes, seed_everything,
                               setup_distributed)
 
-    if recipe.model.mask_kernels == "fused":  # the network is made lean on the CPU, then moved: refuse it here
-        from edgetl.models.lean.fused import check_device
+    if recipe.model.mask_kernels == "fused":  # the network is made lean on the CPU, then moved: check and build here
+        from edgetl.models.lean.fused import prepare
 
-        check_device(device)
+        prepare(device)
     device = setup_distributed(device)
     out_dir = Path(out_dir)
     check_run_folder(out_dir, resume)

@@ -41,7 +41,8 @@ POOLS = (1, 2, 4)  # side-network storage: average-pooled by k (edgetl.models.le
 BN_MODES = ("fold", "batch")
 PRECISIONS = ("fp32", "bf16", "fp16")  # activation dtypes of the frozen backbone
 FROZEN_WEIGHTS = ("fp32", "fp16", "int8")
-MASK_KERNELS = ("aten", "fused")  # ReLU masks by torch's ops, or by edgetl's compiled kernels (edgetl.models.lean.fused)
+# ReLU masks by torch's ops, or by edgetl's compiled kernels (edgetl.models.lean.fused)
+MASK_KERNELS = ("aten", "fused")
 CONV_STORAGES = ("exact", "pool2", "pool4")  # lean full fine-tuning: a conv's input, exact or pooled
 COMPRESSORS = ("haar", "db3", "dct", "threshold")  # edgetl.models.compress
 STORAGES = (*CONV_STORAGES, *COMPRESSORS)
@@ -96,9 +97,9 @@ class LeanOptions:
                                         "same memory, results equal to rounding")
     mask_kernels: Literal[MASK_KERNELS] = option("aten", "how the lean layers pack their ReLU masks forward and "
                                                          "apply them backward: aten (torch's ops, any device) or "
-                                                         "fused (one compiled kernel each way, CPU only, built on "
-                                                         "first use with g++ and ninja; the same results, fewer "
-                                                         "ops, no more memory)")
+                                                         "fused (one compiled kernel each way, built on first use "
+                                                         "with g++ and ninja, and nvcc for a GPU; the same "
+                                                         "results, fewer ops, no more memory)")
 
     def __post_init__(self) -> None:
         self.check("")

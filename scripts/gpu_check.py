@@ -63,12 +63,13 @@ QUICK = {"resolution": 64, "width": 0.35, "budget": "24MB", "steps": 1, "warmup"
 
 
 def bench_methods() -> list[str]:
-    """The bench rows: the fixed ones, then every streamed method edgetl defines that runs on a GPU."""
+    """The bench rows: the fixed ones, then every streamed method edgetl defines, less the fused-kernel
+    rows (their CUDA kernels are checked by tests/test_fused_masks.py)."""
     from edgetl.bench import METHODS
-    from edgetl.bench.methods import cpu_only
+    from edgetl.bench.methods import fused_kernels
 
     return [m for m in BENCH_METHODS if m in METHODS] + [m for m in METHODS if "stream" in m
-                                                         and m not in BENCH_METHODS and not cpu_only(METHODS[m])]
+                                                         and m not in BENCH_METHODS and not fused_kernels(METHODS[m])]
 
 
 def facts(device: str) -> dict:

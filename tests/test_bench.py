@@ -16,7 +16,7 @@ from edgetl.bench import (
     METHODS, PLAN, REFERENCE, BenchResult, bench, cpu_name, plot_bench, pruned_hidden,
     to_markdown,
 )
-from edgetl.bench.methods import cpu_only
+from edgetl.bench.methods import fused_kernels
 from edgetl.bench.result import caption
 from edgetl.cli import main
 from edgetl.memory.runtime import runtime_report
@@ -32,7 +32,7 @@ RES, WIDTH, CLASSES, BATCH, BUDGET = 64, 0.35, 102, 8, 24 * 10**6
 # the fused-kernel rows where they cannot be built (no C++ compiler or ninja; tests/test_fused_masks.py
 # skips too)
 ALL = [m for m in METHODS if m not in ("full-lean-db3", "full-lean-dct")
-       and (fused.buildable() or not cpu_only(METHODS[m]))]
+       and (fused.buildable() or not fused_kernels(METHODS[m]))]
 
 
 @pytest.fixture(scope="module")

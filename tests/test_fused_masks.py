@@ -186,8 +186,8 @@ def test_every_masked_layer_is_set_and_aten_leaves_the_layers_as_they_were():
 def test_refusals_are_one_line():
     with pytest.raises(ConfigError, match="mask_kernels is 'triton'; allowed: 'aten', 'fused'"):
         LeanOptions(mask_kernels="triton")
-    with pytest.raises(CapabilityError, match="mask_kernels fused runs on CPU; the network is on cuda"):
-        fused.check_device("cuda:0")
+    with pytest.raises(CapabilityError, match="mask_kernels fused runs on CPU and CUDA; the network is on mps"):
+        fused.check_device("mps")
     with pytest.raises(ConfigError, match="mask_kernels fused does not apply to mode repnet on stock modules"):
         LeanOptions(mask_kernels="fused").for_mode("repnet", "stock", defaults=LeanOptions())
 
@@ -203,7 +203,7 @@ def test_a_machine_without_a_compiler_gets_one_line_and_exit_2(tmp_path):
     assert "or use mask_kernels aten" in lines[0]
 
 
-def test_the_bench_leaves_fused_rows_out_off_a_cpu_and_refuses_them_there_in_one_line(monkeypatch):
+def test_the_bench_leaves_fused_rows_out_off_a_cpu_and_refuses_them_where_they_have_no_kernel(monkeypatch):
     from edgetl.bench import METHODS, check_methods, default_methods
 
     fused_rows = [n for n, m in METHODS.items() if m.lean is not None and m.lean.mask_kernels == "fused"]
@@ -212,9 +212,8 @@ def test_the_bench_leaves_fused_rows_out_off_a_cpu_and_refuses_them_there_in_one
     assert default_methods() == [n for n in default_methods(device="cuda")]
     monkeypatch.delenv("CXX")
     assert default_methods(device="cuda") == [n for n in default_methods() if n not in fused_rows]
-    with pytest.raises(ConfigError, match=f"method\\(s\\) {fused_rows[0]} run edgetl's fused mask kernels, which run "
-                                          "on a CPU; leave them out on cuda"):
-        check_methods([fused_rows[0]], "mobilenet_v2", "cuda")
+    with pytest.raises(CapabilityError, match="mask_kernels fused runs on CPU and CUDA; the network is on mps"):
+        check_methods([fused_rows[0]], "mobilenet_v2", "mps")
     scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
     sys.path.insert(0, scripts)
     try:
@@ -226,13 +225,85 @@ def test_the_bench_leaves_fused_rows_out_off_a_cpu_and_refuses_them_there_in_one
     check_methods(rows, "mobilenet_v2", "cuda")
 
 
-def test_finetune_refuses_fused_kernels_on_a_gpu_before_it_writes_anything(tmp_path):
-    """finetune makes the network lean on the CPU and moves it after: the device is checked first."""
+def test_finetune_refuses_fused_kernels_on_a_gpu_it_cannot_build_them_for_before_it_writes_anything(
+        tmp_path, monkeypatch):
+    """finetune makes the network lean on the CPU and moves it after: the device is checked (and
+    the CUDA kernels built) first."""
     from edgetl.finetune import finetune
     from edgetl.recipe import load_recipe
 
     recipe = load_recipe("fashion_mnist", {"model.backbone": "mobilenet_v2:random", "model.mask_kernels": "fused"})
     out = tmp_path / "run"
-    with pytest.raises(CapabilityError, match="mask_kernels fused runs on CPU; the network is on cuda"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU, but no toolkit
+    monkeypatch.setattr(fused, "cuda_home", lambda: None)
+    with pytest.raises(CapabilityError, match=r"mask_kernels fused on cuda needs the CUDA toolkit \(nvcc\)"):
         finetune(recipe=recipe, out_dir=out, device="cuda")
     assert not out.exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU at all
+    with pytest.raises(CapabilityError, match="torch sees no CUDA device"):
+        finetune(recipe=recipe, out_dir=out, device="cuda")
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------- CUDA (a GPU and nvcc)
+
+CUDA_READY = torch.cuda.is_available() and fused.cuda_home() is not None
+
+
+def cuda(fn):
+    """Marker ``cuda`` (scripts/gpu_check.sh runs these) + skip with the reason elsewhere."""
+    reason = "needs a CUDA GPU and the CUDA toolkit (nvcc) to build the CUDA kernels (scripts/gpu_check.sh)"
+    return pytest.mark.cuda(pytest.mark.skipif(not CUDA_READY, reason=reason)(fn))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_cuda_kernels_give_torch_s_values_on_the_gpu(dtype, channels_last):
+    fused.prepare("cuda")
+    for shape, upper in (((3, 24, 33, 17), 6.0), ((2, 3, 5, 7), None), ((4, 16, 8, 8), 6.0)):
+        y = _activation(shape, dtype, channels_last).cuda()
+        want = y.clone()
+        want.clamp_(0, upper) if upper is not None else want.clamp_(min=0)
+        want_packed = _act_mask(want, 1, upper)
+        packed = fused.clamp_pack_(y, upper)
+        assert packed.is_cuda and _same(y.cpu(), want.cpu()) and torch.equal(packed.cpu(), want_packed.cpu())
+        for layout in (channels_last, not channels_last):
+            gy = _activation(shape, dtype, layout, seed=1).cuda()
+            got = fused.mask_mul(gy, packed, channels_last)
+            ref = unpack_as(packed, shape, unpack_table(dtype, gy.device), channels_last).mul_(gy)
+            assert got.stride() == ref.stride() and _same(got.cpu(), ref.cpu())
+
+
+@cuda
+@pytest.mark.parametrize("name", ["repnet-channels-last", "paper-bf16-int8-streamed"])
+def test_a_fused_step_on_the_gpu_is_predicted_and_trains_as_torch_s(name):
+    """The tensor peak of fused steps on CUDA equals the runtime accounting to the byte, and a
+    step's gradients are the aten step's (cuDNN may pick other algorithms between runs: to 1e-5)."""
+    from edgetl.memory.runtime import runtime_report
+
+    options, mode = STEPS[name]
+    grads = {}
+    for kernels in ("aten", "fused"):
+        torch.manual_seed(0)
+        net = build_network(TINY, mode, device="cuda",
+                            lean=LeanOptions(**{**vars(options), "mask_kernels": kernels}))
+        predict_step(net, mode=mode, resolution=48, batch_size=4)
+        runtime = runtime_report(net, mode=mode, resolution=48, batch_size=4).total_bytes
+        got = measure_training_memory(net, resolution=48, batch_size=4)
+        assert got.tensor_bytes == runtime, (kernels, got.tensor_bytes, runtime)
+        torch.manual_seed(0)
+        net = build_network(TINY, mode, device="cuda",
+                            lean=LeanOptions(**{**vars(options), "mask_kernels": kernels}))
+        torch.manual_seed(1)
+        step = Step.plain("adam", 1e-3)
+        gen = torch.Generator().manual_seed(2)
+        image = torch.randn(4, 3, 48, 48, generator=gen)
+        if net.input_dtype == torch.uint8:
+            image = image.mul_(64).add_(128).clamp_(0, 255)
+        image = image.to("cuda", net.input_dtype, memory_format=net.input_memory_format)
+        labels = torch.randint(0, 10, (4,), generator=gen).cuda()
+        training_step(net, step, step.optimizer(net), image, labels)
+        grads[kernels] = [p.detach().float().cpu() for p in net.parameters() if p.requires_grad]
+    for a, b in zip(grads["aten"], grads["fused"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

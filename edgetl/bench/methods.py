@@ -71,7 +71,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("repnet-lean-cl", "Rep-Net, lean runtime, channels-last", "repnet", LeanOptions(pool=1, channels_last=True)),
     Method("repnet-pruned-pool2-cl", "Rep-Net, lean, pruned, k=2 (the paper's configuration), channels-last", "repnet",
            LeanOptions(pool=2, channels_last=True), pruned=True),
-    # edgetl's fused mask kernels (CPU only: edgetl.models.lean.fused)
+    # edgetl's fused mask kernels (edgetl.models.lean.fused)
     Method("repnet-lean-cl-fused", "Rep-Net, lean runtime, channels-last, fused mask kernels", "repnet",
            LeanOptions(pool=1, channels_last=True, mask_kernels="fused")),
     Method("repnet-pruned-pool2-bf16-int8-fused", "+ bf16 activations, int8 frozen weights, fused mask kernels", "repnet",
@@ -91,31 +91,31 @@ def plan_available() -> bool:
     return importlib.util.find_spec("edgetl.plan") is not None
 
 
-def cpu_only(method: Method) -> bool:
-    """Whether the method runs on a CPU alone (edgetl's fused mask kernels have no GPU kernel)."""
+def fused_kernels(method: Method) -> bool:
+    """Whether the method runs edgetl's fused mask kernels (compiled on first use)."""
     return method.lean is not None and method.lean.mask_kernels == "fused"
 
 
 def default_methods(arch: str = DEFAULT_ARCH, device: str | torch.device = "cpu") -> list[str]:
     """Every method, less ``plan`` where edgetl.plan is missing, the paper-pruned rows on an
-    architecture no paper pruned (``Architecture.paper_ratios`` empty) and the CPU-only rows
-    (``cpu_only``) off a CPU or where their kernels cannot be built (no C++ compiler or ninja)."""
+    architecture no paper pruned (``Architecture.paper_ratios`` empty), and the fused-kernel rows
+    (``fused_kernels``) but on a CPU that can build them (a C++ compiler and ninja): on CUDA they
+    are benched by name."""
     from edgetl.models.lean.fused import buildable
 
     ratios = bool(archs.get(arch).paper_ratios)
-    cpu = torch.device(device).type == "cpu" and buildable()
+    fused = torch.device(device).type == "cpu" and buildable()
     return [n for n in METHODS if (n != PLAN or plan_available()) and (ratios or not METHODS[n].pruned)
-            and (cpu or not cpu_only(METHODS[n]))]
+            and (fused or not fused_kernels(METHODS[n]))]
 
 
 def check_methods(names: list[str], arch: str, device: str | torch.device = "cpu") -> None:
     """Refuse, in one line, paper-pruned rows on an architecture without the paper's ratios, and
-    CPU-only rows elsewhere than on a CPU."""
-    kind = torch.device(device).type
-    cpu_rows = [n for n in names if cpu_only(METHODS[n])]
-    if cpu_rows and kind != "cpu":
-        raise ConfigError(f"method(s) {', '.join(cpu_rows)} run edgetl's fused mask kernels, which run on a CPU; "
-                          f"leave them out on {kind}")
+    fused-kernel rows on a device that has no such kernels (``edgetl.models.lean.fused.check_device``)."""
+    if any(fused_kernels(METHODS[n]) for n in names):
+        from edgetl.models.lean.fused import check_device
+
+        check_device(device)
     entry = archs.get(arch)
     pruned = [n for n in names if METHODS[n].pruned]
     if pruned and not entry.paper_ratios:

@@ -20,9 +20,12 @@ ops' meta kernels, as it measures every other op).
 The kernels are compiled on first use with the C++ compiler torch's own extensions use
 (``torch.utils.cpp_extension``; g++ on Linux), into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), a few seconds once per
-source version. They have CPU and meta kernels: a CUDA network refuses ``fused`` (the aten
-path there; a CUDA graph folds its launches). float32 runs AVX2 where the CPU has it; bf16,
-fp16 and other CPUs (a Jetson's Arm cores) run a portable loop.
+source version. They have CPU and meta kernels (float32, bf16 and fp16 run AVX2 where the CPU
+has it; other CPUs, a Jetson's Arm cores among them, a portable loop) and CUDA kernels
+(``csrc/masks_cuda.cu``), built with the CPU ones into a second library where the CUDA toolkit's
+nvcc is found: for a network on a GPU (``prepare``), refused in one line elsewhere. The CUDA
+kernels compile here but have not yet run on a GPU; tests/test_fused_masks.py checks them
+against torch's path where there is one.
 """
 
 from __future__ import annotations
@@ -54,10 +57,29 @@ def buildable() -> bool:
     return compiler() is not None and shutil.which("ninja") is not None
 
 
-# op namespace -> (extension name, extra compiler flags): the build every run uses, and the
-# portable loop alone (what an Arm CPU runs), which the tests check on x86-64 as well
-BUILDS = {"edgetl": ("edgetl_masks", ()),
-          "edgetl_portable": ("edgetl_masks_portable", ("-DEDGETL_PORTABLE", "-DEDGETL_OPS=edgetl_portable"))}
+def cuda_home() -> str | None:
+    """The CUDA toolkit ``torch.utils.cpp_extension`` would build the CUDA kernels with (its nvcc
+    present), None where there is none."""
+    quiet = logging.getLogger("torch.utils.cpp_extension")  # it warns at import where it finds none
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    finally:
+        quiet.setLevel(level)
+    return CUDA_HOME if CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")) else None
+
+
+_CUDA_SOURCE = SOURCE.with_name("masks_cuda.cu")
+# op namespace -> (extension name, sources, C++ flags, nvcc flags): the CPU build every CPU run
+# uses; the portable loop alone (what an Arm CPU runs), which the tests check on x86-64 as well;
+# and the CPU build with the CUDA kernels, for a network on a GPU
+BUILDS = {
+    "edgetl": ("edgetl_masks", (SOURCE,), (), None),
+    "edgetl_portable": ("edgetl_masks_portable", (SOURCE,), ("-DEDGETL_PORTABLE", "-DEDGETL_OPS=edgetl_portable"), None),
+    "edgetl_cuda": ("edgetl_masks_cuda", (SOURCE, _CUDA_SOURCE), ("-DEDGETL_OPS=edgetl_cuda",),
+                    ("-O3", "-DEDGETL_OPS=edgetl_cuda")),
+}
 
 
 def load(namespace: str = "edgetl") -> None:
@@ -68,48 +90,81 @@ def load(namespace: str = "edgetl") -> None:
     with _LOCK:
         if namespace in _LOADED:
             return
-        name, flags = BUILDS[namespace]
         if not hasattr(getattr(torch.ops, namespace), "clamp_pack_"):  # not loaded by another copy of this module
-            _compile(name, flags)
+            _compile(*BUILDS[namespace])
         _LOADED.add(namespace)
 
 
-def _compile(name: str, flags) -> None:
-    # the cpp_extension module logs a warning at import where no CUDA toolkit is found:
-    # irrelevant to CPU kernels
-    quiet = logging.getLogger("torch.utils.cpp_extension")
+def _compile(name: str, sources, flags, cuda_flags) -> None:
+    quiet = logging.getLogger("torch.utils.cpp_extension")  # it warns at import where no CUDA toolkit is found
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
         from torch.utils.cpp_extension import load as compile_and_load
 
-        compile_and_load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *flags],
+        compile_and_load(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3", *flags],
+                         extra_cuda_cflags=list(cuda_flags or ()), extra_include_paths=_wheel_headers(cuda_flags),
                          is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or header is the user's machine
-        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise CapabilityError(f"mask_kernels fused: compiling {SOURCE.name} failed ({first.strip()[:160]}); "
-                              "install a C++ compiler (g++) and ninja, or use mask_kernels aten") from None
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        # the compiler's own complaint where there is one, else the exception's first line
+        first = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
+                     lines[0] if lines else type(exc).__name__)
+        needs = "a C++ compiler (g++), ninja and the CUDA toolkit (nvcc)" if cuda_flags else "a C++ compiler (g++) and ninja"
+        raise CapabilityError(f"mask_kernels fused: compiling {', '.join(s.name for s in sources)} failed "
+                              f"({first.strip()[:160]}); install {needs}, or use mask_kernels aten") from None
     finally:
         quiet.setLevel(level)
 
 
+def _wheel_headers(cuda_flags) -> list[str]:
+    """For a CUDA build: the headers of the CUDA libraries torch's wheels install
+    (``site-packages/nvidia/*/include``: cuSPARSE, cuBLAS... that ATen's CUDA headers include),
+    where a toolkit's own are incomplete."""
+    if not cuda_flags:
+        return []
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return sorted(str(p) for root in roots for p in Path(root).glob("*/include") if p.is_dir())
+
+
 def check_device(device: torch.device | str) -> None:
-    """Refuse, in one line, a device the fused kernels have no kernel for (they run on CPU,
-    and on meta for the accounting)."""
+    """Refuse, in one line, a device the fused kernels have no kernel for: they run on CPU, on
+    CUDA where the CUDA toolkit can build them, and on meta (the accounting)."""
     kind = torch.device(device).type
-    if kind not in ("cpu", "meta"):
-        raise CapabilityError(f"mask_kernels fused runs on CPU; the network is on {kind} "
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise CapabilityError("mask_kernels fused on cuda: torch sees no CUDA device to build its kernels for")
+    if kind == "cuda" and cuda_home() is None:
+        raise CapabilityError("mask_kernels fused on cuda needs the CUDA toolkit (nvcc) to build its kernels, and "
+                              "none was found (CUDA_HOME); install it, or use mask_kernels aten")
+    if kind not in ("cpu", "meta", "cuda"):
+        raise CapabilityError(f"mask_kernels fused runs on CPU and CUDA; the network is on {kind} "
                               f"(allowed there: mask_kernels aten)")
+
+
+def prepare(device: torch.device | str) -> None:
+    """Check ``device`` (``check_device``) and load the builds a network there runs: the CPU one
+    (its meta kernels serve the accounting on every device), and on CUDA the CUDA one."""
+    check_device(device)
+    load("edgetl")
+    if torch.device(device).type == "cuda":
+        load("edgetl_cuda")
+
+
+def _ops(t: torch.Tensor):
+    return torch.ops.edgetl_cuda if t.is_cuda else torch.ops.edgetl
 
 
 def clamp_pack_(y: torch.Tensor, upper: float | None) -> torch.Tensor:
     """``y`` clamped to [0, upper] in place (``upper`` None: ReLU); returns the packed mask of
     the clamped values strictly inside (``frozen._act_mask``'s bytes)."""
-    return torch.ops.edgetl.clamp_pack_(y, upper)
+    return _ops(y).clamp_pack_(y, upper)
 
 
 def mask_mul(g: torch.Tensor, packed: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """``unpack_as(packed, g.shape, table, channels_last).mul_(g)`` in one kernel: a new tensor
     laid out channels-last or plain as the masked output was."""
-    return torch.ops.edgetl.mask_mul(g, packed, channels_last)
+    return _ops(g).mask_mul(g, packed, channels_last)
 

@@ -270,8 +270,7 @@ def set_mask_kernels(net: torch.nn.Module, kernels: str) -> int:
         raise ConfigError(f"mask_kernels {kernels!r} is not allowed; allowed: {', '.join(MASK_KERNELS)}")
     if kernels == "fused":
         tensor = next(iter([*net.parameters(), *net.buffers()]), None)
-        fused.check_device(tensor.device if tensor is not None else "cpu")
-        fused.load()
+        fused.prepare(tensor.device if tensor is not None else "cpu")
     layers = [m for m in net.modules() if isinstance(m, (FrozenConvBNAct, LeanReLU))]
     for m in layers:
         if kernels == "aten":  # the class default: the layer's cost key as it always was
