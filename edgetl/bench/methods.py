@@ -74,8 +74,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # edgetl's fused mask kernels (edgetl.models.lean.fused)
     Method("repnet-lean-cl-fused", "Rep-Net, lean runtime, channels-last, fused mask kernels", "repnet",
            LeanOptions(pool=1, channels_last=True, mask_kernels="fused")),
-    Method("repnet-pruned-pool2-bf16-int8-fused", "+ bf16 activations, int8 frozen weights, fused mask kernels", "repnet",
-           LeanOptions(pool=2, precision="bf16", frozen_weights="int8", mask_kernels="fused"), pruned=True),
+    Method("repnet-pruned-pool2-bf16-int8-fused", "+ bf16 activations, int8 frozen weights, fused mask kernels",
+           "repnet", LeanOptions(pool=2, precision="bf16", frozen_weights="int8", mask_kernels="fused"), pruned=True),
     Method("repnet-pruned-pool2-bf16-int8-stream-fused", "+ backbone streamed by 1, uint8 batch, recompute, fused mask "
            "kernels", "repnet", LeanOptions(pool=2, precision="bf16", frozen_weights="int8", stream=1, uint8_input=True,
                                             recompute=True, mask_kernels="fused"),

@@ -76,7 +76,8 @@ _CUDA_SOURCE = SOURCE.with_name("masks_cuda.cu")
 # and the CPU build with the CUDA kernels, for a network on a GPU
 BUILDS = {
     "edgetl": ("edgetl_masks", (SOURCE,), (), None),
-    "edgetl_portable": ("edgetl_masks_portable", (SOURCE,), ("-DEDGETL_PORTABLE", "-DEDGETL_OPS=edgetl_portable"), None),
+    "edgetl_portable": ("edgetl_masks_portable", (SOURCE,), ("-DEDGETL_PORTABLE", "-DEDGETL_OPS=edgetl_portable"),
+                        None),
     "edgetl_cuda": ("edgetl_masks_cuda", (SOURCE, _CUDA_SOURCE), ("-DEDGETL_OPS=edgetl_cuda",),
                     ("-O3", "-DEDGETL_OPS=edgetl_cuda")),
 }
@@ -110,7 +111,8 @@ def _compile(name: str, sources, flags, cuda_flags) -> None:
         # the compiler's own complaint where there is one, else the exception's first line
         first = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
                      lines[0] if lines else type(exc).__name__)
-        needs = "a C++ compiler (g++), ninja and the CUDA toolkit (nvcc)" if cuda_flags else "a C++ compiler (g++) and ninja"
+        needs = ("a C++ compiler (g++), ninja and the CUDA toolkit (nvcc)" if cuda_flags
+                 else "a C++ compiler (g++) and ninja")
         raise CapabilityError(f"mask_kernels fused: compiling {', '.join(s.name for s in sources)} failed "
                               f"({first.strip()[:160]}); install {needs}, or use mask_kernels aten") from None
     finally:
