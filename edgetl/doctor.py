@@ -13,6 +13,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,8 +68,9 @@ class DoctorReport:
     # and the caps set on the CPU kernels (``KERNEL_CAPS``: variable -> value, the ones set)
     cpu_capability: str | None = None
     kernel_caps: dict[str, str] = field(default_factory=dict)
-    # the C++ compiler that builds the fused mask kernels here (``edgetl.models.lean.fused.compiler``)
+    # the C++ compiler and the ninja that build the fused mask kernels here (``edgetl.models.lean.fused``)
     cxx: str | None = None
+    ninja: str | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -160,7 +162,7 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     l4t = parse_l4t_release(tegra) if tegra else None
     jetson = _names_a_jetson(model, tegra)
 
-    torch_version = torch_cuda = cudnn = gpu_name = capability = cpu_capability = cxx = None
+    torch_version = torch_cuda = cudnn = gpu_name = capability = cpu_capability = cxx = ninja = None
     caps = kernel_caps()
     cuda_available, integrated = False, None
     try:
@@ -172,7 +174,7 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
 
         torch_version, torch_cuda = torch.__version__, torch.version.cuda
         cpu_capability = torch.backends.cpu.get_cpu_capability()
-        cxx = compiler()
+        cxx, ninja = compiler(), shutil.which("ninja")
         if cpu_capability.startswith("AVX512") and not libraries_capped(caps):
             notes.append("the CPU kernels use AVX-512 here: training rounds otherwise than on an AVX2-only "
                          "host; ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 reproduces such a host's "
@@ -228,5 +230,6 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
         cpu_capability=cpu_capability,
         kernel_caps=caps,
         cxx=cxx,
+        ninja=ninja,
         notes=notes,
     )

@@ -113,14 +113,62 @@ def test_the_portable_loop_an_arm_cpu_runs_gives_the_same_values(dtype):
         assert _same(got, unpack_as(packed, shape, unpack_table(dtype, "cpu"), channels_last).mul_(gy))
 
 
-def test_the_meta_kernels_give_the_cpu_kernels_layouts():
+def test_the_meta_kernels_give_the_aten_path_s_layouts():
+    """What the accounting measures a fused layer with: the meta kernels' results laid out as
+    torch's path lays out its packed mask and its masked gradient (the gradient in either layout)."""
     for channels_last in (False, True):
-        y = _activation((2, 16, 5, 5), torch.float32, channels_last)
+        y = _activation((2, 16, 5, 5), torch.float32, channels_last).clamp_(0, 6)
+        packed = _act_mask(y, 1, 6.0)
         meta = torch.empty_like(y, device="meta")
-        packed, packed_meta = fused.clamp_pack_(y, 6.0), fused.clamp_pack_(meta, 6.0)
+        packed_meta = fused.clamp_pack_(meta, 6.0)
         assert (packed_meta.shape, packed_meta.dtype) == (packed.shape, packed.dtype)
-        g, g_meta = fused.mask_mul(y, packed, channels_last), fused.mask_mul(meta, packed_meta, channels_last)
-        assert (g_meta.shape, g_meta.stride(), g_meta.dtype) == (g.shape, g.stride(), g.dtype)
+        for layout in (channels_last, not channels_last):
+            gy = _activation((2, 16, 5, 5), torch.float32, layout, seed=1)
+            want = unpack_as(packed, gy.shape, unpack_table(gy.dtype, "cpu"), channels_last).mul_(gy)
+            got = fused.mask_mul(torch.empty_like(gy, device="meta"), packed_meta, channels_last)
+            assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+
+
+def test_many_threads_and_a_partial_last_byte_give_the_same_bytes():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (1_000_003, 262_147):
+            y = torch.randn(n, generator=torch.Generator().manual_seed(n)).mul_(4)
+            y[:: 997] = 6.0
+            want = y.clone().clamp_(0, 6)
+            packed = fused.clamp_pack_(y, 6.0)
+            assert _same(y, want) and torch.equal(packed, _act_mask(want, 1, 6.0))
+            gy = torch.randn(n)
+            assert _same(fused.mask_mul(gy, packed, False),
+                         unpack_as(packed, (n,), unpack_table(torch.float32, "cpu")).mul_(gy))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case", ["transposed", "permuted", "channel-slice"])
+def test_a_fused_relu_on_what_the_kernels_do_not_pack_runs_torch_s_ops(case):
+    """A LeanReLU set to fused meets a dense tensor in another memory order, or a non-dense one: it
+    runs torch's ops there (``fused.fusable``), the same gradient as aten."""
+    from edgetl.models.lean import LeanReLU6
+
+    def make(base):
+        if case == "transposed":
+            return base.reshape(10, 12).t()
+        if case == "permuted":
+            return base.reshape(1, 2, 3, 20).permute(0, 1, 3, 2)
+        return base.reshape(2, 6, 2, 5)[:, 1:4]
+
+    grads = {}
+    for kernels in ("aten", "fused"):
+        base = torch.randn(120, generator=torch.Generator().manual_seed(3)).mul_(4).requires_grad_()
+        x = make(base) * 1.0  # a fresh tensor nothing else saved, in the case's layout
+        layer = LeanReLU6()
+        set_mask_kernels(layer, kernels)
+        out = layer(x)
+        out.backward(torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape))
+        grads[kernels] = base.grad
+    assert _same(grads["fused"], grads["aten"])
 
 
 def _trained(options: LeanOptions, mode: str, kernels: str, steps: int = 2) -> list[torch.Tensor]:
@@ -236,7 +284,8 @@ def test_finetune_refuses_fused_kernels_on_a_gpu_it_cannot_build_them_for_before
     out = tmp_path / "run"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU, but no toolkit
     monkeypatch.setattr(fused, "cuda_home", lambda: None)
-    with pytest.raises(CapabilityError, match=r"mask_kernels fused on cuda needs the CUDA toolkit \(nvcc\)"):
+    needs = r"mask_kernels fused on cuda needs the CUDA toolkit \(nvcc, cuda_runtime_api.h"
+    with pytest.raises(CapabilityError, match=needs):
         finetune(recipe=recipe, out_dir=out, device="cuda")
     assert not out.exists()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU at all

@@ -39,6 +39,14 @@ def _kernels(report) -> str | None:
     return f"{report.cpu_capability} (ATen); {', '.join(caps)}"
 
 
+def _compiler(report) -> str:
+    """The compiler and ninja that build --mask-kernels fused, or what is missing for it."""
+    if report.cxx and report.ninja:
+        return f"{report.cxx}, ninja {report.ninja} (build --mask-kernels fused)"
+    missing = " and ".join(name for name, path in (("a C++ compiler", report.cxx), ("ninja", report.ninja)) if not path)
+    return f"{report.cxx or 'none'}; no {missing.removeprefix('a ')}: --mask-kernels fused is refused"
+
+
 def run(args) -> int:
     report = dataclasses.replace(doctor(probe_gpu=not args.no_gpu), heap=heap_policy())
     if args.json:
@@ -62,8 +70,7 @@ def run(args) -> int:
         ("suggested --budget", _mb(report.suggested_budget_bytes)),
         ("CPU heap", report.heap),
         ("CPU kernels", _kernels(report)),
-        ("C++ compiler", f"{report.cxx} (builds --mask-kernels fused)" if report.cxx
-         else "none (--mask-kernels fused is refused)"),
+        ("C++ compiler", _compiler(report)),
     ]
     width = max(len(name) for name, _ in rows) + 2
     for name, value in rows:

@@ -14,7 +14,7 @@ from torch.autograd import Function
 from edgetl.errors import ConfigError
 from edgetl.cost import (CallShape, Execution, Setting, configured_copy, dtype_bytes as _dtype_bytes,
                          numel as _numel, repeated)
-from edgetl.models.lean.fused import clamp_pack_, mask_mul
+from edgetl.models.lean.fused import clamp_pack_, fusable, mask_mul
 from edgetl.models.lean.convgrad import conv_input_grad, pointwise_conv
 from edgetl.models.lean.layout import empty_as, is_channels_last, memory_flat, rows_into, rows_of_channels
 from edgetl.models.lean.masks import (
@@ -403,7 +403,7 @@ class _FrozenConvFn(Function):
             scale, shift = _scale_shift(m, m.running_mean, invstd, bias)
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
         if m.act:
-            if need and not saved and m.mask_kernels == "fused":  # clamped and packed in one pass
+            if need and not saved and m.mask_kernels == "fused" and fusable(y):  # clamped and packed in one pass
                 saved = (clamp_pack_(y, m.upper),)
             else:
                 if m.upper is not None:
@@ -415,6 +415,8 @@ class _FrozenConvFn(Function):
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
         ctx.channels_last, ctx.in_channels_last = is_channels_last(y), is_channels_last(x)
         ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
+        # which kernels packed the mask (``fusable``): the ones that apply it
+        ctx.mask_kernels = m.mask_kernels if fusable(y) else "aten"
         ctx.save_for_backward(*saved)
         return y
 
@@ -449,7 +451,7 @@ class _FrozenConvFn(Function):
         else:
             if ctx.kind == "mask":
                 (packed,) = ctx.saved_tensors
-                gy = _masked(gy, packed, ctx.out_shape, m.mask_kernels, ctx.channels_last)
+                gy = _masked(gy, packed, ctx.out_shape, ctx.mask_kernels, ctx.channels_last)
             if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
                 scale = m.bn_weight * torch.rsqrt(m.running_var + m.eps)
                 g_conv = gy * scale.to(act).view(c)
@@ -589,7 +591,7 @@ def _per_sample_backward(ctx, gy):
     if m.bn_mode == "batch":  # eval mode: a fixed per-channel scale
         scale = (m.bn_weight * torch.rsqrt(m.running_var + m.eps)).to(act).view(1, -1, 1, 1)
     w = None if m.chunked else m.dequantized_weight(act)
-    table = unpack_table(act, gy.device) if m.mask_kernels != "fused" else None
+    table = unpack_table(act, gy.device) if ctx.mask_kernels != "fused" else None
     # a 1x1 conv's grad_input is W^T @ grad_output, written straight into gx: no result
     # to copy, and no batch-1 conv backward (which falls to a slow kernel on CPU)
     wt = w.view(m.out_channels, m.in_channels).t() if m.pointwise and w is not None else None

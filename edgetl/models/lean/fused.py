@@ -67,7 +67,12 @@ def cuda_home() -> str | None:
         from torch.utils.cpp_extension import CUDA_HOME
     finally:
         quiet.setLevel(level)
-    return CUDA_HOME if CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")) else None
+    if not CUDA_HOME:
+        return None
+    home = Path(CUDA_HOME)  # a whole toolkit: nvcc, its runtime's header and library to link
+    complete = ((home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime_api.h").exists()
+                and any((home / lib / "libcudart.so").exists() for lib in ("lib64", "lib")))
+    return CUDA_HOME if complete else None
 
 
 _CUDA_SOURCE = SOURCE.with_name("masks_cuda.cu")
@@ -108,8 +113,9 @@ def _compile(name: str, sources, flags, cuda_flags) -> None:
                          is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or header is the user's machine
         lines = [line for line in str(exc).splitlines() if line.strip()]
-        # the compiler's own complaint where there is one, else the exception's first line
-        first = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
+        # the compiler's or the linker's own complaint where there is one, else the first line
+        first = next((line for line in lines if ("error" in line.lower() or "cannot find" in line)
+                      and "building extension" not in line.lower() and "collect2" not in line),
                      lines[0] if lines else type(exc).__name__)
         needs = ("a C++ compiler (g++), ninja and the CUDA toolkit (nvcc)" if cuda_flags
                  else "a C++ compiler (g++) and ninja")
@@ -139,8 +145,9 @@ def check_device(device: torch.device | str) -> None:
     if kind == "cuda" and not torch.cuda.is_available():
         raise CapabilityError("mask_kernels fused on cuda: torch sees no CUDA device to build its kernels for")
     if kind == "cuda" and cuda_home() is None:
-        raise CapabilityError("mask_kernels fused on cuda needs the CUDA toolkit (nvcc) to build its kernels, and "
-                              "none was found (CUDA_HOME); install it, or use mask_kernels aten")
+        raise CapabilityError("mask_kernels fused on cuda needs the CUDA toolkit (nvcc, cuda_runtime_api.h, "
+                              "libcudart.so) to build its kernels, and none was found (set CUDA_HOME to one); "
+                              "install it, or use mask_kernels aten")
     if kind not in ("cpu", "meta", "cuda"):
         raise CapabilityError(f"mask_kernels fused runs on CPU and CUDA; the network is on {kind} "
                               f"(allowed there: mask_kernels aten)")
@@ -155,8 +162,26 @@ def prepare(device: torch.device | str) -> None:
         load("edgetl_cuda")
 
 
+def fusable(t: torch.Tensor) -> bool:
+    """Whether the fused ops give torch's path's bytes for this activation: fp32, bf16 or fp16
+    (what the lean runtime computes in), laid out contiguous or channels-last (its memory order is
+    then the order ``masks.memory_flat`` packs in). A layer set to ``fused`` runs torch's ops on
+    any other tensor (a permuted or sliced input to a ``LeanReLU``; float64, which the lean runtime
+    does not compute in): the same results, as torch's ops give them."""
+    return t.dtype in _DTYPES and (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(
+        memory_format=torch.channels_last)))
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _ops(t: torch.Tensor):
-    return torch.ops.edgetl_cuda if t.is_cuda else torch.ops.edgetl
+    """The op namespace for ``t``'s device, built and loaded on first use (a network set to fused
+    and moved or unpickled since: checked here, in one line)."""
+    namespace = "edgetl_cuda" if t.is_cuda else "edgetl"
+    if namespace not in _LOADED:
+        prepare(t.device)
+    return getattr(torch.ops, namespace)
 
 
 def clamp_pack_(y: torch.Tensor, upper: float | None) -> torch.Tensor:

@@ -36,6 +36,14 @@
 #define EDGETL_OPS edgetl
 #endif
 
+// the activation dtypes of the lean runtime (fp32, bf16, fp16): each value is computed in fp32,
+// exact for them; anything else (float64) is refused (edgetl/models/lean/fused.py sends it to
+// torch's ops)
+#define EDGETL_DISPATCH(TYPE, NAME, ...)                                                           \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                         \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                      \
+                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
 namespace {
 
 constexpr int64_t kGrain = 4096;  // bytes of mask (32768 elements) a parallel task at least
@@ -166,7 +174,7 @@ at::Tensor clamp_pack_cpu(at::Tensor& y, std::optional<double> upper) {
   uint8_t* o = out.data_ptr<uint8_t>();
   const float u = upper.has_value() ? static_cast<float>(*upper) : 0.f;
   const bool has_upper = upper.has_value();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "clamp_pack_", [&] {
+  EDGETL_DISPATCH(y.scalar_type(), "clamp_pack_", [&] {
     scalar_t* d = y.data_ptr<scalar_t>();
     at::parallel_for(0, nbytes, kGrain, [&](int64_t b0, int64_t b1) {
 #if defined(EDGETL_AVX2)
@@ -195,6 +203,7 @@ at::Tensor empty_as_masked(const at::Tensor& g, bool channels_last) {
 at::Tensor mask_mul_cpu(const at::Tensor& g, const at::Tensor& packed, bool channels_last) {
   at::Tensor out = empty_as_masked(g, channels_last);
   const int64_t n = out.numel();
+  TORCH_CHECK(packed.device() == g.device(), "mask_mul: packed bytes on ", packed.device(), ", values on ", g.device());
   TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.numel() == (n + 7) / 8,
               "mask_mul: ", packed.numel(), " packed bytes for ", n, " values");
   // g read in the output's memory order: as it is where it is laid out so, else copied in first
@@ -203,7 +212,7 @@ at::Tensor mask_mul_cpu(const at::Tensor& g, const at::Tensor& packed, bool chan
     out.copy_(g);
   }
   const uint8_t* p = packed.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mask_mul", [&] {
+  EDGETL_DISPATCH(out.scalar_type(), "mask_mul", [&] {
     const scalar_t* gd = same ? g.const_data_ptr<scalar_t>() : out.const_data_ptr<scalar_t>();
     scalar_t* od = out.data_ptr<scalar_t>();
     at::parallel_for(0, (n + 7) / 8, kGrain, [&](int64_t b0, int64_t b1) {

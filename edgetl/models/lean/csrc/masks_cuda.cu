@@ -19,12 +19,18 @@
 #define EDGETL_OPS edgetl_cuda
 #endif
 
+// fp32, bf16 and fp16, computed in fp32 (as masks.cpp)
+#define EDGETL_DISPATCH(TYPE, NAME, ...)                                                           \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                         \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                      \
+                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
 namespace {
 
 constexpr int kThreads = 256;
 
-// one thread per packed byte: its 8 values clamped in place (a value left in range is not
-// written), bit i set where value i is strictly inside (0, upper) (or above 0 with no upper)
+// one thread per packed byte: its 8 values clamped in place as torch's CUDA clamp_ clamps them,
+// bit i set where value i is strictly inside (0, upper) (or above 0 with no upper)
 template <typename T>
 __global__ void clamp_pack_kernel(T* y, uint8_t* out, int64_t n, int64_t nbytes, float upper, bool has_upper) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -35,12 +41,9 @@ __global__ void clamp_pack_kernel(T* y, uint8_t* out, int64_t n, int64_t nbytes,
   const int64_t e = n - 8 * j < 8 ? n - 8 * j : 8;
   for (int64_t i = 0; i < e; ++i) {
     float v = static_cast<float>(y[8 * j + i]);
-    if (v < 0.f) {
-      v = 0.f;
-      y[8 * j + i] = static_cast<T>(v);
-    } else if (has_upper && v > upper) {
-      v = upper;
-      y[8 * j + i] = static_cast<T>(v);
+    if (!isnan(v)) {  // as torch's CUDA clamp_: a NaN kept, else min(max(v, 0), upper), fmaxf
+      v = has_upper ? fminf(fmaxf(v, 0.f), upper) : fmaxf(v, 0.f);  // (which makes -0.0 +0.0)
+      y[8 * j + i] = static_cast<T>(v);  // exact: v is y's value or 0 or upper
     }
     bits |= static_cast<uint8_t>(v != 0.f && !(has_upper && v == upper)) << i;
   }
@@ -73,7 +76,7 @@ at::Tensor clamp_pack_cuda(at::Tensor& y, std::optional<double> upper) {
   }
   const float u = upper.has_value() ? static_cast<float>(*upper) : 0.f;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "clamp_pack_", [&] {
+  EDGETL_DISPATCH(y.scalar_type(), "clamp_pack_", [&] {
     clamp_pack_kernel<scalar_t><<<blocks(nbytes), kThreads, 0, stream>>>(
         y.data_ptr<scalar_t>(), out.data_ptr<uint8_t>(), n, nbytes, u, upper.has_value());
   });
@@ -86,6 +89,7 @@ at::Tensor mask_mul_cuda(const at::Tensor& g, const at::Tensor& packed, bool cha
   const auto format = channels_last && g.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   at::Tensor out = at::empty(g.sizes(), g.options().memory_format(format));
   const int64_t n = out.numel();
+  TORCH_CHECK(packed.device() == g.device(), "mask_mul: packed bytes on ", packed.device(), ", values on ", g.device());
   TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.numel() == (n + 7) / 8,
               "mask_mul: ", packed.numel(), " packed bytes for ", n, " values");
   if (n == 0) {
@@ -96,7 +100,7 @@ at::Tensor mask_mul_cuda(const at::Tensor& g, const at::Tensor& packed, bool cha
     out.copy_(g);
   }
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mask_mul", [&] {
+  EDGETL_DISPATCH(out.scalar_type(), "mask_mul", [&] {
     const scalar_t* gd = same ? g.const_data_ptr<scalar_t>() : out.const_data_ptr<scalar_t>();
     mask_mul_kernel<scalar_t><<<blocks(n), kThreads, 0, stream>>>(gd, packed.const_data_ptr<uint8_t>(),
                                                                  out.data_ptr<scalar_t>(), n);
