@@ -6,16 +6,16 @@
 // the fold and its copy) and six backward (the unpack table, the gather, the multiply). Here:
 //
 //   clamp_pack_(y, upper)            y clamped to [0, upper] in place (a NaN and -0.0 kept, as
-//                                    torch's clamp_ keeps them), its mask's packed bytes returned
+//                                    torch's CPU clamp_ keeps them), its mask's packed bytes returned
 //   mask_mul(g, packed, channels_last)
 //                                    a new tensor laid out as the masked output (channels-last
 //                                    or contiguous), g times the unpacked mask (0 or 1)
 //
 // Same values, bit for bit, as edgetl's aten path (tests/test_fused_masks.py), a NaN's payload
-// aside (torch's clamp may return another NaN; a value left in range is not written). Meta kernels
-// give the accounting the results' layouts. On x86-64 float32, bf16 and fp16 run AVX2 (+ F16C) where the CPU
-// has them (checked at run time); anything else runs the portable loop, which the compiler vectorises
-// as it can.
+// aside (torch's clamp may return another NaN; a value left in range is not written). Meta
+// kernels give the accounting the results' layouts. On x86-64 float32, bf16 and fp16 run AVX2
+// (+ F16C) where the CPU has them (checked at run time); anything else runs the portable loop,
+// which the compiler vectorises as it can. The CUDA kernels are in masks_cuda.cu.
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
