@@ -13,7 +13,6 @@ import logging
 import os
 import platform
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,11 +169,11 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     except ImportError:
         notes.append("torch is not installed: fine-tuning needs it")
     else:
-        from edgetl.models.lean.fused import compiler
+        from edgetl.models.lean.fused import compiler, ninja as find_ninja
 
         torch_version, torch_cuda = torch.__version__, torch.version.cuda
         cpu_capability = torch.backends.cpu.get_cpu_capability()
-        cxx, ninja = compiler(), shutil.which("ninja")
+        cxx, ninja = compiler(), find_ninja()
         if cpu_capability.startswith("AVX512") and not libraries_capped(caps):
             notes.append("the CPU kernels use AVX-512 here: training rounds otherwise than on an AVX2-only "
                          "host; ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 reproduces such a host's "

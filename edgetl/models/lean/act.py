@@ -15,7 +15,7 @@ from edgetl.models.lean.layout import is_channels_last
 class _MaskedReLUFn(Function):
     @staticmethod
     def forward(ctx, y, upper, chunk, shapes_only=False, kernels="aten"):
-        kernels = kernels if fusable(y) else "aten"  # fused: only on the layouts it packs as torch's ops do
+        kernels = "fused" if kernels == "fused" and fusable(y) else "aten"  # fused: where it packs as torch's ops do
         ctx.shape, ctx.channels_last, ctx.kernels = tuple(y.shape), is_channels_last(y), kernels
         ctx.mark_dirty(y)
         if shapes_only:  # a meta trace: the same tensor back, no values

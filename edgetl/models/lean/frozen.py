@@ -402,8 +402,10 @@ class _FrozenConvFn(Function):
             invstd = torch.rsqrt(m.running_var + m.eps)
             scale, shift = _scale_shift(m, m.running_mean, invstd, bias)
             y.mul_(scale.to(act).view(c)).add_(shift.to(act).view(c))
+        # which kernels pack the mask, and so apply it: fused only where they pack as torch's ops do
+        ctx.mask_kernels = "fused" if m.mask_kernels == "fused" and fusable(y) else "aten"
         if m.act:
-            if need and not saved and m.mask_kernels == "fused" and fusable(y):  # clamped and packed in one pass
+            if need and not saved and ctx.mask_kernels == "fused":  # clamped and packed in one pass
                 saved = (clamp_pack_(y, m.upper),)
             else:
                 if m.upper is not None:
@@ -415,8 +417,6 @@ class _FrozenConvFn(Function):
         ctx.m, ctx.in_shape, ctx.in_dtype, ctx.out_shape = m, tuple(x.shape), x.dtype, tuple(y.shape)
         ctx.channels_last, ctx.in_channels_last = is_channels_last(y), is_channels_last(x)
         ctx.kind = "batch" if (saved and len(saved) == 3) else ("mask" if saved else "none")
-        # which kernels packed the mask (``fusable``): the ones that apply it
-        ctx.mask_kernels = m.mask_kernels if fusable(y) else "aten"
         ctx.save_for_backward(*saved)
         return y
 

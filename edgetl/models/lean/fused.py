@@ -30,6 +30,7 @@ against torch's path where there is one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -51,22 +52,34 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+def ninja() -> str | None:
+    """The ninja ``torch.utils.cpp_extension`` builds with (looked up on PATH), None where there is none."""
+    return shutil.which("ninja")
+
+
 def buildable() -> bool:
-    """Whether the kernels can be built here: a C++ compiler, and ninja, which
-    ``torch.utils.cpp_extension`` builds with (looked up on PATH)."""
-    return compiler() is not None and shutil.which("ninja") is not None
+    """Whether the kernels can be built here: a C++ compiler and ninja."""
+    return compiler() is not None and ninja() is not None
+
+
+@contextlib.contextmanager
+def _quiet_cpp_extension():
+    """``torch.utils.cpp_extension``'s log held to errors: it warns at import where it finds no CUDA
+    toolkit, irrelevant to the CPU kernels."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def cuda_home() -> str | None:
     """The CUDA toolkit ``torch.utils.cpp_extension`` would build the CUDA kernels with (its nvcc
     present), None where there is none."""
-    quiet = logging.getLogger("torch.utils.cpp_extension")  # it warns at import where it finds none
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    with _quiet_cpp_extension():
         from torch.utils.cpp_extension import CUDA_HOME
-    finally:
-        quiet.setLevel(level)
     if not CUDA_HOME:
         return None
     home = Path(CUDA_HOME)  # a whole toolkit: nvcc, its runtime's header and library to link
@@ -102,15 +115,13 @@ def load(namespace: str = "edgetl") -> None:
 
 
 def _compile(name: str, sources, flags, cuda_flags) -> None:
-    quiet = logging.getLogger("torch.utils.cpp_extension")  # it warns at import where no CUDA toolkit is found
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
     try:
-        from torch.utils.cpp_extension import load as compile_and_load
+        with _quiet_cpp_extension():
+            from torch.utils.cpp_extension import load as compile_and_load
 
-        compile_and_load(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3", *flags],
-                         extra_cuda_cflags=list(cuda_flags or ()), extra_include_paths=_wheel_headers(cuda_flags),
-                         is_python_module=False, verbose=False)
+            compile_and_load(name=name, sources=[str(s) for s in sources], extra_cflags=["-O3", *flags],
+                             extra_cuda_cflags=list(cuda_flags or ()),
+                             extra_include_paths=_wheel_headers(cuda_flags), is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or header is the user's machine
         lines = [line for line in str(exc).splitlines() if line.strip()]
         # the compiler's or the linker's own complaint where there is one, else the first line
@@ -121,8 +132,6 @@ def _compile(name: str, sources, flags, cuda_flags) -> None:
                  else "a C++ compiler (g++) and ninja")
         raise CapabilityError(f"mask_kernels fused: compiling {', '.join(s.name for s in sources)} failed "
                               f"({first.strip()[:160]}); install {needs}, or use mask_kernels aten") from None
-    finally:
-        quiet.setLevel(level)
 
 
 def _wheel_headers(cuda_flags) -> list[str]:

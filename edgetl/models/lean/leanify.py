@@ -4,6 +4,7 @@ activation dtype's capability check)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Callable
 
@@ -269,7 +270,7 @@ def set_mask_kernels(net: torch.nn.Module, kernels: str) -> int:
     if kernels not in MASK_KERNELS:
         raise ConfigError(f"mask_kernels {kernels!r} is not allowed; allowed: {', '.join(MASK_KERNELS)}")
     if kernels == "fused":
-        tensor = next(iter([*net.parameters(), *net.buffers()]), None)
+        tensor = next(itertools.chain(net.parameters(), net.buffers()), None)
         fused.prepare(tensor.device if tensor is not None else "cpu")
     layers = [m for m in net.modules() if isinstance(m, (FrozenConvBNAct, LeanReLU))]
     for m in layers:
