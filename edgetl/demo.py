@@ -68,20 +68,28 @@ QUICK = DemoScale(pretrain_samples=2000, pretrain_epochs=3, retrain_epochs=1, ta
                   finetune_epochs=2, val_samples=500)
 FULL = DemoScale()
 
-# The streamed fine-tune's micro-batch: 4 of the batch of 32. At 64 px a sample's blocks are
+# The streamed fine-tune's micro-batch: 8 of the batch of 32. At 64 px a sample's blocks are
 # tiny kernels and a step's cost is per micro-batch: streamed by 1 a step took 6.6x the
-# unstreamed one (232 vs 35 ms) for a 3.91 MB peak, by 4 3.7x (129 ms) for 4.04 MB, the same
-# memory story (a third of the unstreamed 12.71 MB) in about half the stage time (AVX-512
-# EPYC). With the masked convs of 9 of its 12 segments run a micro-batch at a time
-# (``StreamedSegment.whole_micro_batch``) it takes 2.8x, 394 vs 139 ms, on a 2-core AVX2 EPYC
-# (4.3x before: benchmarks/demo_steps_64.json).
-STREAM = 4
+# unstreamed one (232 vs 35 ms) for a 3.91 MB peak, by 4 3.7x (129 ms) for 4.04 MB, by 8 3.0x
+# (104 ms) for 5.11 MB (AVX-512 EPYC, 2 threads): by 8 keeps streaming's memory story (under
+# half the unstreamed 12.71 MB) with the streamed stage no longer than full fine-tuning's
+# (docs/pipeline.md; by 4 it was the longest fine-tune, 82 s against 41 s on a 2-core AVX2 EPYC).
+# With the masked convs of most segments run a micro-batch at a time
+# (``StreamedSegment.whole_micro_batch``, benchmarks/demo_steps_64.json).
+STREAM = 8
+
+# The lean fine-tunes' mask kernels (``LeanOptions.mask_kernels``), as ``run_demo`` is asked:
+# "auto" takes edgetl's fused kernels on a CPU where they build (a C++ compiler and ninja) and
+# torch's ops elsewhere, saying which and why. Either gives the same weights bit for bit
+# (tests/test_fused_masks.py); fused takes fewer ops a step, which a streamed step pays for
+# per micro-batch.
+MASK_KERNELS = ("auto", "aten", "fused")
 
 # finetune variants: name -> (backbone stage, recipe overrides)
 VARIANTS = {
     "pruned Rep-Net (the method)": "ft_pruned",
     "unpruned Rep-Net": "ft_repnet",
-    "unpruned Rep-Net, streamed (micro-batch 4)": "ft_streamed",
+    "unpruned Rep-Net, streamed": "ft_streamed",
     "full fine-tune": "ft_full",
 }
 
@@ -140,6 +148,7 @@ class FineTuned:
     measured_bytes: int | None
     runtime: str
     channels_last: bool = False  # (a stage recorded before the demo ran Rep-Net channels-last ran plain)
+    mask_kernels: str = "aten"  # (and before it chose mask kernels, with torch's ops)
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,7 @@ class _Context:
     on_step: Callable[[dict], None] | None
     done: dict[str, Any]
     arch: str = DEFAULT_ARCH
+    mask_kernels: str = "aten"  # the lean fine-tunes' (``choose_mask_kernels``)
 
     def recipe(self, classes: list[int], samples: int, epochs: int, **overrides) -> Recipe:
         """The bundled fashion_mnist recipe at the demo's scale, on its data, with ``overrides``."""
@@ -343,6 +353,8 @@ class _FineTune:
                      "model.channels_last": mode == "repnet" and torch.device(ctx.device).type == "cpu"}
         if stream:
             overrides.update({"model.uint8_input": True, "model.recompute": True})
+        if mode == "repnet":
+            overrides["model.mask_kernels"] = ctx.mask_kernels
         if mode == "full":
             overrides.update({"optim.lr_head": 1e-3, "optim.lr_side": None})
         return ctx.recipe(TARGET_CLASSES, ctx.scale.target_samples, ctx.scale.finetune_epochs, **overrides)
@@ -355,7 +367,7 @@ class _FineTune:
         m = recipe.model  # what the stage ran, as its recipe says
         return FineTuned(str(work), m.mode, m.pool, m.stream, ctx.done[self.backbone_stage].backbone, m.uint8_input,
                          m.recompute, result.best_acc1, result.predicted.total_bytes, result.measured_peak_bytes,
-                         result.predicted.runtime, m.channels_last)
+                         result.predicted.runtime, m.channels_last, m.mask_kernels)
 
 
 def _export(ctx: _Context, work: Path) -> Exported:
@@ -389,6 +401,34 @@ STAGES = (
     Stage("export", "export ONNX and check it against PyTorch", _export, Exported, ("ft_pruned",)),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
+
+
+def choose_mask_kernels(asked: str, device: str) -> tuple[str, str]:
+    """The mask kernels the demo's lean fine-tunes run (``MASK_KERNELS``: "aten" or "fused") and
+    why, in words. "fused" is built here, or refused in one line (``edgetl.models.lean.fused``);
+    "auto" builds it on a CPU and takes torch's ops where it cannot, saying why."""
+    import torch
+
+    from edgetl.errors import CapabilityError
+    from edgetl.models.lean import fused
+
+    if asked not in MASK_KERNELS:
+        raise ConfigError(f"mask_kernels {asked!r} is not allowed; allowed: {', '.join(MASK_KERNELS)}")
+    if asked == "aten":
+        return "aten", "asked for"
+    if asked == "fused":
+        fused.prepare(device)
+        return "fused", "asked for"
+    if torch.device(device).type != "cpu":
+        return "aten", f"auto: the fused kernels are the demo's choice on a CPU only, not on {device}"
+    if not fused.buildable():
+        missing = "a C++ compiler" if fused.compiler() is None else "ninja"
+        return "aten", f"auto: the fused kernels need {missing} to build, and none was found"
+    try:
+        fused.prepare(device)
+    except CapabilityError as exc:
+        return "aten", f"auto: {exc}"
+    return "fused", f"auto: built with {fused.compiler()}"
 
 
 def _claim_folder(out_dir: Path):
@@ -431,8 +471,10 @@ def run_demo(
     device: str = "cpu",
     arch: str = DEFAULT_ARCH,
     jobs: int = 1,
+    mask_kernels: str = "auto",
     on_stage: Callable[[str, str, dict], None] | None = None,
     on_step: Callable[[dict], None] | None = None,
+    on_choice: Callable[[str, str], None] | None = None,
 ) -> DemoReport:
     """Run (or resume) the demo in ``out_dir``; returns every stage's figures.
 
@@ -448,9 +490,13 @@ def run_demo(
             own, its torch threads this process's shared out; a stage alone runs here. Results
             do not depend on it. One by default: on a 2-core AVX2 EPYC (2 vCPUs) two at once
             made each stage about 2x slower and the stages 506 s in all, against 433 s.
+        mask_kernels: the lean fine-tunes' mask kernels, a ``MASK_KERNELS`` value
+            (``choose_mask_kernels``); the same figures either way but a streamed step's speed.
+            A fine-tune reused from an earlier run keeps what it ran (its report.json entry).
         on_stage: called with (stage, "start" | "done" | "reused", its report.json entry).
         on_step: progress callback of the training loop (all training stages); its dict's
             "stage" names the stage.
+        on_choice: called once, before any stage, with the mask kernels chosen and why.
     """
     from edgetl.data import find_fashion_mnist
 
@@ -459,11 +505,13 @@ def run_demo(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError(f"jobs {jobs!r} is not allowed; give a whole number of stages to run at once, 1 or more")
     root = str(find_fashion_mnist(data))
+    kernels, why = choose_mask_kernels(mask_kernels, device)  # a build that fails: before anything is written
+    (on_choice or (lambda *a: None))(kernels, why)
     manifest = _claim_folder(out_dir)
     _check_arch(out_dir, arch)
     on_stage = on_stage or (lambda *a: None)
     report = DemoReport(out_dir, arch=arch)
-    ctx = _Context(QUICK if quick else FULL, device, root, on_step, {}, arch)
+    ctx = _Context(QUICK if quick else FULL, device, root, on_step, {}, arch, kernels)
     run_side_by_side(STAGES, ctx, manifest, report, on_stage, jobs)
     atomic_text_json(out_dir / "report.json", report.to_dict())
     return report

@@ -5,13 +5,16 @@ ran before it.
 * pretrain / retrain (stock MobileNetV2 0.35, every weight trained, 64 px, batch 32): the
   network and its batch plain (NCHW) or channels-last (``EdgeNet.to_channels_last``, what
   ``edgetl.retrain`` runs on every device);
-* the streamed fine-tune (unpruned Rep-Net, the plan's k=2, streamed by ``edgetl.demo.STREAM``,
+* the streamed fine-tune (unpruned Rep-Net, the plan's k=2, streamed by ``--stream``, the demo's
+  ``edgetl.demo.STREAM`` unless given,
   uint8 batch, recompute where the schedule takes it): the masked frozen convs of every
   segment sample by sample, or a micro-batch at a time where the schedule lets a segment
   (``StreamedSegment.whole_micro_batch``), with the predicted peak of each;
 * the unstreamed fine-tune of the same network, the reference the streamed one is compared to.
 
-    python scripts/demo_steps.py --json benchmarks/demo_steps_64.json
+    python scripts/demo_steps.py --stream 4 --json benchmarks/demo_steps_64.json
+
+(the committed file: the demo streamed by 4 then; it streams by 8 now, ``edgetl.demo.STREAM``).
 
 One thread and OpenMP's passive waiting, as the edgetl program runs on a 2-core machine; run it
 with nothing else on the machine.
@@ -41,14 +44,15 @@ from edgetl.models.backbone import BackboneSpec  # noqa: E402
 from edgetl.models.side import build_network  # noqa: E402
 from edgetl.options import LeanOptions  # noqa: E402
 
-ROWS = {
-    "pretrain-plain": "pretrain / retrain: stock, every weight trained, plain (before)",
-    "pretrain-channels-last": "pretrain / retrain: stock, every weight trained, channels-last (now)",
-    "finetune": "fine-tune: lean Rep-Net, unstreamed",
-    "streamed-per-sample": f"fine-tune streamed by {STREAM}: masked convs sample by sample (before)",
-    "streamed-whole-micro-batch": (f"fine-tune streamed by {STREAM}: a micro-batch at a time where the peak "
-                                   "allows (now)"),
-}
+def row_labels(stream: int) -> dict[str, str]:
+    return {
+        "pretrain-plain": "pretrain / retrain: stock, every weight trained, plain (before)",
+        "pretrain-channels-last": "pretrain / retrain: stock, every weight trained, channels-last (now)",
+        "finetune": "fine-tune: lean Rep-Net, unstreamed",
+        "streamed-per-sample": f"fine-tune streamed by {stream}: masked convs sample by sample (before)",
+        "streamed-whole-micro-batch": (f"fine-tune streamed by {stream}: a micro-batch at a time where the peak "
+                                       "allows (now)"),
+    }
 
 
 def without_whole_micro_batches(schedule: Schedule) -> Schedule:
@@ -62,7 +66,7 @@ def without_whole_micro_batches(schedule: Schedule) -> Schedule:
     return dataclasses.replace(schedule, settings=settings)
 
 
-def trainers(scale: DemoScale) -> tuple[dict[str, _Trainer], dict[str, int], int]:
+def trainers(scale: DemoScale, stream: int = STREAM) -> tuple[dict[str, _Trainer], dict[str, int], int]:
     """The rows' trainers, the lean rows' predicted peaks (bytes), and the segments that run a
     micro-batch at a time."""
     res, batch = scale.resolution, scale.batch_size
@@ -83,7 +87,7 @@ def trainers(scale: DemoScale) -> tuple[dict[str, _Trainer], dict[str, int], int
     prepare_step(net, resolution=res, batch_size=batch)
     peaks["finetune"] = runtime_report(net, mode="repnet", resolution=res, batch_size=batch).total_bytes
     out["finetune"] = trainer(net)
-    streamed = LeanOptions(pool=2, stream=STREAM, uint8_input=True, recompute=True)
+    streamed = LeanOptions(pool=2, stream=stream, uint8_input=True, recompute=True)
     whole = 0
     for name in ("streamed-per-sample", "streamed-whole-micro-batch"):
         torch.manual_seed(0)
@@ -102,20 +106,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10, help="timed steps of each row (interleaved)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--stream", type=int, default=STREAM, help="the streamed rows' micro-batch (default: the demo's)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     torch.set_num_threads(1)
     heap = hold_freed_memory()
     scale = DemoScale()
-    rows, peaks, whole = trainers(scale)
+    rows, peaks, whole = trainers(scale, a.stream)
+    labels = row_labels(a.stream)
     times = interleaved_step_times(rows, steps=a.steps, warmup=a.warmup)
     step = {name: statistics.median(t) for name, t in times.items()}
     data = {
         "cpu": cpu_name(), "machine": platform.machine(), "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "heap": heap, "torch": torch.__version__,
-        "resolution": scale.resolution, "batch_size": scale.batch_size, "stream": STREAM,
+        "resolution": scale.resolution, "batch_size": scale.batch_size, "stream": a.stream,
         "steps": a.steps, "warmup": a.warmup, "segments_whole_micro_batch": whole,
-        "rows": {name: {"label": ROWS[name], "step_s": step[name], "steps_s": times[name],
+        "rows": {name: {"label": labels[name], "step_s": step[name], "steps_s": times[name],
                         "predicted_peak_bytes": peaks.get(name)} for name in rows},
         "channels_last_speedup": step["pretrain-plain"] / step["pretrain-channels-last"],
         "whole_micro_batch_speedup": step["streamed-per-sample"] / step["streamed-whole-micro-batch"],

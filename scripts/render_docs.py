@@ -433,6 +433,7 @@ def render_demo() -> str:
     for stage, label in DEMO_STAGES.items():
         r = report[stage]
         name = label.format(**r) + (", channels-last" if r.get("channels_last") else "")
+        name += ", fused mask kernels" if r.get("mask_kernels") == "fused" else ""
         rows.append([name, f"k={r['pool']}" if r["mode"] == "repnet" else "-", f"{r['target_acc1']:.1f} %",
                      f"{r['predicted_bytes'] / 1e6:.2f} MB", f"{r['measured_bytes'] / 1e6:.2f} MB"])
     table = _table(["target task (5 classes)", "side pooling", "val top-1", "predicted peak", "measured peak"],

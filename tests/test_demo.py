@@ -154,3 +154,63 @@ def test_a_demo_folder_of_another_backbone_is_refused(tmp_path):
                                           r"choose another folder for --backbone resnet18$"):
         _check_arch(tmp_path, "resnet18")
     _check_arch(tmp_path / "new", "resnet18")  # nothing made yet
+
+
+# --- the lean fine-tunes' mask kernels ---------------------------------------------------------
+
+
+def test_the_rep_net_fine_tunes_run_the_chosen_mask_kernels_and_full_fine_tuning_has_none(tmp_path):
+    """A stage's recipe carries the demo's choice to every Rep-Net fine-tune (streamed too); full
+    fine-tuning has no lean layers. A stage recorded before the choice existed ran torch's ops."""
+    from edgetl.demo import STAGES, FineTuned, Planned, Trained, _Context, QUICK
+    from edgetl.demo_jobs import _read_mark
+
+    done = {"pretrain": Trained("pre", None), "retrain": Trained("re", None),
+            "plan": Planned(1, 1, "plan.yaml", [], [], 2, "k=2")}
+    stages = {s.name: s.run for s in STAGES if s.result is FineTuned}
+    for kernels in ("fused", "aten"):
+        ctx = _Context(QUICK, "cpu", "/nonexistent/fashion-mnist", None, done, "mobilenet_v2", kernels)
+        ran = {name: run.recipe(ctx).model.mask_kernels for name, run in stages.items()}
+        assert ran == {"ft_pruned": kernels, "ft_repnet": kernels, "ft_streamed": kernels, "ft_full": "aten"}
+    mark = tmp_path / "ft_streamed.json"
+    mark.write_text(json.dumps({"run": "r", "mode": "repnet", "pool": 2, "stream": 4, "backbone": "pre",
+                                "uint8_input": True, "recompute": True, "target_acc1": 87.1, "predicted_bytes": 1,
+                                "measured_bytes": 1, "runtime": "lean", "channels_last": True, "wall_s": 82.0}))
+    assert _read_mark(mark, FineTuned)[0].mask_kernels == "aten"
+
+
+def test_the_mask_kernels_choice_says_what_runs_and_why(monkeypatch):
+    from edgetl.demo import choose_mask_kernels
+    from edgetl.errors import ConfigError
+
+    assert choose_mask_kernels("aten", "cpu") == ("aten", "asked for")
+    assert choose_mask_kernels("auto", "cuda") == (
+        "aten", "auto: the fused kernels are the demo's choice on a CPU only, not on cuda")
+    with pytest.raises(ConfigError, match=r"^mask_kernels 'triton' is not allowed; allowed: auto, aten, fused$"):
+        choose_mask_kernels("triton", "cpu")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # no compiler: auto takes torch's ops and says so
+    assert choose_mask_kernels("auto", "cpu") == (
+        "aten", "auto: the fused kernels need a C++ compiler to build, and none was found")
+
+
+@pytest.mark.skipif(not HAVE_FMNIST, reason=FMNIST_REASON)
+def test_a_compiler_that_fails_falls_back_under_auto_and_refuses_fused_before_the_folder_is_made(tmp_path):
+    """A compiler that fails (``CXX=/bin/false``, an empty extension cache): auto runs torch's ops
+    and names the failure; ``--mask-kernels fused`` is one line, exit 2, and no demo folder."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    code = "from edgetl.demo import choose_mask_kernels; print(*choose_mask_kernels('auto', 'cpu'), sep='\\n')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    kernels, why = proc.stdout.splitlines()
+    assert kernels == "aten" and why.startswith("auto: mask_kernels fused: compiling masks.cpp failed"), proc.stdout
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "edgetl", "demo", "--quick", "--mask-kernels", "fused", "-o", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "mask_kernels fused: compiling masks.cpp failed" in lines[0], proc.stderr
+    assert not out.exists()

@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
                         "prune; the pruned backbone's retraining beside the unpruned one's fine-tunes), each "
                         "beside another in a process of its own; on a 2-core machine (where either way a stage "
                         "has one thread) the figures were the same and two at once ran slower than one")
+    p.add_argument("--mask-kernels", choices=("auto", "aten", "fused"), default="auto",
+                   help="how the lean fine-tunes pack and apply their ReLU masks (model.mask_kernels): fused "
+                        "(edgetl's compiled kernels, built on first use with g++ and ninja), aten (torch's ops), "
+                        "or auto: fused on a CPU where they build, else aten, saying why; the same weights "
+                        "either way, fused the faster streamed stage")
     p.set_defaults(run=run)
 
 
@@ -67,9 +72,14 @@ def run(args) -> int:
         bar.set_postfix_str(f"loss {info['loss']:.3f}")
         bar.update(1)
 
+    def on_choice(kernels, why):
+        names = {"fused": "edgetl's fused kernels", "aten": "torch's ops"}
+        tqdm.write(f"mask kernels of the lean fine-tunes: {names[kernels]} ({why})")
+
     try:
         report = run_demo(out_dir=args.out, quick=args.quick, data=args.data, device=args.device,
-                          arch=args.backbone, jobs=args.jobs, on_stage=on_stage, on_step=on_step)
+                          arch=args.backbone, jobs=args.jobs, mask_kernels=args.mask_kernels, on_stage=on_stage,
+                          on_step=on_step, on_choice=on_choice)
     finally:
         for bar in bars.values():
             bar.close()
@@ -87,8 +97,9 @@ def print_report(report) -> None:
     for name, run in report.variants.items():
         how = [f"k={run.pool}"] + ([f"stream {run.stream}"] if run.stream else [])
         how += [lever for lever, on in (("uint8 batch", run.uint8_input), ("recompute", run.recompute)) if on]
+        runtime = f"{run.runtime}, fused masks" if run.mask_kernels == "fused" else run.runtime
         rows.append([name, ", ".join(how), f"{run.target_acc1:.1f}",
-                     fmt_mb(run.predicted_bytes), fmt_mb(run.measured_bytes), run.runtime])
+                     fmt_mb(run.predicted_bytes), fmt_mb(run.measured_bytes), runtime])
     print_table(["fine-tuning on classes 5-9", "pool, streaming", "val top-1 %", "predicted MB", "measured MB", "runtime"],
                 rows, title=f"Target task, {archs.get(report.arch).title} (MB = 10^6 B; measured: one real training "
                             "step, storage meter)")
