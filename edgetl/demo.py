@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import edgetl.models.archs as archs
+import edgetl.options as options
 from edgetl.demo_jobs import Stage, run_side_by_side
 from edgetl.errors import ConfigError
 from edgetl.io import atomic_text_json, read_json
@@ -83,7 +84,7 @@ STREAM = 8
 # torch's ops elsewhere, saying which and why. Either gives the same weights bit for bit
 # (tests/test_fused_masks.py); fused takes fewer ops a step, which a streamed step pays for
 # per micro-batch.
-MASK_KERNELS = ("auto", "aten", "fused")
+MASK_KERNELS = ("auto", *options.MASK_KERNELS)
 
 # finetune variants: name -> (backbone stage, recipe overrides)
 VARIANTS = {

@@ -7,6 +7,7 @@ from pathlib import Path
 import edgetl.models.archs as archs
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import HelpFormatter, fmt_mb, given_path, positive_int, print_table, torch_device
+from edgetl.options import MASK_KERNELS
 
 
 def add_parser(sub) -> None:
@@ -33,7 +34,7 @@ def add_parser(sub) -> None:
                         "prune; the pruned backbone's retraining beside the unpruned one's fine-tunes), each "
                         "beside another in a process of its own; on a 2-core machine (where either way a stage "
                         "has one thread) the figures were the same and two at once ran slower than one")
-    p.add_argument("--mask-kernels", choices=("auto", "aten", "fused"), default="auto",
+    p.add_argument("--mask-kernels", choices=("auto", *MASK_KERNELS), default="auto",
                    help="how the lean fine-tunes pack and apply their ReLU masks (model.mask_kernels): fused "
                         "(edgetl's compiled kernels, built on first use with g++ and ninja), aten (torch's ops), "
                         "or auto: fused on a CPU where they build, else aten, saying why; the same weights "
