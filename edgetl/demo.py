@@ -422,9 +422,8 @@ def choose_mask_kernels(asked: str, device: str) -> tuple[str, str]:
         return "fused", "asked for"
     if torch.device(device).type != "cpu":
         return "aten", f"auto: the fused kernels are the demo's choice on a CPU only, not on {device}"
-    if not fused.buildable():
-        missing = "a C++ compiler" if fused.compiler() is None else "ninja"
-        return "aten", f"auto: the fused kernels need {missing} to build, and none was found"
+    if fused.missing() is not None:
+        return "aten", f"auto: building the fused kernels needs {fused.missing()}, not found here"
     try:
         fused.prepare(device)
     except CapabilityError as exc:

@@ -190,7 +190,7 @@ def test_the_mask_kernels_choice_says_what_runs_and_why(monkeypatch):
         choose_mask_kernels("triton", "cpu")
     monkeypatch.setenv("CXX", "/nonexistent/c++")  # no compiler: auto takes torch's ops and says so
     assert choose_mask_kernels("auto", "cpu") == (
-        "aten", "auto: the fused kernels need a C++ compiler to build, and none was found")
+        "aten", "auto: building the fused kernels needs a C++ compiler (CXX, else c++), not found here")
 
 
 @pytest.mark.skipif(not HAVE_FMNIST, reason=FMNIST_REASON)

@@ -31,6 +31,7 @@ against torch's path where there is one.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -57,9 +58,20 @@ def ninja() -> str | None:
     return shutil.which("ninja")
 
 
+def missing() -> str | None:
+    """What building the kernels needs and lacks here, in words; None where nothing is missing."""
+    if compiler() is None:
+        return "a C++ compiler (CXX, else c++)"
+    if ninja() is None:
+        return "ninja"
+    if importlib.util.find_spec("setuptools") is None:
+        return "setuptools (torch's extension builder imports it)"
+    return None
+
+
 def buildable() -> bool:
-    """Whether the kernels can be built here: a C++ compiler and ninja."""
-    return compiler() is not None and ninja() is not None
+    """Whether the kernels can be built here: a C++ compiler, ninja and setuptools."""
+    return missing() is None
 
 
 @contextlib.contextmanager
@@ -128,8 +140,8 @@ def _compile(name: str, sources, flags, cuda_flags) -> None:
         first = next((line for line in lines if ("error" in line.lower() or "cannot find" in line)
                       and "building extension" not in line.lower() and "collect2" not in line),
                      lines[0] if lines else type(exc).__name__)
-        needs = ("a C++ compiler (g++), ninja and the CUDA toolkit (nvcc)" if cuda_flags
-                 else "a C++ compiler (g++) and ninja")
+        needs = ("a C++ compiler (g++), ninja, setuptools and the CUDA toolkit (nvcc)" if cuda_flags
+                 else "a C++ compiler (g++), ninja and setuptools")
         raise CapabilityError(f"mask_kernels fused: compiling {', '.join(s.name for s in sources)} failed "
                               f"({first.strip()[:160]}); install {needs}, or use mask_kernels aten") from None
 
@@ -140,8 +152,6 @@ def _wheel_headers(cuda_flags) -> list[str]:
     where a toolkit's own are incomplete."""
     if not cuda_flags:
         return []
-    import importlib.util
-
     spec = importlib.util.find_spec("nvidia")
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
     return sorted(str(p) for root in roots for p in Path(root).glob("*/include") if p.is_dir())

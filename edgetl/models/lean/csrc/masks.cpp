@@ -12,7 +12,9 @@
 //                                    or contiguous), g times the unpacked mask (0 or 1)
 //
 // Same values, bit for bit, as edgetl's aten path (tests/test_fused_masks.py), a NaN's payload
-// aside (torch's clamp may return another NaN; a value left in range is not written). Meta
+// aside (torch's clamp may return another NaN; a value left in range is not written), and on
+// an Arm CPU a zero's sign (torch 2.5's fp32 clamp there makes -0.0 +0.0 in its vectorised body,
+// not in its scalar tail; this one keeps it, as torch's x86 kernels do). Meta
 // kernels give the accounting the results' layouts. On x86-64 float32, bf16 and fp16 run AVX2
 // (+ F16C) where the CPU has them (checked at run time); anything else runs the portable loop,
 // which the compiler vectorises as it can. The CUDA kernels are in masks_cuda.cu.
@@ -244,7 +246,13 @@ at::Tensor mask_mul_meta(const at::Tensor& g, const at::Tensor& packed, bool cha
 
 }  // namespace
 
-TORCH_LIBRARY(EDGETL_OPS, m) {
+// TORCH_LIBRARY through a macro of edgetl's own, so that EDGETL_OPS is expanded before it is
+// named: torch 2.5's TORCH_LIBRARY (the Jetson's) stringizes its argument as written, which
+// registered the ops under "EDGETL_OPS" (found by the emulated Jetson check); later torch
+// expands it first
+#define EDGETL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+EDGETL_LIBRARY(EDGETL_OPS, m) {
   m.def("clamp_pack_(Tensor(a!) y, float? upper) -> Tensor");
   m.def("mask_mul(Tensor g, Tensor packed, bool channels_last) -> Tensor");
 }
