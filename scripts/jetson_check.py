@@ -46,6 +46,7 @@ MB_ROUNDING = 5_000
 PEAK_TOLERANCE = 0.01  # predicted vs measured peak, relative (edgetl claims exact on CPU)
 TAIL_LINES = 15
 LOADER_WORKERS_EMULATED = 0  # finetune's DataLoader workers under qemu (see Checker.finetune_argv)
+CROSS_CXX = "aarch64-linux-gnu-g++"  # builds the fused kernels for the emulated interpreter (c_fused_kernels)
 
 VERSIONS = r"""
 import importlib.metadata as md, json, platform
@@ -471,8 +472,9 @@ class Checker:
         if len(rows) != len(images) or bad:
             raise CheckFailed(f"{len(rows)} results for {len(images)} images, {len(bad)} without a known label")
 
-    def pytest(self, r: Result, name: str) -> None:
-        """One test file (a crash loses only its own later tests), a selection of it."""
+    def pytest(self, r: Result, name: str, env: dict[str, str] | None = None) -> None:
+        """One test file (a crash loses only its own later tests), a selection of it; ``env``:
+        variables set for it alone."""
         file = f"tests/test_{name}.py"
         if self.args.short:
             select = [f"{file}::{t}" for t in PYTEST_SHORT[name]]
@@ -480,7 +482,12 @@ class Checker:
             select = [file, "-k", "not (" + " or ".join(PYTEST_FULL_SKIP[name]) + ")"]
         argv = [*self.python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=5", *select]
         log = r.name
-        run = self.run(argv, log, cwd=self.args.repo, timeout=1500)
+        saved = dict(self.env)
+        self.env.update(env or {})
+        try:
+            run = self.run(argv, log, cwd=self.args.repo, timeout=1500)
+        finally:
+            self.env = saved
         last = tail(run.output, 1)
         counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", last)}
         r.details["tests"] = counts
@@ -509,6 +516,25 @@ class Checker:
 
     def c_pytest_channels_last(self, r: Result) -> None:
         self.pytest(r, "channels_last")
+
+    def c_fused_kernels(self, r: Result) -> None:
+        """edgetl's fused mask kernels built against the checked torch for its CPU (on aarch64 the
+        portable loop a Jetson's Arm cores run) and tested there against torch's ops. Under
+        emulation the build runs natively, with the host's aarch64 cross compiler (the emulated
+        interpreter starts host programs as they are: ninja, the compiler); on a real aarch64
+        machine with its own compiler."""
+        env = {"TORCH_EXTENSIONS_DIR": str(self.work / "torch_extensions")}
+        if self.emulated:
+            cross = shutil.which(CROSS_CXX)
+            if cross is None:
+                r.reason = (f"no aarch64 cross compiler on the host to build the kernels with ({CROSS_CXX}: "
+                            "apt-get install g++-aarch64-linux-gnu, which scripts/jetson_env.sh does as root)")
+                return
+            env["CXX"] = cross
+        if shutil.which("ninja") is None:
+            r.reason = "no ninja on the host to build the kernels with (apt-get install ninja-build)"
+            return
+        self.pytest(r, "fused_masks", env)
 
     # -- the whole check ---------------------------------------------------------------
     def probe_versions(self) -> dict:
@@ -558,6 +584,7 @@ class Checker:
             ("pytest-uint8", self.c_pytest_uint8, (), True),
             ("pytest-metaop", self.c_pytest_metaop, (), True),
             ("pytest-channels-last", self.c_pytest_channels_last, (), True),
+            ("fused-kernels", self.c_fused_kernels, (), True),
         ]
         only = set(self.args.only.split(",")) if self.args.only else None
         if only:
@@ -669,6 +696,21 @@ PYTEST_SHORT = {
         "test_the_accounting_measures_each_leaf_laid_out_as_it_runs",
         "test_layout_helpers",
     ],
+    # edgetl's fused mask kernels as an Arm CPU runs them (the portable loop), against torch's
+    # ops: each op on whole and partial bytes, both layouts, ReLU6 and ReLU; whole steps bit for
+    # bit; the accounting's prediction against the meter with them
+    "fused_masks": [
+        *(f"test_clamp_pack_gives_the_aten_path_s_values_and_mask[{upper}-{shape}-{layout}-dtype{d}]"
+          for upper, shape, layout, d in (("6.0", "shape0", "False", 0), ("None", "shape2", "True", 0),
+                                           ("6.0", "shape2", "True", 1), ("6.0", "shape1", "False", 2))),
+        *(f"test_mask_mul_gives_the_aten_path_s_gradient_and_layout[{shape}-{grad}-{layout}-dtype{d}]"
+          for shape, grad, layout, d in (("shape0", "same", "False", 0), ("shape1", "other", "True", 0),
+                                          ("shape1", "same", "True", 1))),
+        "test_the_meta_kernels_give_the_aten_path_s_layouts",
+        "test_many_threads_and_a_partial_last_byte_give_the_same_bytes",
+        "test_a_fused_step_trains_the_same_weights_bit_for_bit[repnet-channels-last]",
+        "test_a_fused_step_is_predicted_as_measured_and_holds_no_more_than_the_aten_step[repnet-channels-last]",
+    ],
 }
 PYTEST_FULL_SKIP = {
     "runtime_accounting": ["test_full_size_repnet_matches_design_figure", "test_cli_runtime_measure",
@@ -685,6 +727,10 @@ PYTEST_FULL_SKIP = {
                     "bf16-bias", "1-bf16-repnet", "3-bf16-repnet"],
     "metaop": ["bf16"],
     "channels_last": ["bf16", "resnet18", "finetune"],
+    # the portable build is this build on aarch64; the CLI round trips and the bench's rows are the
+    # host suite's (they spawn interpreters and time rows); the GPU tests skip without one
+    "fused_masks": ["portable_loop", "without_a_compiler", "bench_leaves", "finetune_refuses", "cuda",
+                    "on_the_gpu"],
 }
 
 

@@ -10,7 +10,8 @@
 # Idempotent: downloads are cached in .jetson/debs and .jetson/wheels; the sysroot and the
 # site are rebuilt only when the package list or the pins change. Registers no binfmt
 # handler and leaves the host's dpkg architectures alone (apt reads arm64 lists from a
-# private state folder). Needs root only to install qemu-user-static if it is missing.
+# private state folder). Needs root only to install qemu-user-static if it is missing (and
+# g++-aarch64-linux-gnu, for the fused kernels' check, which skips without it).
 # Usage: scripts/jetson_env.sh [--offline]   (--offline: use the caches, fetch nothing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,8 @@ die() { echo "jetson_env: error: $*" >&2; exit 1; }
 say() { echo "jetson_env: $*"; }
 
 # Debian bookworm arm64 packages: python3.11 and the libraries it and the wheels load
-# (apt-cache depends --recurse of python3.11, libstdc++6, libgomp1, less perl/dpkg/tar).
+# (apt-cache depends --recurse of python3.11, libstdc++6, libgomp1, less perl/dpkg/tar), and
+# distutils, which the Jetson image's setuptools uses (torch 2.5 builds extensions with them).
 DEBS=(
   python3.11 python3.11-minimal libpython3.11-minimal libpython3.11-stdlib media-types
   libc6 libgcc-s1 gcc-12-base libstdc++6 libgomp1 zlib1g libffi8 libssl3 libexpat1
@@ -35,6 +37,7 @@ DEBS=(
   readline-common libdb5.3 libgdbm6 libgdbm-compat4 libcrypt1 libnsl2 libtirpc3
   libtirpc-common libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1
   libcom-err2 libselinux1 libpcre2-8-0 libacl1 libmd0
+  python3-distutils python3-lib2to3
 )
 
 # --- host tools --------------------------------------------------------------------------
@@ -45,6 +48,14 @@ if ! command -v qemu-aarch64-static >/dev/null; then
   fi
   command -v qemu-aarch64-static >/dev/null ||
     die "qemu-aarch64-static not found: as root run apt-get install qemu-user-static"
+fi
+# the aarch64 cross compiler the check builds edgetl's fused mask kernels with (a host package,
+# amd64: the emulated interpreter starts it as a host program); without it that check skips
+if ! command -v aarch64-linux-gnu-g++ >/dev/null && [ "$OFFLINE" = 0 ] && [ "$(id -u)" = 0 ] &&
+   command -v apt-get >/dev/null; then
+  say "installing g++-aarch64-linux-gnu (host package: the fused kernels' cross compiler)"
+  (apt-get install -y -q g++-aarch64-linux-gnu || (apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu)) \
+    >/dev/null || say "g++-aarch64-linux-gnu could not be installed: the fused-kernels check will skip"
 fi
 for tool in apt-get dpkg sha256sum; do
   command -v "$tool" >/dev/null || die "$tool not found (this script needs a Debian host)"
