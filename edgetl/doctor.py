@@ -70,6 +70,8 @@ class DoctorReport:
     # the C++ compiler and the ninja that build the fused mask kernels here (``edgetl.models.lean.fused``)
     cxx: str | None = None
     ninja: str | None = None
+    # what building them lacks here (``fused.missing``: a compiler, ninja or setuptools), None: nothing
+    fused_missing: str | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -161,7 +163,7 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     l4t = parse_l4t_release(tegra) if tegra else None
     jetson = _names_a_jetson(model, tegra)
 
-    torch_version = torch_cuda = cudnn = gpu_name = capability = cpu_capability = cxx = ninja = None
+    torch_version = torch_cuda = cudnn = gpu_name = capability = cpu_capability = cxx = ninja = fused_missing = None
     caps = kernel_caps()
     cuda_available, integrated = False, None
     try:
@@ -169,11 +171,11 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
     except ImportError:
         notes.append("torch is not installed: fine-tuning needs it")
     else:
-        from edgetl.models.lean.fused import compiler, ninja as find_ninja
+        from edgetl.models.lean.fused import compiler, missing, ninja as find_ninja
 
         torch_version, torch_cuda = torch.__version__, torch.version.cuda
         cpu_capability = torch.backends.cpu.get_cpu_capability()
-        cxx, ninja = compiler(), find_ninja()
+        cxx, ninja, fused_missing = compiler(), find_ninja(), missing()
         if cpu_capability.startswith("AVX512") and not libraries_capped(caps):
             notes.append("the CPU kernels use AVX-512 here: training rounds otherwise than on an AVX2-only "
                          "host; ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 reproduces such a host's "
@@ -230,5 +232,6 @@ def doctor(root: str | Path = "/", probe_gpu: bool = True) -> DoctorReport:
         kernel_caps=caps,
         cxx=cxx,
         ninja=ninja,
+        fused_missing=fused_missing,
         notes=notes,
     )

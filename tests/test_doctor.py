@@ -172,3 +172,20 @@ def test_the_compiler_that_builds_the_fused_kernels_is_named_or_its_absence_said
     assert doctor(probe_gpu=False).cxx is None
     assert cli_main(["doctor", "--no-gpu"]) == 0
     assert "none; no C++ compiler" in capsys.readouterr().out
+
+
+def test_a_machine_without_setuptools_is_told_fused_is_refused(monkeypatch, capsys):
+    """A compiler and ninja are not enough: torch's extension builder imports setuptools
+    (``fused.missing``), and the doctor says so rather than that fused builds."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "setuptools" else find_spec(name, *a))
+    report = doctor(probe_gpu=False)
+    assert report.fused_missing == "setuptools (torch's extension builder imports it)"
+    assert cli_main(["doctor", "--no-gpu"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("C++ compiler"))
+    if report.cxx and report.ninja:
+        assert line.endswith("; no setuptools (torch's extension builder imports it): --mask-kernels fused is refused")
+    else:  # no compiler or no ninja here: those are named first
+        assert line.endswith(": --mask-kernels fused is refused") and "setuptools" not in line

@@ -40,11 +40,12 @@ def _kernels(report) -> str | None:
 
 
 def _compiler(report) -> str:
-    """The compiler and ninja that build --mask-kernels fused, or what is missing for it."""
-    if report.cxx and report.ninja:
+    """The compiler and ninja that build --mask-kernels fused, or what is missing for it (either
+    of them, or what else ``fused.missing`` names: setuptools)."""
+    if report.cxx and report.ninja and report.fused_missing is None:
         return f"{report.cxx}, ninja {report.ninja} (build --mask-kernels fused)"
-    missing = " and ".join(name for name, path in (("a C++ compiler", report.cxx), ("ninja", report.ninja)) if not path)
-    return f"{report.cxx or 'none'}; no {missing.removeprefix('a ')}: --mask-kernels fused is refused"
+    tools = " and ".join(name for name, path in (("C++ compiler", report.cxx), ("ninja", report.ninja)) if not path)
+    return f"{report.cxx or 'none'}; no {tools or report.fused_missing}: --mask-kernels fused is refused"
 
 
 def run(args) -> int:
