@@ -189,12 +189,14 @@ class Checker:
         self.count = 0
 
     # -- running children --------------------------------------------------------------
-    def run(self, argv: list[str], log_name: str, cwd: Path | None = None, timeout: float = 900) -> Run:
+    def run(self, argv: list[str], log_name: str, cwd: Path | None = None, timeout: float = 900,
+            env: dict[str, str] | None = None) -> Run:
+        """``argv`` in its own session, its output logged; ``env``: variables set for it alone."""
         t0 = time.perf_counter()
         log = self.logs / f"{log_name}.log"
         # own session: a timed-out check's whole group (DataLoader workers too) is killed
-        proc = subprocess.Popen(argv, cwd=cwd or self.work, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=cwd or self.work, env={**self.env, **(env or {})},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         timed_out = False
         try:
             raw, _ = proc.communicate(timeout=timeout)
@@ -482,12 +484,7 @@ class Checker:
             select = [file, "-k", "not (" + " or ".join(PYTEST_FULL_SKIP[name]) + ")"]
         argv = [*self.python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=5", *select]
         log = r.name
-        saved = dict(self.env)
-        self.env.update(env or {})
-        try:
-            run = self.run(argv, log, cwd=self.args.repo, timeout=1500)
-        finally:
-            self.env = saved
+        run = self.run(argv, log, cwd=self.args.repo, timeout=1500, env=env)
         last = tail(run.output, 1)
         counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", last)}
         r.details["tests"] = counts
