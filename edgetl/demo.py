@@ -422,8 +422,9 @@ def choose_mask_kernels(asked: str, device: str) -> tuple[str, str]:
         return "fused", "asked for"
     if torch.device(device).type != "cpu":
         return "aten", f"auto: the fused kernels are the demo's choice on a CPU only, not on {device}"
-    if fused.missing() is not None:
-        return "aten", f"auto: building the fused kernels needs {fused.missing()}, not found here"
+    lacking = fused.missing()
+    if lacking is not None:
+        return "aten", f"auto: building the fused kernels needs {lacking}, not found here"
     try:
         fused.prepare(device)
     except CapabilityError as exc:
