@@ -66,3 +66,39 @@ def test_convs_inside_streamed_segments_take_whole_weights_where_the_peak_stays(
     assert peak == chunked_peak and ops < chunked_ops
     for name in set(chunkable) - set(schedule.whole_weight):
         assert run((*schedule.whole_weight, name))[0] > peak, name
+
+
+@pytest.mark.parametrize("step, taken, simulations", [
+    (Step.plain(), 8, 1),  # all eight at once
+    # the first five in four (all, 7, 5, 6), then the last three left in three more
+    (Step.plain(step_in_backward=True, fused=True), 5, 7),
+], ids=["plain", "update-in-backward"])
+def test_the_whole_weight_search_is_the_greedy_pass_in_fewer_simulations(step, taken, simulations, monkeypatch):
+    """The convs inside streamed segments that take whole weights are the ones a greedy pass in
+    module order takes, one simulated step per conv (written out here, with the runtime report),
+    found in fewer simulations: the longest run of convs that keeps the peak at a time."""
+    from edgetl.memory import schedule as fitting
+    from edgetl.models.lean import FrozenConvBNAct
+
+    counted = []
+    simulate = fitting.simulate
+
+    def counting(*args, **kwargs):
+        counted.append(kwargs.get("flow") is not None)  # the whole-weight pass hands its one trace
+        return simulate(*args, **kwargs)
+
+    monkeypatch.setattr(fitting, "simulate", counting)
+    method = METHODS["repnet-pruned-pool2-bf16-int8-stream"]
+    net = build_method(method, width=1.0, num_classes=CLASSES, device="meta", hidden=pruned_hidden(1.0, CLASSES))
+    schedule = prepare_step(net, resolution=RES, batch_size=BATCH, step=step)
+    assert len(schedule.whole_weight) == taken and sum(counted) == simulations
+
+    def peak(whole: list[str]) -> int:
+        apply_schedule(net, dataclasses.replace(schedule, whole_weight=tuple(whole)))
+        return runtime_report(net, mode=method.mode, resolution=RES, batch_size=BATCH, step=step).total_bytes
+
+    chunked, greedy = peak([]), []
+    for name, m in net.named_modules():
+        if isinstance(m, FrozenConvBNAct) and m.chunkable and peak([*greedy, name]) <= chunked:
+            greedy.append(name)
+    assert tuple(sorted(greedy)) == schedule.whole_weight

@@ -408,14 +408,19 @@ def _drop(mem: _Memory, key) -> None:
 
 
 def simulate(net: EdgeNet, *, resolution: int, batch_size: int, step: Step | None = None,
-             opt: OptimizerCost | None = None) -> _Result:
+             opt: OptimizerCost | None = None, flow: Flow | None = None) -> _Result:
     """One simulated training step of ``net`` (in its current train mode): the peak and, per
     leaf op, the arguments of its cost rule and its backward moment (``edgetl.memory.schedule``
     chooses execution options from these). ``opt``: ``optimizer_cost(net, step)`` when the
-    caller has it already (it does not depend on the schedule or the batch)."""
+    caller has it already (it does not depend on the schedule or the batch). ``flow``:
+    ``trace_flow(net, resolution, batch_size)`` when the caller has it: the trace names the
+    leaves, their shapes and who holds what, not how a leaf runs inside, so a caller trying
+    the execution settings of a leaf's own layers (the convs inside a streamed segment) traces
+    once; each leaf's cost is still its rule's, read from ``net``'s module now."""
     step = resolve_step(step)
     opt = opt if opt is not None else optimizer_cost(net, step)
-    return _simulate(trace_flow(net, resolution, batch_size), net, batch_size, net.spec.num_classes, step, opt)
+    flow = flow if flow is not None else trace_flow(net, resolution, batch_size)
+    return _simulate(flow, net, batch_size, net.spec.num_classes, step, opt)
 
 
 # ----------------------------------------------------------------------------- report
