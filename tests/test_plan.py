@@ -383,6 +383,37 @@ def test_cli_plan_and_impossible(capsys, tmp_path, monkeypatch):
     assert len(err) == 1 and "smallest budget that works" in err[0]
 
 
+def test_a_terminal_sees_the_search_counted_while_it_runs_and_a_pipe_does_not(capsys, monkeypatch):
+    """On a terminal, edgetl plan counts the configurations evaluated on stderr while it searches
+    (from 0, as often as the line redraws, never past the summary's count); where stderr is no
+    terminal it writes nothing there. The planner calls ``on_evaluation`` once per configuration."""
+    import io
+    import re
+    import sys
+
+    from edgetl.plan import graphs, path
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(path, "_SHARED", {})  # a search of its own, seconds long
+    monkeypatch.setattr(graphs, "_REPLAYED", {})
+    args = ["plan", "--budget", "5MB", "--resolution", str(RES), "--width", "0.35"]
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(args) == 0
+    n = int(re.search(r"search: (\d+) runtime-accounting evaluations", capsys.readouterr().out)[1])
+    counted = [int(c) for c in re.findall(r"searching: (\d+) configurations evaluated", terminal.getvalue())]
+    assert counted[0] == 0 and counted == sorted(counted) and 1 <= counted[-1] <= n and n > 3
+    monkeypatch.undo()
+    assert main(args) == 0
+    piped = capsys.readouterr()
+    assert piped.err == "" and f"search: {n} runtime-accounting evaluations" in piped.out
+    seen = []
+    assert tiny_plan(5 * MB, on_evaluation=seen.append).evaluations == n and seen == list(range(1, n + 1))
+
+
 def test_cli_plan_for_a_jetson_prints_its_graphs_and_eager_runs_eagerly(capsys, tmp_path):
     """edgetl plan on a Jetson preset prints what the graphs reserve and the headroom left
     beside them, and finetune's own check of the run it resolves from the plan (built there

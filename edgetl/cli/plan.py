@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 
 from edgetl.cli import COMMANDS
 from edgetl.cli._common import (
@@ -166,6 +168,21 @@ def print_plan(plan) -> None:
     print(f"search: {plan.evaluations} runtime-accounting evaluations{replays}, {plan.search_seconds:.1f} s")
 
 
+@contextlib.contextmanager
+def search_progress():
+    """On a terminal, a line on stderr counting the configurations the search has evaluated and
+    its time while it runs (a search took 2-33 s here, longer on a slower CPU), cleared when
+    it ends: the summary's "search:" line says the same. Yields the planner's
+    ``on_evaluation``; None where stderr is no terminal (logs and pipes stay clean)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(file=sys.stderr, leave=False, bar_format="searching: {n} configurations evaluated, {elapsed}") as bar:
+        yield lambda count: bar.update(count - bar.n)
+
+
 def run(args) -> int:
     from edgetl.plan import DEVICES, MAX_BATCH_SIZE, VERIFY_TOLERANCE, plan, verify_plan
 
@@ -174,11 +191,13 @@ def run(args) -> int:
     if args.max_batch_size is not None and args.batch_size != "auto":
         raise ConfigError(f"--max-batch-size {args.max_batch_size} needs --batch-size auto (the batch is fixed "
                           f"at {args.batch_size})")
-    result = plan(budget_bytes=args.budget, device_preset=args.device, budget_scope=args.budget_scope,
-                  batch_size=args.batch_size, resolution=args.resolution, num_classes=args.num_classes,
-                  precision=args.precision, stream=args.stream, backbone=args.backbone, width=args.width,
-                  max_ratio=args.max_ratio, max_batch_size=args.max_batch_size or MAX_BATCH_SIZE, mode=args.mode,
-                  fused=args.fused, step_in_backward=args.step_in_backward, eager=args.eager)
+    with search_progress() as on_evaluation:
+        result = plan(budget_bytes=args.budget, device_preset=args.device, budget_scope=args.budget_scope,
+                      batch_size=args.batch_size, resolution=args.resolution, num_classes=args.num_classes,
+                      precision=args.precision, stream=args.stream, backbone=args.backbone, width=args.width,
+                      max_ratio=args.max_ratio, max_batch_size=args.max_batch_size or MAX_BATCH_SIZE,
+                      mode=args.mode, fused=args.fused, step_in_backward=args.step_in_backward, eager=args.eager,
+                      on_evaluation=on_evaluation)
     if args.verify:
         verify_plan(result)
     print_plan(result)

@@ -41,6 +41,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 from edgetl.errors import ConfigError
 from edgetl.models.backbone import BackboneSpec, build_backbone, hidden_channels, input_spec, prunable_blocks
@@ -164,6 +165,7 @@ def plan(
     fused: bool | None = None,
     step_in_backward: bool | None = None,
     eager: bool = False,
+    on_evaluation: Callable[[int], None] | None = None,
 ) -> Plan:
     """Choose pruning, pooling, precision, frozen-weight storage and batch size to fit a budget.
 
@@ -203,6 +205,8 @@ def plan(
             need be (``edgetl.plan.graphs.with_graphs``), eagerly where they do not: graphs are a
             matter of speed, chosen after the objective (a plan never prunes, pools or stores
             less exactly to run as graphs).
+        on_evaluation: called with the number of configurations evaluated so far each time
+            the search evaluates one (``Plan.evaluations`` in all; the command's progress line).
 
     Raises:
         PlanImpossible: nothing fits; carries the smallest budget that would.
@@ -228,7 +232,7 @@ def plan(
         tensor_budget = preset.tensor_budget(budget_bytes)
     else:
         tensor_budget = budget_bytes
-    ev = _Evaluator(base, resolution, mode)
+    ev = _Evaluator(base, resolution, mode, on_evaluation)
     ladder = storage_ladder(pool=pool, precision=precision, frozen_weights=frozen_weights,
                             stored_pools=_stored_pools_of(base, resolution) if mode == MODE else None,
                             half=half, stream=stream, mode=mode, fused=fused, step_in_backward=step_in_backward)

@@ -39,11 +39,13 @@ class _Evaluator:
     the configurations this search evaluated (an earlier plan's evaluation in ``_SHARED``
     serves as this one's)."""
 
-    def __init__(self, base: BackboneSpec, resolution: int, mode: str = MODE):
+    def __init__(self, base: BackboneSpec, resolution: int, mode: str = MODE,
+                 on_evaluation: Callable[[int], None] | None = None):
         self.base, self.resolution, self.mode = base, resolution, mode
         self.reports: dict[tuple, object] = {}
         self.nets: dict[tuple, object] = {}
         self.count = 0
+        self.on_evaluation = on_evaluation  # called with ``count`` each time it grows
         self.shared_key = (base.key(), resolution, mode)
 
     def report(self, kept: dict[int, int], storage: Storage, batch: int):
@@ -68,6 +70,8 @@ class _Evaluator:
         if key not in self.reports:
             self.reports[key] = _SHARED[shared]
             self.count += 1
+            if self.on_evaluation is not None:
+                self.on_evaluation(self.count)
         return self.reports[key]
 
     def total(self, kept, storage, batch) -> int:
