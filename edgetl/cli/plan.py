@@ -171,8 +171,8 @@ def print_plan(plan) -> None:
 @contextlib.contextmanager
 def search_progress():
     """On a terminal, a line on stderr counting the configurations the search has evaluated and
-    its time while it runs (a search took 2-33 s here, longer on a slower CPU), cleared when
-    it ends: the summary's "search:" line says the same. Yields the planner's
+    its time while it runs (a pruning search at 224 px took 24 s here, longer on a slower CPU),
+    cleared when it ends: the summary's "search:" line says the same. Yields the planner's
     ``on_evaluation``; None where stderr is no terminal (logs and pipes stay clean)."""
     if not sys.stderr.isatty():
         yield None

@@ -1,8 +1,9 @@
 """The one search for "the largest n whose total fits the budget".
 
 Used for every such question edgetl asks: the largest batch (``finetune``'s advice when a
-batch is refused, ``plan --batch-size auto``, ``bench``'s largest-batch column) and the
-least pruning or the least degraded storage along ``plan``'s path. Totals must be
+batch is refused, ``plan --batch-size auto``, ``bench``'s largest-batch column), the
+least pruning or the least degraded storage along ``plan``'s path, and the longest run of convs
+inside streamed segments that convert whole weights (``edgetl.memory.schedule``). Totals must be
 non-decreasing in n; under that one assumption the answer is exact, whatever the totals'
 shape. A model's guess only changes how many totals are computed.
 """
