@@ -130,3 +130,45 @@ def test_mask_packing_matches_a_plain_packer(numel):
         if numel % 8 == 0:
             flat = mask.to(torch.uint8)
             assert torch.equal(_fold_bits(flat), plain) and torch.equal(flat, mask.to(torch.uint8))
+
+
+def test_a_layout_view_is_the_two_view_tensor_in_one_op():
+    """The lean layers' channels-last views (pixel rows, memory order, a 1x1 weight's transposed
+    matrix) are the tensors a permute and a view make (the same storage, offset, sizes, strides
+    and values) in one dispatched op; where autograd records them, the two views (an
+    ``as_strided`` backward would allocate a gradient as large as the whole storage)."""
+    from edgetl.models.lean.layout import from_memory_order, memory_flat, rows_into, rows_of_channels, \
+        transposed_matrix
+
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(3, 5, 4, 6, generator=g).contiguous(memory_format=torch.channels_last)
+    x = batch[1:]  # a storage offset to keep
+    w = torch.randn(7, 5, 1, 1, generator=g)
+    flat = torch.randn(2 * 5 * 4 * 6, generator=g)[:]
+    cases = [
+        (lambda: rows_of_channels(x), x.permute(0, 2, 3, 1).reshape(-1, 5)),
+        (lambda: rows_into(x), x.permute(0, 2, 3, 1).view(-1, 5)),
+        (lambda: memory_flat(x), x.permute(0, 2, 3, 1).reshape(-1)),
+        (lambda: from_memory_order(flat, (2, 5, 4, 6), True), flat.view(2, 4, 6, 5).permute(0, 3, 1, 2)),
+        (lambda: transposed_matrix(w), w.reshape(7, 5).t()),
+        (lambda: transposed_matrix(w.contiguous(memory_format=torch.channels_last)), w.reshape(7, 5).t()),
+        (lambda: transposed_matrix(w, 3), w.reshape(7, 5).t().expand(3, -1, -1)),
+    ]
+    for make, want in cases:
+        mode = _Names()
+        with mode:
+            got = make()
+        assert mode.names == ["as_strided"]
+        assert got.untyped_storage().data_ptr() == want.untyped_storage().data_ptr()
+        assert (got.shape, got.stride(), got.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
+        assert torch.equal(got, want)
+    leaf = x.detach().requires_grad_()
+    rows = rows_of_channels(leaf)
+    assert "AsStrided" not in type(rows.grad_fn).__name__
+    rows.sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(leaf))
+    with torch.no_grad():
+        mode = _Names()
+        with mode:
+            rows_of_channels(leaf)
+        assert mode.names == ["as_strided"]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
-from edgetl.models.lean.layout import from_memory_order, is_channels_last, rows_of_channels
+from edgetl.models.lean.layout import from_memory_order, is_channels_last, rows_of_channels, transposed_matrix
 
 
 def conv_input_grad(in_shape, weight: torch.Tensor, grad_output: torch.Tensor, stride=1, padding=0,
@@ -41,7 +41,7 @@ def conv_input_grad(in_shape, weight: torch.Tensor, grad_output: torch.Tensor, s
             return from_memory_order(gx, in_shape, channels_last=True)
         # W^T @ grad_output, one matrix product per sample against the weight's transposed view
         n = grad_output.shape[0]
-        return torch.bmm(weight.flatten(1).t().expand(n, -1, -1), grad_output.flatten(2)).view(in_shape)
+        return torch.bmm(transposed_matrix(weight, n), grad_output.flatten(2)).view(in_shape)
     output_padding = tuple((int(in_shape[2 + i]) + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) % stride[i]
                            for i in range(2))
     return F.conv_transpose2d(grad_output, weight, None, stride, padding, output_padding, groups, dilation)
@@ -54,6 +54,6 @@ def pointwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     through a slower path (over MobileNetV2's 34 1x1 convs at batch 8, 224 px, one thread: 62 ms
     where the products take 45), and a separate bias add is one more pass over the output."""
     rows = rows_of_channels(x)
-    w = weight.reshape(weight.shape[0], -1).t()
+    w = transposed_matrix(weight)
     y = torch.mm(rows, w) if bias is None else torch.addmm(bias, rows, w)
     return from_memory_order(y, (x.shape[0], weight.shape[0], x.shape[2], x.shape[3]), channels_last=True)

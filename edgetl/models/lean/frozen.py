@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Hashable
 
@@ -206,8 +207,11 @@ class FrozenConvBNAct(nn.Module):
         # chunk (the same values as the whole weight in fp32 cast at once)
         out = empty_as(self.weight, self.weight.shape, dtype=dtype)  # laid out as the stored weight
         rows = self._dequant_rows()
-        for i in repeated(range(0, out.shape[0], rows)):
-            out[i:i + rows].copy_(self.weight[i:i + rows].float().mul_(scale[i:i + rows]))
+        if rows >= out.shape[0]:  # one chunk
+            return out.copy_(self.weight.float().mul_(scale))
+        outs, codes, scales = out.split(rows), self.weight.split(rows), scale.split(rows)
+        for i in repeated(range(len(outs))):
+            outs[i].copy_(codes[i].float().mul_(scales[i]))
         return out
 
     @property
@@ -219,7 +223,7 @@ class FrozenConvBNAct(nn.Module):
 
     def _dequant_rows(self) -> int:
         """Output channels dequantised at a time into a half weight (``DEQUANT_CHUNK`` values)."""
-        per_row = self.weight[0].numel()
+        per_row = math.prod(self.weight.shape[1:])
         return max(1, min(self.weight.shape[0], DEQUANT_CHUNK // per_row))
 
     @property
