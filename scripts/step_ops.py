@@ -5,22 +5,70 @@ fitted schedule, beside stock Rep-Net's step. Counted on the meta device: second
     python scripts/step_ops.py --batch-size 32 --resolution 224 [--json benchmarks/step_ops_224.json]
 
 The table is printed; ``--json`` also saves the rows (docs/lean-runtime.md renders its table
-from the committed file, scripts/render_docs.py).
+from the committed file, scripts/render_docs.py). ``--sources N`` also prints, for each fitted
+step, the N lines of edgetl's code that dispatch the most of its ops (what to fold next):
+
+    python scripts/step_ops.py --batch-size 8 --methods repnet-lean-cl-fused --sources 15
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
+import sys
+import traceback
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgetl.bench import METHODS, build_method, pruned_hidden
 from edgetl.io import atomic_text_json
 from edgetl.memory.meter import count_step_ops
 from edgetl.memory.runtime import runtime_report
 from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
+from edgetl.metaop import meta_call
+from edgetl.step import Step, set_train_mode, training_step
 from edgetl.units import MB
+
+EDGETL = Path(__file__).resolve().parents[1] / "edgetl"
+
+
+class _Sources(TorchDispatchMode):
+    """Each dispatched op by the two innermost lines of edgetl's code on the Python stack, the
+    innermost first (a helper, then its caller). The autograd engine's own ops (a gradient
+    accumulated or summed) are the backward call's line; "autograd" where the engine runs them
+    off the Python stack (its device threads on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frames = [f for f in traceback.extract_stack() if f.filename.startswith(str(EDGETL))]
+        where = " < ".join(f"{Path(f.filename).relative_to(EDGETL.parent)}:{f.lineno}"
+                           for f in reversed(frames[-2:])) or "autograd"
+        self.lines[(where, func.overloadpacket.__name__)] += 1
+        return meta_call(func, args, kwargs or {})
+
+
+def op_sources(net: torch.nn.Module, *, resolution: int, batch_size: int) -> collections.Counter:
+    """The ops of one plain step of ``net`` as scheduled now (the step after the first, as
+    ``count_step_ops`` counts it), by (source line, op name), on a meta copy."""
+    meta = copy.deepcopy(net).to("meta")
+    step = Step.plain()
+    opt = step.optimizer(meta)
+    set_train_mode(meta, step.bn)
+    image = torch.empty(batch_size, 3, resolution, resolution, device="meta",
+                        dtype=getattr(meta, "input_dtype", torch.float32),
+                        memory_format=getattr(meta, "input_memory_format", torch.contiguous_format))
+    labels = torch.zeros(batch_size, dtype=torch.int64, device="meta")
+    training_step(meta, step, opt, image, labels)
+    mode = _Sources()
+    with mode:
+        training_step(meta, step, opt, image, labels)
+    return mode.lines
 
 
 def main() -> None:
@@ -30,7 +78,12 @@ def main() -> None:
     p.add_argument("--num-classes", type=int, default=102)
     p.add_argument("--methods", default="repnet-stock,repnet-lean,repnet-pruned,repnet-pruned-pool2-bf16-int8")
     p.add_argument("--json", type=Path, help="also save the rows as JSON")
+    p.add_argument("--sources", type=int, default=0, metavar="N",
+                   help="also print the N source lines that dispatch the most ops of each fitted step")
     a = p.parse_args()
+    if a.sources < 0:
+        print(f"step_ops.py: --sources: {a.sources} is negative; allowed: 0 (none) or more lines", file=sys.stderr)
+        raise SystemExit(2)
     saved = []
     print("| method | schedule | forward ops | backward ops | optimizer ops | ops/step | kernels/step | "
           "predicted peak MB |")
@@ -55,6 +108,13 @@ def main() -> None:
                           "kernels": list(ops.kernels), "kernel_total": ops.kernel_total,
                           "predicted_bytes": peak})
         print("\n".join(rows), flush=True)
+        if a.sources:
+            lines = op_sources(net, resolution=a.resolution, batch_size=a.batch_size)
+            print(f"\n{method.label}, {schedules[-1][0]}: the {a.sources} lines dispatching the most of its "
+                  f"{sum(lines.values()):,} ops")
+            for (where, op), count in lines.most_common(a.sources):
+                print(f"  {count:6,}  {op:<28} {where}")
+            print()
     if a.json is not None:
         atomic_text_json(a.json, {"resolution": a.resolution, "batch_size": a.batch_size,
                                   "num_classes": a.num_classes, "torch": torch.__version__, "rows": saved})

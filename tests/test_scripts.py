@@ -144,3 +144,33 @@ def test_cpu_speed_runs_the_bench_on_the_methods_asked_for():
         args = build_parser(only="bench").parse_args(["bench", *bench_args(methods), "--json", "x.json"])
         assert args.methods == methods.split(","), args.methods
         assert (args.steps, args.warmup, args.largest_steps) == (10, 2, 0)
+
+
+def test_step_ops_sources_add_up_to_the_counted_step():
+    """scripts/step_ops.py --sources: the ops it lists by source line (its own dispatch mode) are
+    the ops ``count_step_ops`` counts, line by line summed; a negative count is one line, exit 2."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from step_ops import op_sources
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    from edgetl.bench import METHODS, build_method
+    from edgetl.memory.meter import count_step_ops
+    from edgetl.memory.schedule import prepare_step
+
+    for name in ("repnet-stock", "repnet-lean-cl"):
+        net = build_method(METHODS[name], width=0.35, num_classes=5, device="meta")
+        prepare_step(net, resolution=64, batch_size=4)
+        lines = op_sources(net, resolution=64, batch_size=4)
+        assert sum(lines.values()) == count_step_ops(net, resolution=64, batch_size=4).total
+        wheres = {where for where, _ in lines}
+        assert any(w.startswith("edgetl/models/") for w in wheres) and any(w.startswith("edgetl/step.py:")
+                                                                           for w in wheres)
+        if name == "repnet-lean-cl":  # the pixel rows: one view each, from the layout helpers
+            assert any(op == "as_strided" and where.startswith("edgetl/models/lean/layout.py:")
+                       for where, op in lines)
+    done = subprocess.run([sys.executable, str(SCRIPTS / "step_ops.py"), "--sources", "-2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line == "step_ops.py: --sources: -2 is negative; allowed: 0 (none) or more lines"
