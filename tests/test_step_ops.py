@@ -15,6 +15,7 @@ from edgetl.memory.meter import count_step_ops
 from edgetl.memory.schedule import prepare_step
 from edgetl.metaop import meta_call
 from edgetl.models.backbone import BackboneSpec
+from edgetl.models.lean import fused
 from edgetl.models.lean.masks import _fold_bits, pack_mask, unpack_mask
 from edgetl.models.side import LeanOptions, build_network
 from edgetl.step import Step, set_train_mode, training_step
@@ -100,11 +101,14 @@ def test_lean_fitted_step_launches_its_counted_kernels():
 
 
 def test_committed_step_ops_table_is_recounted():
-    """benchmarks/step_ops_224.json (docs/lean-runtime.md's table): stock Rep-Net and lean
-    Rep-Net fitted, recounted at 224 px on meta (seconds)."""
+    """benchmarks/step_ops_224.json (docs/lean-runtime.md's table): stock Rep-Net and, fitted, lean
+    Rep-Net plain and channels-last and the paper's bf16 + int8 configuration (with the fused mask
+    kernels too where they build), recounted at 224 px on meta (seconds)."""
     data = json.loads((ROOT / "benchmarks" / "step_ops_224.json").read_text())
     rows = {(r["method"], r["schedule"]): r for r in data["rows"]}
-    for name, schedule in (("repnet-stock", "no schedule"), ("repnet-lean", "fitted")):
+    names = ["repnet-lean", "repnet-lean-cl", "repnet-pruned-pool2-bf16-int8"] + (
+        ["repnet-lean-cl-fused", "repnet-pruned-pool2-bf16-int8-fused"] if fused.buildable() else [])
+    for name, schedule in (("repnet-stock", "no schedule"), *((n, "fitted") for n in names)):
         method = METHODS[name]
         net = build_method(method, width=1.0, num_classes=data["num_classes"], device="meta",
                            hidden=pruned_hidden(1.0, data["num_classes"]) if method.pruned else None)
