@@ -18,7 +18,10 @@ default allocator and, on CUDA, once more with
 
 On CUDA, summary.json also holds the CUDA-graph check: the whole training step captured
 as ``edgetl finetune`` captures it (edgetl.train.graph.CapturedStep) and replayed, against
-eager steps: how far the weights end apart, and both median step times.
+eager steps: how far the weights end apart, and both median step times (a row whose step
+could not be captured fails the part). On CUDA the parts run what has never been measured
+first: the CUDA-graph tests (keeping time for the next two), the CUDA graph check, the bench,
+then every other cuda test and the allocator check with the time left.
 
 summary.json is rewritten after every part, so a device command killed on its way still
 brings back what finished: ``ok`` says that no part that ran failed, ``complete`` that the
@@ -262,15 +265,16 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
 
 
 def _child_result(key: str, part: dict, tmp: Path) -> dict:
-    """A child's JSON (``{key: data}``), or the rows it finished before it stopped; removes its files."""
-    partial = Path(f"{tmp}.partial")
+    """A child's JSON (``{key: data}``: whatever its exit code, where it wrote the file whole), or
+    the rows it finished before it stopped; removes its files."""
     data = None
-    if part["rc"] == 0 and tmp.exists():
-        data = json.loads(tmp.read_text())
-    elif partial.exists():
-        data = json.loads(partial.read_text())
-    tmp.unlink(missing_ok=True)
-    partial.unlink(missing_ok=True)
+    for path in (tmp, Path(f"{tmp}.partial")):
+        if data is None and path.exists():
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError:  # killed while writing it
+                pass
+        path.unlink(missing_ok=True)
     return {} if data is None else {key: data}
 
 
@@ -313,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                                       batch_size=args.batch_size, on_row=write_partial)
             path.write_text(json.dumps(data, indent=2) + "\n")
             partial.unlink(missing_ok=True)
-            return 0
+            # a row whose step could not be captured is a failed part: the check does not pass
+            return 1 if any("capture_error" in row for row in data["rows"]) else 0
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -352,30 +357,37 @@ def main(argv: list[str] | None = None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary["complete"]
 
-    # the CUDA graph check right after the tests (it is what has never been measured), then the
-    # bench and the allocator check with whatever time is left
+    # On CUDA, what has never been measured comes first: the CUDA-graph tests (the default test
+    # paths), keeping time for the CUDA graph check and the bench, which follow; every other cuda
+    # test after the bench (they ran on earlier GPUs), then the allocator check with whatever
+    # time is left. Elsewhere: the tests, the bench, the allocator check. One log, one figures
+    # file (each test run adds to it).
     graphs_first = cuda and not args.no_graphs
+    first = list(GRAPH_TESTS) if cuda and args.tests == "tests" else []
+    test_runs = [("tests (CUDA graphs)", first)] if first else []
+    test_runs.append(("tests", [*args.tests.split(), *(f"--deselect={t}" for t in first)]))
+    logged = [False]  # whether pytest.log has a run's output (a later run appends)
 
-    if not args.no_tests:
-        # the CUDA-graph tests first (with the default test paths), then every other cuda test;
-        # one log, one figures file (each run adds to it)
-        first = list(GRAPH_TESTS) if cuda and args.tests == "tests" else []
-        keep = min(args.graphs_timeout, 60) if graphs_first else 0
-        runs = [("tests (CUDA graphs)", first)] if first else []
-        runs.append(("tests", [*args.tests.split(), *(f"--deselect={t}" for t in first)]))
-        for i, (name, paths) in enumerate(runs):
+    def run_tests(runs: list[tuple[str, list[str]]], keep: float) -> None:
+        for name, paths in runs:
             if no_time(name):
                 continue
             junit = out / "junit.xml"
             part = run_part(name, [py, "-m", "pytest", "-m", "cuda", "-rs", "-p", "no:cacheprovider",
                                    f"--junitxml={junit}", *paths],
-                            log_path=out / "pytest.log", append=i > 0,
+                            log_path=out / "pytest.log", append=logged[0],
                             timeout_s=budget(args.test_timeout, keep=keep),
                             env={"EDGETL_CUDA_FIGURES": str(out / "cuda-figures.json")})
+            logged[0] = True
             part["counts"] = junit_counts(junit)
             junit.unlink(missing_ok=True)  # its figures are in summary.json: fewer files to bring back
             summary["parts"][name] = part
             save()
+
+    if not args.no_tests:
+        keep = (min(args.graphs_timeout, 90) + (0 if args.no_bench else min(args.bench_timeout, 120))
+                if graphs_first else 0)
+        run_tests(test_runs[:1] if first else test_runs, keep=keep)
 
     if cuda and not args.no_graphs and not no_time("graphs"):  # results go into summary.json: 8 files at most
         tmp = out / ".graphs.json"
@@ -401,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
             (out / "bench.md").write_text(to_markdown(BenchResult.load_json(out / "bench.json")))
         summary["parts"]["bench"] = part
         save()
+
+    if not args.no_tests and first:
+        run_tests(test_runs[1:], keep=0)
 
     if not args.no_allocator:
         # a fresh process each: the allocator setting is read once, when CUDA starts

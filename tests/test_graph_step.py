@@ -14,7 +14,7 @@ from torch import nn
 from edgetl.cli import build_parser
 from edgetl.cli.finetune import recipe_from_args
 from edgetl.recipe import load_recipe
-from edgetl.train.graph import eager_state_dict, graph_autocast, make_capturable, rate_changes, why_eager
+from edgetl.train.graph import capture_error, eager_state_dict, graph_autocast, make_capturable, rate_changes, why_eager
 from edgetl.train.schedule import build_scheduler
 
 CUDA = torch.device("cuda")  # a device name: nothing here runs on it
@@ -207,3 +207,24 @@ def test_an_eager_run_never_calls_the_capture_hook(tmp_path, graphs):
     result = T.fit(model=Tiny(len(splits.classes)), train_loader=train_loader, val_loader=val_loader, recipe=rcp,
                    out_dir=tmp_path / "run", before_capture=calls.append)
     assert calls == [] and result.execution.startswith("eager: ")
+
+
+def test_a_failed_capture_names_the_steps_own_error_first():
+    """torch's graph context ends a capture the step raised inside, and the error of that ending
+    replaces the step's own (its ``__context__``): the summary's line names the step's first."""
+    from edgetl.errors import one_line
+
+    ending = "CUDA error: operation not permitted when stream is capturing"
+    try:
+        try:
+            raise ValueError("the step's own error, at its line")
+        except ValueError:
+            raise RuntimeError(ending)  # noqa: B904 - as torch's capture_end raises it, context kept
+    except RuntimeError as exc:
+        said = capture_error(exc)
+    assert said == f"ValueError: the step's own error, at its line (then, ending the capture: RuntimeError: {ending})"
+    alone = MemoryError("the graph's pool found no memory")
+    assert capture_error(alone) == one_line(alone)
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__context__, b.__context__ = b, a  # a cycle ends
+    assert capture_error(a) == "RuntimeError: b (then, ending the capture: RuntimeError: a)"

@@ -115,6 +115,20 @@ def rate_changes(recipe: Recipe) -> bool:
     return recipe.optim.schedule != "constant" or recipe.optim.warmup_epochs > 0
 
 
+def capture_error(exc: BaseException) -> str:
+    """A failed capture's error in one line. Where the step raised inside the capture, torch's
+    graph context still ends the capture on the way out, and the error that ending raises
+    replaces the step's own (kept as its ``__context__``): the first error of the chain comes
+    first, the one that ended the capture after it."""
+    first, seen = exc, {id(exc)}
+    while first.__context__ is not None and id(first.__context__) not in seen:
+        first = first.__context__
+        seen.add(id(first))
+    if first is exc:
+        return one_line(exc)
+    return f"{one_line(first)} (then, ending the capture: {one_line(exc, limit=100)})"
+
+
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device, tensor_lr: bool) -> None:
     """Set ``optimizer`` up to be captured: Adam ``capturable`` with its step counts on the
     device (a resumed state's CPU counts moved there), and with ``tensor_lr`` each group's
@@ -248,10 +262,8 @@ class CapturedStep:
                     self._drop_graphs()  # memory stays that of one step, eager or captured
                 return self._eager(images, labels)
             if g is None:
-                try:
-                    g = self.graphs[key] = self._capture(images, labels)
-                except Exception as exc:  # noqa: BLE001 - the run goes on eagerly; the summary says why
-                    self._give_up(exc, int(images.shape[0]))
+                g = self._capture_or_give_up(images, labels, key)
+                if g is None:  # trained eagerly, out of the failed capture's exception handler
                     return self._eager(images, labels)
             g.images.copy_(images, non_blocking=True)
             g.labels.copy_(labels, non_blocking=True)
@@ -322,12 +334,27 @@ class CapturedStep:
         log.info("captured the training step as a CUDA graph at batch %d", images.shape[0])
         return _Graph(graph, static_images, static_labels, loss, correct)
 
-    def _give_up(self, exc: Exception, batch: int) -> None:
+    def _capture_or_give_up(self, images: torch.Tensor, labels: torch.Tensor, key: tuple) -> _Graph | None:
+        """The batch's graph, captured; None where the capture failed (``_give_up``). The give-up
+        runs after the handler: the exception's traceback holds the failed capture's frames, and
+        with them its tensors in the graph's pool, until the handler ends."""
+        try:
+            g = self.graphs[key] = self._capture(images, labels)
+            return g
+        except Exception as exc:  # noqa: BLE001 - the run goes on eagerly; the summary says why
+            why = capture_error(exc)
+        self._give_up(why, int(images.shape[0]))
+        return None
+
+    def _give_up(self, why: str, batch: int) -> None:
         """A capture failed (the step reads the host somewhere ``why_eager`` does not know, or the
-        graph's pool found no memory): the graphs go, and every later step runs eagerly. Nothing of
-        the failed capture ran, so the batch is trained eagerly next, and the run loses no step."""
-        self.failed = one_line(exc)
+        graph's pool found no memory): the graphs go, and every later step runs eagerly, on a new
+        side stream (an allocator left in the failed capture's pool on the old one keeps no eager
+        block there). Nothing of the failed capture ran, so the batch is trained eagerly next,
+        and the run loses no step."""
+        self.failed = why
         self.failed_at = batch
+        self.side = None
         log.warning("capturing the training step as a CUDA graph at batch %d failed (%s); the step runs "
                     "eagerly from here on", batch, self.failed)
         self.release()
