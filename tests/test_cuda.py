@@ -890,9 +890,9 @@ def test_finetune_captured_as_cuda_graphs_trains_as_eager_does(tmp_path, figures
     import edgetl.train
     from edgetl.errors import BudgetError
     from edgetl.finetune import finetune
-    from edgetl.train.graph import CapturedStep
     from edgetl.models.backbone import BackboneSpec, build_backbone, save_backbone
     from edgetl.recipe import load_recipe
+    from edgetl.train.graph import CapturedStep
 
     data = _color_data(tmp_path / "data")  # 72 training images: 12 batches of 6 an epoch
     bad = data / "train" / "c0" / "0.png"
