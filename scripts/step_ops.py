@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import sys
 import traceback
 from pathlib import Path
@@ -25,11 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from edgetl.bench import METHODS, build_method, pruned_hidden
 from edgetl.io import atomic_text_json
-from edgetl.memory.meter import count_step_ops
+from edgetl.memory.meter import count_step_ops, meta_step
 from edgetl.memory.runtime import runtime_report
 from edgetl.memory.schedule import Schedule, apply_schedule, prepare_step
 from edgetl.metaop import meta_call
-from edgetl.step import Step, set_train_mode, training_step
 from edgetl.units import MB
 
 EDGETL = Path(__file__).resolve().parents[1] / "edgetl"
@@ -54,20 +52,12 @@ class _Sources(TorchDispatchMode):
 
 
 def op_sources(net: torch.nn.Module, *, resolution: int, batch_size: int) -> collections.Counter:
-    """The ops of one plain step of ``net`` as scheduled now (the step after the first, as
-    ``count_step_ops`` counts it), by (source line, op name), on a meta copy."""
-    meta = copy.deepcopy(net).to("meta")
-    step = Step.plain()
-    opt = step.optimizer(meta)
-    set_train_mode(meta, step.bn)
-    image = torch.empty(batch_size, 3, resolution, resolution, device="meta",
-                        dtype=getattr(meta, "input_dtype", torch.float32),
-                        memory_format=getattr(meta, "input_memory_format", torch.contiguous_format))
-    labels = torch.zeros(batch_size, dtype=torch.int64, device="meta")
-    training_step(meta, step, opt, image, labels)
+    """The ops of the plain step ``count_step_ops`` counts (``meta_step``), by (source line, op
+    name)."""
+    _, _, run = meta_step(net, resolution=resolution, batch_size=batch_size)
     mode = _Sources()
     with mode:
-        training_step(meta, step, opt, image, labels)
+        run()
     return mode.lines
 
 

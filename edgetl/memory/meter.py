@@ -384,8 +384,6 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
     """The aten ops of one ``training_step`` of ``net`` as it is set up now (its schedule
     applied), counted on a meta copy: the step after the first, once optimizer state
     exists. ``net`` itself is not touched."""
-    import copy
-
     import dataclasses
 
     step = resolve_step(step)
@@ -397,6 +395,21 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
         update = _fused_update_ops(net, step)
         return StepOps(ops.forward, ops.backward, update.op_count,
                        (ops.kernels[0], ops.kernels[1], update.kernel_count))
+    meta, opt, run = meta_step(net, resolution=resolution, batch_size=batch_size, step=step)
+    counter = _OpCounter()
+    with counter:
+        return _counted_step(meta, opt, run, counter)
+
+
+def meta_step(net: nn.Module, *, resolution: int, batch_size: int, step: Step | None = None
+              ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], object]]:
+    """A meta copy of ``net`` (as it is set up now), its optimizer with state (as after a
+    first step) and a callable that runs one ``training_step`` of it on a meta batch: the
+    step ``count_step_ops`` counts, for a caller that counts it another way. ``net`` itself
+    is not touched; a fused optimizer has no meta implementation."""
+    import copy
+
+    step = resolve_step(step)
     meta = copy.deepcopy(net).to("meta")
     opt = step.optimizer(meta)
     set_train_mode(meta, step.bn)
@@ -412,9 +425,7 @@ def count_step_ops(net: nn.Module, *, resolution: int, batch_size: int, step: St
                 p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=not step.ddp)
-    counter = _OpCounter()
-    with counter:
-        return _counted_step(meta, opt, lambda: training_step(meta, step, opt, image, labels), counter)
+    return meta, opt, lambda: training_step(meta, step, opt, image, labels)
 
 
 def _counted_step(net: nn.Module, opt, run: Callable[[], object], counter: StorageMeter | _OpCounter) -> StepOps:
