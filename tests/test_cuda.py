@@ -602,6 +602,20 @@ def test_bit_masks_pack_and_unpack_the_same_on_cuda():
 
 
 @cuda
+def test_a_pinned_batch_stays_pinned_in_the_networks_layout():
+    """The loader's pinned batch changed to channels-last on the host is pinned again: a pageable
+    batch's ``non_blocking`` copy to the device would wait for the stream."""
+    from edgetl.train.graph import host_layout
+
+    images = torch.randn(4, 3, 8, 8).pin_memory()
+    out = host_layout(images, torch.channels_last)
+    assert out.is_pinned() and out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out, images) and out.data_ptr() != images.data_ptr()
+    assert host_layout(images, torch.contiguous_format) is images
+    assert host_layout(out, torch.channels_last) is out
+
+
+@cuda
 def test_cuda_meter_reports_allocated_and_reserved(figures):
     from edgetl.models.backbone import BackboneSpec
     from edgetl.models.side import LeanOptions, build_network

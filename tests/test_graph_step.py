@@ -14,7 +14,9 @@ from torch import nn
 from edgetl.cli import build_parser
 from edgetl.cli.finetune import recipe_from_args
 from edgetl.recipe import load_recipe
-from edgetl.train.graph import capture_error, eager_state_dict, graph_autocast, make_capturable, rate_changes, why_eager
+from edgetl.train.graph import (
+    capture_error, eager_state_dict, graph_autocast, host_layout, make_capturable, rate_changes, why_eager,
+)
 from edgetl.train.schedule import build_scheduler
 
 CUDA = torch.device("cuda")  # a device name: nothing here runs on it
@@ -228,3 +230,14 @@ def test_a_failed_capture_names_the_steps_own_error_first():
     a, b = RuntimeError("a"), RuntimeError("b")
     a.__context__, b.__context__ = b, a  # a cycle ends
     assert capture_error(a) == "RuntimeError: b (then, ending the capture: RuntimeError: a)"
+
+
+def test_a_host_batch_is_changed_to_the_networks_layout_on_the_host_once():
+    """``host_layout`` (pinned batches: tests/test_cuda.py): a batch in another layout is copied
+    into the layout, values unchanged, one already in it is itself."""
+    images = torch.randn(4, 3, 8, 8)
+    out = host_layout(images, torch.channels_last)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+    assert torch.equal(out, images) and not out.is_pinned()
+    assert host_layout(images, torch.contiguous_format) is images
+    assert host_layout(out, torch.channels_last) is out

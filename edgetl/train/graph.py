@@ -180,6 +180,18 @@ class _Graph:
     correct: torch.Tensor
 
 
+def host_layout(images: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
+    """A host batch in ``layout``, changed there (a copy across devices into another layout goes
+    through a plain copy on the device: a second batch there). A pinned batch (the loader's, on
+    CUDA) is copied into pinned memory: a pageable copy's ``non_blocking`` transfer would wait
+    for the stream, and the step's copy to the device would no longer overlap anything."""
+    if layout == torch.contiguous_format or images.is_contiguous(memory_format=layout):
+        return images
+    if images.is_pinned():
+        return torch.empty_like(images, memory_format=layout, pin_memory=True).copy_(images)
+    return images.contiguous(memory_format=layout)
+
+
 class CapturedStep:
     """``run_step`` (``edgetl.step.training_step``) on ``net``, captured once per batch size and
     replayed; called with a batch as the loader gives it (host memory), it copies the batch into
@@ -249,8 +261,7 @@ class CapturedStep:
                 f"{len(self.sizes)} graph(s) captured and replayed (batch sizes {sizes}){again}")
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.memory_format != torch.contiguous_format:  # on the host: one batch on the device
-            images = images.contiguous(memory_format=self.memory_format)
+        images = host_layout(images, self.memory_format)  # on the host: one batch on the device
         key = (tuple(images.shape), images.dtype, tuple(labels.shape), labels.dtype)
         with torch.cuda.device(self.device):
             if self.failed is not None:

@@ -35,7 +35,7 @@ from edgetl.train.checkpoint import (
 )
 from edgetl.train.distributed import _all_reduce_sum, _gather, is_main_process, torchrun_env, unwrap
 from edgetl.train.folder import RECIPE_FILE, _write_metrics, read_metrics
-from edgetl.train.graph import eager_state_dict
+from edgetl.train.graph import eager_state_dict, host_layout
 from edgetl.train.rng import rng_state
 from edgetl.train.schedule import build_scheduler
 
@@ -59,11 +59,11 @@ def input_memory_format(model: nn.Module) -> torch.memory_format:
 
 def device_batch(images: torch.Tensor, model: nn.Module, device: torch.device) -> torch.Tensor:
     """The loader's batch on ``device`` in the model's dtype and layout: one copy on a CPU; on
-    another device the layout is changed on the host first (a copy across devices into another
-    layout goes through a plain copy on the device: a second batch there)."""
+    another device the layout is changed on the host first, pinned memory kept pinned
+    (``edgetl.train.graph.host_layout``)."""
     layout = input_memory_format(model)
-    if device.type != "cpu" and layout != torch.contiguous_format:
-        images = images.contiguous(memory_format=layout)
+    if device.type != "cpu":
+        images = host_layout(images, layout)
     return images.to(device, dtype=input_dtype(model), memory_format=layout, non_blocking=True)
 
 
