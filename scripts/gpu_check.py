@@ -203,13 +203,18 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
     """The whole training step captured as CUDA graphs (edgetl.train.graph.CapturedStep, what
     ``edgetl finetune`` runs by default on CUDA), against the eager step.
 
-    Per method: two copies of the network from the same weights, each with the plain step's
-    Adam; one runs ``training_step`` eagerly, the other through ``CapturedStep`` (three eager
-    warm-up steps on a side stream, then captured once and replayed; its Adam capturable).
-    Both see the same fixed batch for the same number of steps; the result says how far the
-    weights end apart and the median step time of each (the captured step's includes copying
-    the batch from pinned host memory into its static buffers). A capture that fails is
-    reported, not raised. ``on_row(rows)`` is called after each method, as in ``allocator_rows``.
+    Per method: copies of the network from the same weights, each with the plain step's Adam;
+    one runs ``training_step`` eagerly, one through ``CapturedStep`` (three eager warm-up steps
+    on a side stream, then captured once and replayed; its Adam capturable), and one eagerly
+    with its Adam capturable too (the graph's arithmetic, never captured). All see the same
+    fixed batch for the same number of steps; the row gives the median step time of the first
+    two (the captured step's includes copying the batch from pinned host memory into its static
+    buffers) and how far the captured weights end from each eager run's:
+    ``max_abs_weight_diff`` from plain Adam's (capturable Adam's arithmetic differs by itself),
+    ``same_arithmetic_diff`` from the capturable eager run's, the graph's own difference
+    (``exact`` where it is 0). A capture that fails is reported, not raised, and so is a
+    capturable eager run that fails (``same_arithmetic_error``). ``on_row(rows)`` is called
+    after each method, as in ``allocator_rows``.
     """
     import statistics
 
@@ -218,7 +223,7 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
     # the bench's own trainers: the eager one, and its twin captured through CapturedStep
     from edgetl.bench import METHODS, _Trainer, _graph_trainer, build_method, interleaved_step_times, pruned_hidden
     from edgetl.memory.schedule import prepare_step
-    from edgetl.train.graph import WARMUP_STEPS
+    from edgetl.train.graph import WARMUP_STEPS, make_capturable
 
     dev = torch.device(device)
     rows = []
@@ -244,24 +249,44 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
             if on_row is not None:
                 on_row(rows)
             continue
+        same = copy.deepcopy(net)  # before the eager run's steps change ``net``
         eager = _Trainer(net, **kwargs)
         for _ in range(WARMUP_STEPS + 1):  # as many steps as the captured copy has taken
             eager.step()
         times = interleaved_step_times({"eager": eager, "graph": graph}, steps=steps, warmup=0)
-        diffs = [float((a.float() - b.float()).abs().max()) for a, b in
-                 zip(eager.net.state_dict().values(), graph.net.state_dict().values())
-                 if a.is_floating_point()]
+        diff = weight_diff(eager.net, graph.net)
         row.update({
             "eager_step_s": statistics.median(times["eager"]), "graph_step_s": statistics.median(times["graph"]),
             "speedup": statistics.median(times["eager"]) / statistics.median(times["graph"]),
-            "max_abs_weight_diff": max(diffs), "exact": max(diffs) == 0.0, "graphs": graph.captured.describe(),
+            "max_abs_weight_diff": diff, "graphs": graph.captured.describe(),
             "capture_s": sum(graph.captured.capture_seconds),
         })
+        try:  # the graph's arithmetic run eagerly, as many steps
+            twin = _Trainer(same, **kwargs)
+            make_capturable(twin.opt, dev, tensor_lr=False)
+            for _ in range(WARMUP_STEPS + 1 + steps):
+                twin.step()
+            row["same_arithmetic_diff"] = weight_diff(twin.net, graph.net)
+            row["exact"] = row["same_arithmetic_diff"] == 0.0
+            del twin
+        except Exception as exc:  # noqa: BLE001 - reported in its row; the graph's figures stand
+            row["same_arithmetic_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        del same
         rows.append(row)
         if on_row is not None:
             on_row(rows)
     return {"device": device, "resolution": resolution, "width": width, "batch_size": batch_size,
             "steps": steps, "rows": rows}
+
+
+def weight_diff(a, b) -> float:
+    """The largest absolute difference between two networks' floating-point state (parameters
+    and buffers, name by name)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        raise ValueError("the two networks' state differs in its names")
+    return max((float((sa[k].float() - sb[k].float()).abs().max()) for k in sa if sa[k].is_floating_point()),
+               default=0.0)
 
 
 def _child_result(key: str, part: dict, tmp: Path) -> dict:

@@ -304,16 +304,45 @@ def test_replay_captured_of_a_real_training_trace():
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
-def test_the_graph_tests_gpu_check_runs_first_exist():
-    """scripts/gpu_check.py runs the CUDA-graph tests first by node id: each names a test here."""
+def _script(name: str):
+    """A module of scripts/ (not a package), loaded from its file."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for node in module.GRAPH_TESTS:
+    return module
+
+
+def test_the_graph_tests_gpu_check_runs_first_exist():
+    """scripts/gpu_check.py runs the CUDA-graph tests first by node id: each names a test here."""
+    for node in _script("gpu_check").GRAPH_TESTS:
         path, name = node.split("::")
         assert path == "tests/test_cuda.py" and callable(globals().get(name)), node
+
+
+def test_the_graph_check_compares_weights_and_buffers_name_by_name():
+    """The graph check's weight difference (parameters and buffers, name by name; the GPU runs
+    it on the captured and the eager networks), and how the docs render a row with and without
+    the capturable eager run."""
+    weight_diff = _script("gpu_check").weight_diff
+    a = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    b = copy.deepcopy(a)
+    assert weight_diff(a, b) == 0.0
+    b[1].running_var.add_(0.25)
+    assert weight_diff(a, b) == 0.25
+    with torch.no_grad():
+        b[0].weight[1, 2] -= 0.5
+    assert weight_diff(a, b) == 0.5 and weight_diff(b, a) == 0.5
+    with pytest.raises(ValueError, match="names"):
+        weight_diff(a, torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    render = _script("render_docs")._graph_weights
+    assert render({"max_abs_weight_diff": 0.0, "exact": True}) == "equal"
+    assert render({"max_abs_weight_diff": 0.0335, "exact": False}) == "0.034"
+    assert render({"max_abs_weight_diff": 0.0335, "same_arithmetic_diff": 0.0, "exact": True}) == \
+        "0.034 (capturable Adam run eagerly: equal)"
+    assert render({"max_abs_weight_diff": 0.0335, "same_arithmetic_diff": 2.5e-07, "exact": False}) == \
+        "0.034 (capturable Adam run eagerly: 2.5e-07)"
 
 
 def test_gpu_check_runs_on_cpu(tmp_path):
