@@ -60,6 +60,8 @@ BENCH_METHODS = ["repnet-stock", "repnet-lean", "repnet-pruned-pool2", "repnet-p
 # 14 s each on an H100 (per-sample loops): the check times at most batch 32 there
 FULL = {"resolution": 224, "width": 1.0, "budget": "256MB", "steps": 20, "warmup": 3, "verify_images": 64,
         "largest_cap": 32}
+# graph replays after the warm-up compared with the same arithmetic run eagerly (graph_rows)
+SAME_ARITHMETIC_REPLAYS = 4
 MIN_PART_S = 20.0  # a part with less time than this left before the deadline is skipped, not started
 QUICK = {"resolution": 64, "width": 0.35, "budget": "24MB", "steps": 1, "warmup": 0, "verify_images": 0,
          "largest_cap": 32}
@@ -209,9 +211,11 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
     with its Adam capturable too (the graph's arithmetic, never captured). All see the same
     fixed batch for the same number of steps; the row gives the median step time of the first
     two (the captured step's includes copying the batch from pinned host memory into its static
-    buffers) and how far the captured weights end from each eager run's:
-    ``max_abs_weight_diff`` from plain Adam's (capturable Adam's arithmetic differs by itself),
-    ``same_arithmetic_diff`` from the capturable eager run's, the graph's own difference
+    buffers) and how far the captured weights are from each eager run's:
+    ``max_abs_weight_diff`` from plain Adam's at the end (capturable Adam's arithmetic differs
+    by itself), ``same_arithmetic_diff`` from the capturable eager run's after the warm-up and
+    ``SAME_ARITHMETIC_REPLAYS`` replays (``same_arithmetic_steps`` steps; a few, so that the
+    streamed rows' slow eager steps keep the part within its time), the graph's own difference
     (``exact`` where it is 0). A capture that fails is reported, not raised, and so is a
     capturable eager run that fails (``same_arithmetic_error``). ``on_row(rows)`` is called
     after each method, as in ``allocator_rows``.
@@ -250,28 +254,32 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
                 on_row(rows)
             continue
         same = copy.deepcopy(net)  # before the eager run's steps change ``net``
+        for _ in range(SAME_ARITHMETIC_REPLAYS):
+            graph.step()
+        taken = WARMUP_STEPS + 1 + SAME_ARITHMETIC_REPLAYS  # the captured copy's steps so far
+        replayed = {k: v.detach().clone() for k, v in graph.net.state_dict().items()}
         eager = _Trainer(net, **kwargs)
-        for _ in range(WARMUP_STEPS + 1):  # as many steps as the captured copy has taken
+        for _ in range(taken):
             eager.step()
         times = interleaved_step_times({"eager": eager, "graph": graph}, steps=steps, warmup=0)
-        diff = weight_diff(eager.net, graph.net)
         row.update({
             "eager_step_s": statistics.median(times["eager"]), "graph_step_s": statistics.median(times["graph"]),
             "speedup": statistics.median(times["eager"]) / statistics.median(times["graph"]),
-            "max_abs_weight_diff": diff, "graphs": graph.captured.describe(),
-            "capture_s": sum(graph.captured.capture_seconds),
+            "max_abs_weight_diff": weight_diff(eager.net.state_dict(), graph.net.state_dict()),
+            "graphs": graph.captured.describe(), "capture_s": sum(graph.captured.capture_seconds),
         })
-        try:  # the graph's arithmetic run eagerly, as many steps
+        try:  # the graph's arithmetic run eagerly, as many steps as ``replayed`` had taken
             twin = _Trainer(same, **kwargs)
             make_capturable(twin.opt, dev, tensor_lr=False)
-            for _ in range(WARMUP_STEPS + 1 + steps):
+            for _ in range(taken):
                 twin.step()
-            row["same_arithmetic_diff"] = weight_diff(twin.net, graph.net)
+            row["same_arithmetic_diff"] = weight_diff(twin.net.state_dict(), replayed)
+            row["same_arithmetic_steps"] = taken
             row["exact"] = row["same_arithmetic_diff"] == 0.0
             del twin
         except Exception as exc:  # noqa: BLE001 - reported in its row; the graph's figures stand
             row["same_arithmetic_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        del same
+        del same, replayed
         rows.append(row)
         if on_row is not None:
             on_row(rows)
@@ -279,10 +287,9 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
             "steps": steps, "rows": rows}
 
 
-def weight_diff(a, b) -> float:
-    """The largest absolute difference between two networks' floating-point state (parameters
-    and buffers, name by name)."""
-    sa, sb = a.state_dict(), b.state_dict()
+def weight_diff(sa: dict, sb: dict) -> float:
+    """The largest absolute difference between two networks' floating-point states
+    (``state_dict``: parameters and buffers, name by name)."""
     if sa.keys() != sb.keys():
         raise ValueError("the two networks' state differs in its names")
     return max((float((sa[k].float() - sb[k].float()).abs().max()) for k in sa if sa[k].is_floating_point()),
