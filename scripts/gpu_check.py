@@ -215,10 +215,13 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
     ``max_abs_weight_diff`` from plain Adam's at the end (capturable Adam's arithmetic differs
     by itself), ``same_arithmetic_diff`` from the capturable eager run's after the warm-up and
     ``SAME_ARITHMETIC_REPLAYS`` replays (``same_arithmetic_steps`` steps; a few, so that the
-    streamed rows' slow eager steps keep the part within its time), the graph's own difference
-    (``exact`` where it is 0). A capture that fails is reported, not raised, and so is a
-    capturable eager run that fails (``same_arithmetic_error``). ``on_row(rows)`` is called
-    after each method, as in ``allocator_rows``.
+    streamed rows' slow eager steps keep the part within its time; ``same_arithmetic_exact``
+    where it is 0): the graph's own difference, and cuDNN's run-to-run one where an algorithm
+    it picks sums with atomics (the check leaves cuDNN as ``finetune`` runs it). A capture that
+    fails is reported, not raised, and so is a capturable eager run that fails
+    (``same_arithmetic_error``). ``on_row(rows)`` is called after each method, as in
+    ``allocator_rows``; the result's ``compared_after_steps`` is the steps each network has
+    taken when ``max_abs_weight_diff`` is read.
     """
     import statistics
 
@@ -268,6 +271,7 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
             "max_abs_weight_diff": weight_diff(eager.net.state_dict(), graph.net.state_dict()),
             "graphs": graph.captured.describe(), "capture_s": sum(graph.captured.capture_seconds),
         })
+        twin = None
         try:  # the graph's arithmetic run eagerly, as many steps as ``replayed`` had taken
             twin = _Trainer(same, **kwargs)
             make_capturable(twin.opt, dev, tensor_lr=False)
@@ -275,16 +279,16 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
                 twin.step()
             row["same_arithmetic_diff"] = weight_diff(twin.net.state_dict(), replayed)
             row["same_arithmetic_steps"] = taken
-            row["exact"] = row["same_arithmetic_diff"] == 0.0
-            del twin
+            row["same_arithmetic_exact"] = row["same_arithmetic_diff"] == 0.0
         except Exception as exc:  # noqa: BLE001 - reported in its row; the graph's figures stand
             row["same_arithmetic_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        del same, replayed
+        finally:
+            twin = same = replayed = None  # off the device before the next method's capture
         rows.append(row)
         if on_row is not None:
             on_row(rows)
     return {"device": device, "resolution": resolution, "width": width, "batch_size": batch_size,
-            "steps": steps, "rows": rows}
+            "steps": steps, "compared_after_steps": WARMUP_STEPS + 1 + SAME_ARITHMETIC_REPLAYS + steps, "rows": rows}
 
 
 def weight_diff(sa: dict, sb: dict) -> float:

@@ -234,7 +234,8 @@ def render_cuda_graphs() -> str:
             f"{r['capture_s']:.2f}" if "capture_s" in r else "not recorded"]  # recorded since CapturedStep times it
            for r in graphs["rows"]]
     return _table(["method (224 px, batch 8)", "eager step ms", "graph step ms", "speed-up",
-                   f"weights after {graphs['steps']} steps, graph vs eager (max abs diff)", "capture s"], out,
+                   f"weights after {graphs.get('compared_after_steps', graphs['steps'])} steps, graph vs eager "
+                   "(max abs diff)", "capture s"], out,
                   [":---"] + ["---:"] * 5)
 
 
@@ -245,7 +246,8 @@ def _graph_weights(row: dict) -> str:
     if "same_arithmetic_diff" not in row:
         return plain
     same = row["same_arithmetic_diff"]
-    return f"{plain} (capturable Adam run eagerly: {'equal' if same == 0.0 else f'{same:.2g}'})"
+    return (f"{plain} (capturable Adam run eagerly, after {row['same_arithmetic_steps']} steps: "
+            f"{'equal' if same == 0.0 else f'{same:.2g}'})")
 
 
 def render_levers() -> str:

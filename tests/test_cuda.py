@@ -343,10 +343,11 @@ def test_the_graph_check_compares_weights_and_buffers_name_by_name():
     render = _script("render_docs")._graph_weights
     assert render({"max_abs_weight_diff": 0.0, "exact": True}) == "equal"
     assert render({"max_abs_weight_diff": 0.0335, "exact": False}) == "0.034"
-    assert render({"max_abs_weight_diff": 0.0335, "same_arithmetic_diff": 0.0, "exact": True}) == \
-        "0.034 (capturable Adam run eagerly: equal)"
-    assert render({"max_abs_weight_diff": 0.0335, "same_arithmetic_diff": 2.5e-07, "exact": False}) == \
-        "0.034 (capturable Adam run eagerly: 2.5e-07)"
+    new = {"max_abs_weight_diff": 0.0335, "same_arithmetic_steps": 8}
+    assert render({**new, "same_arithmetic_diff": 0.0, "same_arithmetic_exact": True}) == \
+        "0.034 (capturable Adam run eagerly, after 8 steps: equal)"
+    assert render({**new, "same_arithmetic_diff": 2.5e-07, "same_arithmetic_exact": False}) == \
+        "0.034 (capturable Adam run eagerly, after 8 steps: 2.5e-07)"
 
 
 def test_gpu_check_runs_on_cpu(tmp_path):
@@ -646,6 +647,13 @@ def test_a_pinned_batch_stays_pinned_in_the_networks_layout():
     assert torch.equal(out, images) and out.data_ptr() != images.data_ptr()
     assert host_layout(images, torch.contiguous_format) is images
     assert host_layout(out, torch.channels_last) is out
+    # a bf16 channels-last network: cast in the same host copy (a transfer that casts reads its
+    # source through a plain contiguous temporary); a plain layout keeps the pinned batch as is
+    cast = host_layout(images, torch.channels_last, torch.bfloat16)
+    assert cast.is_pinned() and cast.dtype == torch.bfloat16 and cast.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(cast, images.to(torch.bfloat16))
+    assert host_layout(out, torch.channels_last, torch.bfloat16).dtype == torch.bfloat16
+    assert host_layout(images, torch.contiguous_format, torch.bfloat16) is images
 
 
 @cuda

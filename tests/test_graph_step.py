@@ -241,3 +241,7 @@ def test_a_host_batch_is_changed_to_the_networks_layout_on_the_host_once():
     assert torch.equal(out, images) and not out.is_pinned()
     assert host_layout(images, torch.contiguous_format) is images
     assert host_layout(out, torch.channels_last) is out
+    # an unpinned batch is cast where it is moved (as before): here it only changes layout
+    cast = host_layout(images, torch.channels_last, torch.bfloat16)
+    assert cast.dtype == torch.float32 and cast.is_contiguous(memory_format=torch.channels_last)
+    assert host_layout(out, torch.channels_last, torch.bfloat16) is out

@@ -180,15 +180,23 @@ class _Graph:
     correct: torch.Tensor
 
 
-def host_layout(images: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
+def host_layout(images: torch.Tensor, layout: torch.memory_format, dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
     """A host batch in ``layout``, changed there (a copy across devices into another layout goes
     through a plain copy on the device: a second batch there). A pinned batch (the loader's, on
     CUDA) is copied into pinned memory: a pageable copy's ``non_blocking`` transfer would wait
-    for the stream, and the step's copy to the device would no longer overlap anything."""
-    if layout == torch.contiguous_format or images.is_contiguous(memory_format=layout):
+    for the stream, and the step's copy to the device would no longer overlap anything. Where
+    the network also takes another ``dtype``, a pinned channels-last batch is cast in the same
+    host copy: a copy to the device that casts as well reads its source through a plain
+    contiguous temporary, pageable again. A pinned plain batch keeps its dtype (its transfer
+    stays asynchronous, the cast made on the device); an unpinned batch only changes layout."""
+    pinned = images.is_pinned()
+    cast = pinned and dtype is not None and dtype != images.dtype and layout != torch.contiguous_format
+    if images.is_contiguous(memory_format=layout) and not cast:
         return images
-    if images.is_pinned():
-        return torch.empty_like(images, memory_format=layout, pin_memory=True).copy_(images)
+    if pinned:
+        return torch.empty_like(images, dtype=dtype if cast else images.dtype, memory_format=layout,
+                                pin_memory=True).copy_(images)
     return images.contiguous(memory_format=layout)
 
 

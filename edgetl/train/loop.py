@@ -61,10 +61,10 @@ def device_batch(images: torch.Tensor, model: nn.Module, device: torch.device) -
     """The loader's batch on ``device`` in the model's dtype and layout: one copy on a CPU; on
     another device the layout is changed on the host first, pinned memory kept pinned
     (``edgetl.train.graph.host_layout``)."""
-    layout = input_memory_format(model)
+    layout, dtype = input_memory_format(model), input_dtype(model)
     if device.type != "cpu":
-        images = host_layout(images, layout)
-    return images.to(device, dtype=input_dtype(model), memory_format=layout, non_blocking=True)
+        images = host_layout(images, layout, dtype)
+    return images.to(device, dtype=dtype, memory_format=layout, non_blocking=True)
 
 
 @dataclass
