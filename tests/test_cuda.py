@@ -636,24 +636,21 @@ def test_bit_masks_pack_and_unpack_the_same_on_cuda():
 
 
 @cuda
-def test_a_pinned_batch_stays_pinned_in_the_networks_layout():
-    """The loader's pinned batch changed to channels-last on the host is pinned again: a pageable
-    batch's ``non_blocking`` copy to the device would wait for the stream."""
-    from edgetl.train.graph import host_layout
+def test_a_pinned_batch_stays_pinned_in_the_networks_layout_and_dtype():
+    """The loader's pinned batch changed to the network's layout or dtype on the host is pinned
+    again: a pageable batch's ``non_blocking`` copy to the device would wait for the stream."""
+    from edgetl.train.graph import host_batch
 
     images = torch.randn(4, 3, 8, 8).pin_memory()
-    out = host_layout(images, torch.channels_last)
+    out = host_batch(images, torch.channels_last)
     assert out.is_pinned() and out.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(out, images) and out.data_ptr() != images.data_ptr()
-    assert host_layout(images, torch.contiguous_format) is images
-    assert host_layout(out, torch.channels_last) is out
-    # a bf16 channels-last network: cast in the same host copy (a transfer that casts reads its
-    # source through a plain contiguous temporary); a plain layout keeps the pinned batch as is
-    cast = host_layout(images, torch.channels_last, torch.bfloat16)
-    assert cast.is_pinned() and cast.dtype == torch.bfloat16 and cast.is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(cast, images.to(torch.bfloat16))
-    assert host_layout(out, torch.channels_last, torch.bfloat16).dtype == torch.bfloat16
-    assert host_layout(images, torch.contiguous_format, torch.bfloat16) is images
+    assert host_batch(images, torch.contiguous_format) is images
+    assert host_batch(out, torch.channels_last) is out
+    for layout in (torch.channels_last, torch.contiguous_format):
+        cast = host_batch(images, layout, torch.bfloat16)
+        assert cast.is_pinned() and cast.dtype == torch.bfloat16 and cast.is_contiguous(memory_format=layout)
+        assert torch.equal(cast, images.to(torch.bfloat16))
 
 
 @cuda

@@ -15,7 +15,7 @@ from edgetl.cli import build_parser
 from edgetl.cli.finetune import recipe_from_args
 from edgetl.recipe import load_recipe
 from edgetl.train.graph import (
-    capture_error, eager_state_dict, graph_autocast, host_layout, make_capturable, rate_changes, why_eager,
+    capture_error, eager_state_dict, graph_autocast, host_batch, make_capturable, rate_changes, why_eager,
 )
 from edgetl.train.schedule import build_scheduler
 
@@ -232,16 +232,19 @@ def test_a_failed_capture_names_the_steps_own_error_first():
     assert capture_error(a) == "RuntimeError: b (then, ending the capture: RuntimeError: a)"
 
 
-def test_a_host_batch_is_changed_to_the_networks_layout_on_the_host_once():
-    """``host_layout`` (pinned batches: tests/test_cuda.py): a batch in another layout is copied
-    into the layout, values unchanged, one already in it is itself."""
+def test_a_host_batch_is_changed_to_the_networks_layout_and_dtype_on_the_host_once():
+    """``host_batch`` (pinned batches: tests/test_cuda.py): a batch in another layout or dtype is
+    copied into both, its values those ``Tensor.to`` gives; one already in both is itself."""
     images = torch.randn(4, 3, 8, 8)
-    out = host_layout(images, torch.channels_last)
+    out = host_batch(images, torch.channels_last)
     assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
-    assert torch.equal(out, images) and not out.is_pinned()
-    assert host_layout(images, torch.contiguous_format) is images
-    assert host_layout(out, torch.channels_last) is out
-    # an unpinned batch is cast where it is moved (as before): here it only changes layout
-    cast = host_layout(images, torch.channels_last, torch.bfloat16)
-    assert cast.dtype == torch.float32 and cast.is_contiguous(memory_format=torch.channels_last)
-    assert host_layout(out, torch.channels_last, torch.bfloat16) is out
+    assert torch.equal(out, images) and out.dtype == torch.float32 and not out.is_pinned()
+    assert host_batch(images, torch.contiguous_format) is images
+    assert host_batch(out, torch.channels_last) is out
+    assert host_batch(out, torch.channels_last, torch.float32) is out
+    for layout in (torch.channels_last, torch.contiguous_format):
+        for dtype in (torch.bfloat16, torch.float16):
+            cast = host_batch(images, layout, dtype)
+            assert cast.dtype == dtype and cast.is_contiguous(memory_format=layout)
+            assert torch.equal(cast, images.to(dtype)), (layout, dtype)
+            assert host_batch(cast, layout, dtype) is cast

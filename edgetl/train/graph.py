@@ -180,24 +180,18 @@ class _Graph:
     correct: torch.Tensor
 
 
-def host_layout(images: torch.Tensor, layout: torch.memory_format, dtype: torch.dtype | None = None
-                ) -> torch.Tensor:
-    """A host batch in ``layout``, changed there (a copy across devices into another layout goes
-    through a plain copy on the device: a second batch there). A pinned batch (the loader's, on
-    CUDA) is copied into pinned memory: a pageable copy's ``non_blocking`` transfer would wait
-    for the stream, and the step's copy to the device would no longer overlap anything. Where
-    the network also takes another ``dtype``, a pinned channels-last batch is cast in the same
-    host copy: a copy to the device that casts as well reads its source through a plain
-    contiguous temporary, pageable again. A pinned plain batch keeps its dtype (its transfer
-    stays asynchronous, the cast made on the device); an unpinned batch only changes layout."""
-    pinned = images.is_pinned()
-    cast = pinned and dtype is not None and dtype != images.dtype and layout != torch.contiguous_format
-    if images.is_contiguous(memory_format=layout) and not cast:
+def host_batch(images: torch.Tensor, layout: torch.memory_format, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """A host batch as the device takes it: in ``layout`` and (where given) ``dtype``, changed on
+    the host in one copy, into pinned memory where the batch was pinned (the loader's, on CUDA);
+    itself where it is both already. A copy to the device that changed either would go through
+    temporaries (PyTorch's ``copy_kernel_cuda``): another layout through a plain copy on the
+    device, a second batch there; another dtype through a cast on the host into pageable memory,
+    whose ``non_blocking`` transfer waits for the stream and overlaps nothing."""
+    dtype = images.dtype if dtype is None else dtype
+    if images.dtype == dtype and images.is_contiguous(memory_format=layout):
         return images
-    if pinned:
-        return torch.empty_like(images, dtype=dtype if cast else images.dtype, memory_format=layout,
-                                pin_memory=True).copy_(images)
-    return images.contiguous(memory_format=layout)
+    return torch.empty_like(images, dtype=dtype, memory_format=layout, pin_memory=images.is_pinned()).copy_(images)
 
 
 class CapturedStep:
@@ -269,7 +263,7 @@ class CapturedStep:
                 f"{len(self.sizes)} graph(s) captured and replayed (batch sizes {sizes}){again}")
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        images = host_layout(images, self.memory_format)  # on the host: one batch on the device
+        images = host_batch(images, self.memory_format)  # its dtype kept: the graph casts it
         key = (tuple(images.shape), images.dtype, tuple(labels.shape), labels.dtype)
         with torch.cuda.device(self.device):
             if self.failed is not None:

@@ -35,7 +35,7 @@ from edgetl.train.checkpoint import (
 )
 from edgetl.train.distributed import _all_reduce_sum, _gather, is_main_process, torchrun_env, unwrap
 from edgetl.train.folder import RECIPE_FILE, _write_metrics, read_metrics
-from edgetl.train.graph import eager_state_dict, host_layout
+from edgetl.train.graph import eager_state_dict, host_batch
 from edgetl.train.rng import rng_state
 from edgetl.train.schedule import build_scheduler
 
@@ -59,11 +59,11 @@ def input_memory_format(model: nn.Module) -> torch.memory_format:
 
 def device_batch(images: torch.Tensor, model: nn.Module, device: torch.device) -> torch.Tensor:
     """The loader's batch on ``device`` in the model's dtype and layout: one copy on a CPU; on
-    another device the layout is changed on the host first, pinned memory kept pinned
-    (``edgetl.train.graph.host_layout``)."""
+    another device both are changed on the host first, pinned memory kept pinned
+    (``edgetl.train.graph.host_batch``), and the transfer is one plain copy."""
     layout, dtype = input_memory_format(model), input_dtype(model)
     if device.type != "cpu":
-        images = host_layout(images, layout, dtype)
+        images = host_batch(images, layout, dtype)
     return images.to(device, dtype=dtype, memory_format=layout, non_blocking=True)
 
 
