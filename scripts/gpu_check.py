@@ -229,10 +229,12 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
 
     # the bench's own trainers: the eager one, and its twin captured through CapturedStep
     from edgetl.bench import METHODS, _Trainer, _graph_trainer, build_method, interleaved_step_times, pruned_hidden
+    from edgetl.errors import one_line
     from edgetl.memory.schedule import prepare_step
     from edgetl.train.graph import WARMUP_STEPS, make_capturable
 
     dev = torch.device(device)
+    taken = WARMUP_STEPS + 1 + SAME_ARITHMETIC_REPLAYS  # a captured copy's steps when its weights are kept
     rows = []
     for name in methods:
         method = METHODS[name]
@@ -259,7 +261,6 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
         same = copy.deepcopy(net)  # before the eager run's steps change ``net``
         for _ in range(SAME_ARITHMETIC_REPLAYS):
             graph.step()
-        taken = WARMUP_STEPS + 1 + SAME_ARITHMETIC_REPLAYS  # the captured copy's steps so far
         replayed = {k: v.detach().clone() for k, v in graph.net.state_dict().items()}
         eager = _Trainer(net, **kwargs)
         for _ in range(taken):
@@ -281,14 +282,14 @@ def graph_rows(*, device: str, methods: list[str], resolution: int, width: float
             row["same_arithmetic_steps"] = taken
             row["same_arithmetic_exact"] = row["same_arithmetic_diff"] == 0.0
         except Exception as exc:  # noqa: BLE001 - reported in its row; the graph's figures stand
-            row["same_arithmetic_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            row["same_arithmetic_error"] = one_line(exc)
         finally:
             twin = same = replayed = None  # off the device before the next method's capture
         rows.append(row)
         if on_row is not None:
             on_row(rows)
     return {"device": device, "resolution": resolution, "width": width, "batch_size": batch_size,
-            "steps": steps, "compared_after_steps": WARMUP_STEPS + 1 + SAME_ARITHMETIC_REPLAYS + steps, "rows": rows}
+            "steps": steps, "compared_after_steps": taken + steps, "rows": rows}
 
 
 def weight_diff(sa: dict, sb: dict) -> float:
